@@ -1,1 +1,93 @@
-//! placeholder
+//! Coordinator: the one stateful brain of a run. Leases episodes to workers, stores
+//! their turns durably, builds the DAgger dataset, drives the learner and the policy
+//! versions.
+
+pub mod config;
+pub mod dataset;
+pub mod driver;
+pub mod scheduler;
+pub mod service;
+pub mod store;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use tokio::sync::Notify;
+use tutor_proto::control_server::ControlServer;
+use tutor_proto::rollout_server::RolloutServer;
+use tutor_proto::Task;
+
+pub use config::{BetaSchedule, BetaScheduleKind, CoordinatorConfig};
+
+/// Everything `tutor coordinator` needs to start.
+pub struct ServeOptions {
+    pub listen: SocketAddr,
+    pub run_dir: PathBuf,
+    pub learner_endpoint: String,
+    pub config: CoordinatorConfig,
+    pub train_tasks: Vec<Task>,
+    pub heldout_tasks: Vec<Task>,
+    /// Written with the bound address once the socket listens (useful with port 0).
+    pub addr_file: Option<PathBuf>,
+}
+
+/// Runs the coordinator until `shutdown` resolves or a Control.Shutdown call arrives.
+pub async fn serve(opts: ServeOptions, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<()> {
+    let store = store::TrajectoryStore::open(&opts.run_dir.join("trajectories"))?;
+    tracing::info!(path = %store.path().display(), events = store.len(), "trajectory store open");
+    let store_tx = store::spawn_writer(store);
+    let scheduler = scheduler::SchedulerHandle::spawn(opts.config.clone(), opts.train_tasks, opts.heldout_tasks);
+    let events = service::EventLog::default();
+    let stop = Arc::new(Notify::new());
+
+    let listener = tokio::net::TcpListener::bind(opts.listen)
+        .await
+        .with_context(|| format!("binding the coordinator to {}", opts.listen))?;
+    let local = listener.local_addr()?;
+    if let Some(f) = &opts.addr_file {
+        write_addr_file(f, local)?;
+    }
+    tracing::info!(addr = %local, learner = %opts.learner_endpoint, "coordinator listening");
+
+    let driver = driver::Driver {
+        config: opts.config,
+        scheduler: scheduler.clone(),
+        events: events.clone(),
+        learner_endpoint: opts.learner_endpoint,
+        run_dir: opts.run_dir,
+    };
+    tokio::spawn(driver.run());
+
+    let rollout = service::RolloutService { scheduler, store: store_tx };
+    let control = service::ControlService { events, shutdown: stop.clone() };
+    let stop_wait = stop.clone();
+    tonic::transport::Server::builder()
+        .add_service(
+            RolloutServer::new(rollout)
+                .max_decoding_message_size(tutor_proto::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(tutor_proto::MAX_MESSAGE_BYTES),
+        )
+        .add_service(ControlServer::new(control))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
+            tokio::select! {
+                _ = shutdown => {}
+                _ = stop_wait.notified() => {}
+            }
+        })
+        .await
+        .context("coordinator server")?;
+    tracing::info!("coordinator stopped");
+    Ok(())
+}
+
+fn write_addr_file(path: &Path, addr: SocketAddr) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, addr.to_string()).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming {}", path.display()))?;
+    Ok(())
+}
