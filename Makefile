@@ -1,0 +1,49 @@
+# Tutor — the two commands a new machine needs: `make quickstart` and `make test`.
+# Both install what is missing first (a project-local Python venv with PyTorch 2.11.0,
+# whose libtorch the Rust crates link against, and pytest, used to grade episodes).
+
+SHELL := /bin/bash
+VENV := $(CURDIR)/.venv
+PYTHON ?= python3
+TORCH_VERSION := 2.11.0
+
+# torch-sys reads libtorch's location and ABI from `python` on PATH (.cargo/config.toml
+# sets LIBTORCH_USE_PYTORCH); workers grade with the venv's pytest.
+export PATH := $(VENV)/bin:$(PATH)
+export TUTOR_PYTHON := $(VENV)/bin/python
+export CARGO_TERM_COLOR ?= never
+
+.PHONY: setup build release quickstart test clean-runs help
+
+help:
+	@echo "make quickstart   set up, build (release) and run configs/quickstart.toml"
+	@echo "make test         set up, build and run the whole test suite"
+
+setup: $(VENV)/.ready
+
+$(VENV)/.ready:
+	@command -v git >/dev/null || { echo "git is required (apt-get install git)"; exit 1; }
+	@command -v cargo >/dev/null || { echo "a Rust toolchain is required (cargo)"; exit 1; }
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "torch==$(TORCH_VERSION)" pytest
+	@$(VENV)/bin/python -c "import torch, pytest; print('venv ready: torch', torch.__version__)"
+	@touch $@
+
+build: setup
+	cargo build --bin tutor
+
+release: setup
+	cargo build --release --bin tutor
+
+quickstart: release
+	./target/release/tutor run --config configs/quickstart.toml
+
+test: build
+	@if cargo nextest --version >/dev/null 2>&1; then \
+		cargo nextest run --workspace --no-fail-fast; \
+	else \
+		cargo test --workspace --no-fail-fast; \
+	fi
+
+clean-runs:
+	rm -rf runs
