@@ -1,1 +1,13 @@
-//! placeholder
+//! Learner: owns the optimizer and the student's training weights; trains on token-level
+//! batches from the coordinator and publishes each new policy version as safetensors.
+
+pub mod config;
+pub mod loss;
+pub mod service;
+pub mod trainer;
+pub mod weights;
+
+pub use config::LearnerConfig;
+pub use service::{serve, write_addr_file, LearnerHandle, ServeOptions};
+pub use trainer::{StepReport, Trainer};
+pub use weights::WeightsStore;

@@ -1,1 +1,68 @@
-//! placeholder
+//! The student model of Tutor: a Qwen3-style transformer in `tch`, its Hugging Face
+//! checkpoint format, a byte-level BPE tokenizer with the ChatML template, and batched
+//! KV-cache generation with per-token logprobs. Used by the learner (training forward)
+//! and the rollout workers (generation).
+
+mod checkpoint;
+mod config;
+mod error;
+mod generate;
+mod model;
+mod tokenizer;
+
+use std::io::Read;
+use std::path::Path;
+
+use sha2::{Digest, Sha256};
+
+pub use config::ModelConfig;
+pub use error::PolicyError;
+pub use generate::{FinishReason, GenParams, Generation};
+pub use model::Policy;
+pub use tokenizer::{ChatTokenizer, ENDOFTEXT, IM_END, IM_START};
+
+/// Hex SHA-256 of a file (e.g. a weights file, to identify a policy version).
+pub fn weights_sha256(path: &Path) -> Result<String, PolicyError> {
+    let mut file = std::fs::File::open(path).map_err(|e| PolicyError::io(path, e))?;
+    let mut hasher = Sha256::new();
+    // Streamed: weight files can be many gigabytes.
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(|e| PolicyError::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hex::encode(hasher.finalize()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_can_move_between_threads() {
+        fn send<T: Send>() {}
+        fn send_sync<T: Send + Sync>() {}
+        send::<Policy>();
+        send_sync::<ChatTokenizer>();
+        send_sync::<ModelConfig>();
+        send_sync::<PolicyError>();
+    }
+
+    #[test]
+    fn sha256_of_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        std::fs::write(&path, b"abc").unwrap();
+        assert_eq!(
+            weights_sha256(&path).unwrap(),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        let err = weights_sha256(&dir.path().join("missing"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("missing"), "{err}");
+    }
+}

@@ -1,0 +1,123 @@
+//! Published policy versions on disk, and the chunked Weights stream that serves them.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, RwLock};
+
+use anyhow::{Context, Result};
+use sha2::{Digest, Sha256};
+use tokio::io::AsyncReadExt;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+use tutor_proto::weights_server::Weights;
+use tutor_proto::{FetchWeightsRequest, WeightsChunk, WEIGHTS_CHUNK_BYTES};
+
+/// A published version: its safetensors file and checksum.
+#[derive(Debug, Clone)]
+pub struct PublishedVersion {
+    pub version: u64,
+    pub path: PathBuf,
+    pub sha256: String,
+    pub bytes: u64,
+}
+
+/// The versions this learner has published. Shared read-mostly between the trainer
+/// (which adds versions) and the Weights service (which streams them).
+#[derive(Clone, Default)]
+pub struct WeightsStore {
+    dir: PathBuf,
+    versions: Arc<RwLock<BTreeMap<u64, PublishedVersion>>>,
+}
+
+impl WeightsStore {
+    pub fn new(dir: &Path) -> Result<Self> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(Self { dir: dir.to_path_buf(), versions: Default::default() })
+    }
+
+    /// Where version `v` is written before `register` makes it visible.
+    pub fn path_for(&self, version: u64) -> PathBuf {
+        self.dir.join(format!("policy-v{version:06}.safetensors"))
+    }
+
+    /// Makes a written version visible: checksums the file.
+    pub fn register(&self, version: u64) -> Result<PublishedVersion> {
+        let path = self.path_for(version);
+        let data = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+        let sha256 = hex::encode(Sha256::digest(&data));
+        let pv = PublishedVersion { version, path, sha256, bytes: data.len() as u64 };
+        self.versions.write().expect("weights store lock").insert(version, pv.clone());
+        Ok(pv)
+    }
+
+    pub fn get(&self, version: u64) -> Option<PublishedVersion> {
+        self.versions.read().expect("weights store lock").get(&version).cloned()
+    }
+
+    pub fn latest(&self) -> Option<PublishedVersion> {
+        self.versions.read().expect("weights store lock").values().next_back().cloned()
+    }
+}
+
+type ChunkStream = Pin<Box<dyn Stream<Item = Result<WeightsChunk, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Weights for WeightsStore {
+    type FetchStream = ChunkStream;
+
+    async fn fetch(
+        &self,
+        request: Request<FetchWeightsRequest>,
+    ) -> Result<Response<Self::FetchStream>, Status> {
+        let version = request.into_inner().version;
+        let pv = self
+            .get(version)
+            .ok_or_else(|| Status::not_found(format!("policy version {version} is not published")))?;
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move {
+            let result: Result<(), Status> = async {
+                let mut file = tokio::fs::File::open(&pv.path)
+                    .await
+                    .map_err(|e| Status::internal(format!("opening {}: {e}", pv.path.display())))?;
+                let mut offset = 0u64;
+                loop {
+                    let mut buf = vec![0u8; WEIGHTS_CHUNK_BYTES];
+                    let mut filled = 0;
+                    while filled < buf.len() {
+                        let n = file
+                            .read(&mut buf[filled..])
+                            .await
+                            .map_err(|e| Status::internal(format!("reading weights: {e}")))?;
+                        if n == 0 {
+                            break;
+                        }
+                        filled += n;
+                    }
+                    buf.truncate(filled);
+                    let last = offset + filled as u64 >= pv.bytes;
+                    let chunk = WeightsChunk {
+                        version: pv.version,
+                        offset,
+                        data: buf,
+                        total_bytes: pv.bytes,
+                        sha256: if offset == 0 { pv.sha256.clone() } else { String::new() },
+                        last,
+                    };
+                    offset += filled as u64;
+                    if tx.send(Ok(chunk)).await.is_err() {
+                        return Ok(()); // the client went away
+                    }
+                    if last {
+                        return Ok(());
+                    }
+                }
+            }
+            .await;
+            if let Err(status) = result {
+                let _ = tx.send(Err(status)).await;
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+}

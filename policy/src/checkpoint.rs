@@ -1,0 +1,324 @@
+//! Saving and loading weights as Hugging Face safetensors checkpoints.
+//!
+//! A checkpoint directory is `config.json` + `model.safetensors` (or, for large Hugging
+//! Face checkpoints, shards listed in `model.safetensors.index.json`). Loading checks every
+//! tensor's presence and shape before copying any, so a failed load leaves the model as it
+//! was. Values are converted to the var store's dtype and device on copy, so a bfloat16
+//! checkpoint loads into float32 training weights.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use tch::{Device, Tensor};
+
+use crate::{ModelConfig, Policy, PolicyError};
+
+const CONFIG_FILE: &str = "config.json";
+const WEIGHTS_FILE: &str = "model.safetensors";
+const INDEX_FILE: &str = "model.safetensors.index.json";
+
+impl Policy {
+    /// Writes all parameters to one safetensors file under their Hugging Face names.
+    pub fn save_weights(&self, path: &Path) -> Result<(), PolicyError> {
+        let mut named: Vec<(String, Tensor)> = self
+            .vs
+            .variables()
+            .into_iter()
+            // The safetensors writer copies raw bytes: make sure they are host-side and dense.
+            .map(|(name, t)| (name, t.detach().to_device(Device::Cpu).contiguous()))
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| PolicyError::io(dir, e))?;
+        }
+        Tensor::write_safetensors(&named, path).map_err(|e| PolicyError::Safetensors {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Loads parameters from one safetensors file. Every parameter must be present with the
+    /// right shape; extra tensors (e.g. `lm_head.weight` in a tied checkpoint) are ignored.
+    pub fn load_weights(&mut self, path: &Path) -> Result<(), PolicyError> {
+        self.load_weight_files(&[path.to_path_buf()])
+    }
+
+    /// Writes `config.json` and `model.safetensors` into `dir` (created if needed).
+    pub fn save_dir(&self, dir: &Path) -> Result<(), PolicyError> {
+        std::fs::create_dir_all(dir).map_err(|e| PolicyError::io(dir, e))?;
+        // Record the dtype the weights are actually stored in, which Hugging Face reads.
+        let mut config = self.config.clone();
+        config.torch_dtype = dtype_name(self.model.compute_kind()).to_string();
+        config.save(&dir.join(CONFIG_FILE))?;
+        self.save_weights(&dir.join(WEIGHTS_FILE))
+    }
+
+    /// Loads a Hugging Face checkpoint directory: `config.json` plus `model.safetensors` or
+    /// the shards named by `model.safetensors.index.json`. Weights are float32 whatever the
+    /// checkpoint's dtype; cast with `var_store_mut()` for half-precision inference.
+    pub fn load_dir(dir: &Path, device: Device) -> Result<Self, PolicyError> {
+        let config = ModelConfig::load(&dir.join(CONFIG_FILE))?;
+        let files = weight_files(dir)?;
+        let mut policy = Policy::zeroed(config, device);
+        policy.load_weight_files(&files)?;
+        Ok(policy)
+    }
+
+    fn load_weight_files(&mut self, files: &[PathBuf]) -> Result<(), PolicyError> {
+        // name -> (file it came from, tensor)
+        let mut found: HashMap<String, (PathBuf, Tensor)> = HashMap::new();
+        for file in files {
+            let tensors = Tensor::read_safetensors(file).map_err(|e| PolicyError::Safetensors {
+                path: file.clone(),
+                message: e.to_string(),
+            })?;
+            for (name, t) in tensors {
+                found.insert(name, (file.clone(), t));
+            }
+        }
+        let describe = || match files {
+            [one] => one.clone(),
+            _ => PathBuf::from(
+                files
+                    .iter()
+                    .map(|f| f.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            ),
+        };
+
+        let mut vars: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, var) in &vars {
+            let Some((file, src)) = found.get(name) else {
+                return Err(PolicyError::MissingTensor {
+                    path: describe(),
+                    name: name.clone(),
+                });
+            };
+            if src.size() != var.size() {
+                return Err(PolicyError::ShapeMismatch {
+                    path: file.clone(),
+                    name: name.clone(),
+                    expected: var.size(),
+                    found: src.size(),
+                });
+            }
+            if !src.is_floating_point() {
+                return Err(PolicyError::Safetensors {
+                    path: file.clone(),
+                    message: format!(
+                        "tensor `{name}` has dtype {:?}, expected a float type",
+                        src.kind()
+                    ),
+                });
+            }
+        }
+        let known: BTreeSet<&str> = vars.iter().map(|(n, _)| n.as_str()).collect();
+        let extra: Vec<&String> = found
+            .keys()
+            .filter(|n| !known.contains(n.as_str()))
+            .collect();
+        if !extra.is_empty() {
+            tracing::debug!(
+                count = extra.len(),
+                ?extra,
+                "ignoring checkpoint tensors the model does not use"
+            );
+        }
+        tch::no_grad(|| {
+            for (name, mut var) in vars {
+                let src = &found[&name].1;
+                // `copy_` converts dtype and device.
+                var.f_copy_(src).map_err(|e| PolicyError::Torch {
+                    context: format!("copying tensor `{name}` into the model"),
+                    source: e,
+                })?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// The safetensors files of a checkpoint directory.
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, PolicyError> {
+    let single = dir.join(WEIGHTS_FILE);
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join(INDEX_FILE);
+    if !index.exists() {
+        return Err(PolicyError::io(
+            &single,
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("no {WEIGHTS_FILE} or {INDEX_FILE} in the checkpoint directory"),
+            ),
+        ));
+    }
+    let text = std::fs::read_to_string(&index).map_err(|e| PolicyError::io(&index, e))?;
+    let bad = |message: String| PolicyError::Safetensors {
+        path: index.clone(),
+        message,
+    };
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| bad("no `weight_map` object".to_string()))?;
+    let mut shards = BTreeSet::new();
+    for (name, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| bad(format!("`weight_map.{name}` is not a file name")))?;
+        shards.insert(file.to_string());
+    }
+    Ok(shards.into_iter().map(|f| dir.join(f)).collect())
+}
+
+fn dtype_name(kind: tch::Kind) -> &'static str {
+    match kind {
+        tch::Kind::BFloat16 => "bfloat16",
+        tch::Kind::Half => "float16",
+        tch::Kind::Double => "float64",
+        _ => "float32",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::tests::tiny_policy;
+    use crate::GenParams;
+    use tch::Kind;
+
+    fn sample_out(p: &Policy) -> Vec<u32> {
+        let params = GenParams {
+            temperature: 1.0,
+            max_new_tokens: 8,
+            seed: 3,
+            stop_token_ids: vec![],
+        };
+        p.generate(&[vec![1, 2, 3]], &[params]).remove(0).tokens
+    }
+
+    #[test]
+    fn weights_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        let a = tiny_policy(1);
+        a.save_weights(&path).unwrap();
+        let mut b = tiny_policy(2);
+        assert_ne!(sample_out(&a), sample_out(&b));
+        b.load_weights(&path).unwrap();
+        assert_eq!(sample_out(&a), sample_out(&b));
+        let ids = Tensor::from_slice(&[4i64, 5, 6]).unsqueeze(0);
+        let m = Tensor::ones([1, 3], (Kind::Int64, Device::Cpu));
+        assert!(a.forward(&ids, &m).equal(&b.forward(&ids, &m)));
+    }
+
+    #[test]
+    fn dir_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = tiny_policy(4);
+        a.save_dir(dir.path()).unwrap();
+        assert!(dir.path().join("config.json").exists());
+        let b = Policy::load_dir(dir.path(), Device::Cpu).unwrap();
+        assert_eq!(b.config(), a.config());
+        assert_eq!(sample_out(&a), sample_out(&b));
+    }
+
+    #[test]
+    fn bfloat16_checkpoint_loads_into_float_model() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut a = tiny_policy(5);
+        a.var_store_mut().bfloat16();
+        a.save_dir(dir.path()).unwrap();
+        let config = ModelConfig::load(&dir.path().join("config.json")).unwrap();
+        assert_eq!(config.torch_dtype, "bfloat16");
+        let b = Policy::load_dir(dir.path(), Device::Cpu).unwrap();
+        let w = &b.var_store().variables()["model.norm.weight"];
+        assert_eq!(w.kind(), Kind::Float);
+    }
+
+    #[test]
+    fn sharded_checkpoint_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = tiny_policy(6);
+        let mut named: Vec<(String, Tensor)> = a.var_store().variables().into_iter().collect();
+        named.sort_by(|x, y| x.0.cmp(&y.0));
+        let (first, second) = named.split_at(named.len() / 2);
+        let mut map = serde_json::Map::new();
+        for (file, part) in [
+            ("model-00001-of-00002.safetensors", first),
+            ("model-00002-of-00002.safetensors", second),
+        ] {
+            Tensor::write_safetensors(part, dir.path().join(file)).unwrap();
+            for (n, _) in part {
+                map.insert(n.clone(), file.into());
+            }
+        }
+        let index = serde_json::json!({ "metadata": {}, "weight_map": map });
+        std::fs::write(dir.path().join(INDEX_FILE), index.to_string()).unwrap();
+        a.config().save(&dir.path().join("config.json")).unwrap();
+        let b = Policy::load_dir(dir.path(), Device::Cpu).unwrap();
+        assert_eq!(sample_out(&a), sample_out(&b));
+    }
+
+    #[test]
+    fn wrong_shape_is_an_error_naming_the_tensor() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bad.safetensors");
+        let a = tiny_policy(1);
+        let mut named: Vec<(String, Tensor)> = a.var_store().variables().into_iter().collect();
+        for (name, t) in named.iter_mut() {
+            if name == "model.layers.1.mlp.up_proj.weight" {
+                *t = Tensor::zeros([3, 3], (Kind::Float, Device::Cpu));
+            }
+        }
+        Tensor::write_safetensors(&named, &path).unwrap();
+        let mut b = tiny_policy(2);
+        let before = sample_out(&b);
+        let msg = b.load_weights(&path).unwrap_err().to_string();
+        assert!(msg.contains("model.layers.1.mlp.up_proj.weight"), "{msg}");
+        assert!(msg.contains("bad.safetensors"), "{msg}");
+        // Nothing was copied.
+        assert_eq!(sample_out(&b), before);
+    }
+
+    #[test]
+    fn missing_tensor_and_garbage_file_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("partial.safetensors");
+        let a = tiny_policy(1);
+        let named: Vec<(String, Tensor)> = a
+            .var_store()
+            .variables()
+            .into_iter()
+            .filter(|(n, _)| n != "model.norm.weight")
+            .collect();
+        Tensor::write_safetensors(&named, &path).unwrap();
+        let mut b = tiny_policy(2);
+        let msg = b.load_weights(&path).unwrap_err().to_string();
+        assert!(
+            msg.contains("model.norm.weight") && msg.contains("partial.safetensors"),
+            "{msg}"
+        );
+
+        let junk = dir.path().join("junk.safetensors");
+        std::fs::write(&junk, b"definitely not safetensors").unwrap();
+        let msg = b.load_weights(&junk).unwrap_err().to_string();
+        assert!(msg.contains("junk.safetensors"), "{msg}");
+        let msg = b
+            .load_weights(&dir.path().join("absent.safetensors"))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("absent.safetensors"), "{msg}");
+        let msg = Policy::load_dir(dir.path(), Device::Cpu)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(msg.contains("config.json"), "{msg}");
+    }
+}

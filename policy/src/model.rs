@@ -1,0 +1,660 @@
+//! The Qwen3 decoder-only transformer, and [`Policy`], which owns its parameters.
+//!
+//! Architecture (matching Hugging Face `Qwen3ForCausalLM` so checkpoints are interchangeable):
+//! embed -> N x [RMSNorm -> GQA attention (q/k per-head RMSNorm, then RoPE) -> residual;
+//! RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head. No biases anywhere.
+//!
+//! Parameters live in a `tch::nn::VarStore` under their Hugging Face names
+//! (`model.layers.0.self_attn.q_proj.weight`, ...), so saving the var store *is* writing a
+//! Hugging Face checkpoint. The layer structs hold shallow clones of the variables: they
+//! share storage with the var store, so loading weights or casting the store (e.g.
+//! `var_store_mut().bfloat16()`, which uses `set_data`) is seen by the model.
+//!
+//! One code path serves training (`forward`, full sequences) and generation (prefill and
+//! one-token decode steps with a KV cache); they differ only in positions, mask and cache.
+
+use std::sync::Mutex;
+
+use tch::nn::{Init, Path, VarStore};
+use tch::{Device, Kind, Tensor};
+
+use crate::ModelConfig;
+
+/// Which keys each query may attend to.
+pub(crate) enum AttnMask {
+    /// Plain causal attention over the whole (uncached) sequence: lets SDPA pick its
+    /// fused causal kernels.
+    Causal,
+    /// Boolean `[B, 1, S, L]`, true = may attend (L = cached + new keys).
+    Explicit(Tensor),
+}
+
+/// Per-layer key/value cache, preallocated for the whole generation so that a decode
+/// step writes one slot instead of re-concatenating the cache.
+pub(crate) struct KvCache {
+    /// (k, v) per layer, each `[B, kv_heads, capacity, head_dim]`.
+    layers: Vec<(Tensor, Tensor)>,
+    /// Number of filled slots.
+    pub(crate) len: i64,
+}
+
+impl KvCache {
+    pub(crate) fn new(
+        config: &ModelConfig,
+        batch: i64,
+        capacity: i64,
+        kind: Kind,
+        device: Device,
+    ) -> Self {
+        let shape = [
+            batch,
+            config.num_key_value_heads as i64,
+            capacity,
+            config.head_dim as i64,
+        ];
+        let layers = (0..config.num_hidden_layers)
+            .map(|_| {
+                (
+                    Tensor::zeros(shape, (kind, device)),
+                    Tensor::zeros(shape, (kind, device)),
+                )
+            })
+            .collect();
+        KvCache { layers, len: 0 }
+    }
+
+    /// Copies all of `src` (batch 1) into row `row` of this cache, starting at slot `offset`.
+    pub(crate) fn write_row(&mut self, row: i64, offset: i64, src: &KvCache) {
+        let n = src.len;
+        for ((k, v), (src_k, src_v)) in self.layers.iter_mut().zip(&src.layers) {
+            k.narrow(0, row, 1)
+                .narrow(2, offset, n)
+                .copy_(&src_k.narrow(2, 0, n));
+            v.narrow(0, row, 1)
+                .narrow(2, offset, n)
+                .copy_(&src_v.narrow(2, 0, n));
+        }
+    }
+
+    /// Copies slots `offset .. offset + n` of row `from` to the same slots of row `to`.
+    pub(crate) fn copy_row(&mut self, from: i64, to: i64, offset: i64, n: i64) {
+        for (k, v) in self.layers.iter_mut() {
+            let src_k = k.narrow(0, from, 1).narrow(2, offset, n);
+            k.narrow(0, to, 1).narrow(2, offset, n).copy_(&src_k);
+            let src_v = v.narrow(0, from, 1).narrow(2, offset, n);
+            v.narrow(0, to, 1).narrow(2, offset, n).copy_(&src_v);
+        }
+    }
+}
+
+struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    fn new(p: Path, dim: usize, eps: f64) -> Self {
+        RmsNorm {
+            weight: p.var("weight", &[dim as i64], Init::Const(1.0)),
+            eps,
+        }
+    }
+
+    /// Normalizes over the last dimension in float32 (as Hugging Face does) for stability
+    /// in half precision, then scales in the input's precision.
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let kind = x.kind();
+        let xf = x.to_kind(Kind::Float);
+        let var = xf.square().mean_dim(-1, true, Kind::Float);
+        let normed = (xf * (var + self.eps).rsqrt()).to_kind(kind);
+        normed * &self.weight
+    }
+}
+
+fn linear_weight(p: &Path, name: &str, out_dim: usize, in_dim: usize) -> Tensor {
+    // Zero here; `Policy::new` fills every matrix deterministically from its seed.
+    (p / name).var("weight", &[out_dim as i64, in_dim as i64], Init::Const(0.0))
+}
+
+fn linear(x: &Tensor, weight: &Tensor) -> Tensor {
+    x.linear(weight, None::<Tensor>)
+}
+
+/// Rotary embedding tables for given positions.
+pub(crate) struct Rope {
+    /// `[B, 1, S, head_dim]` each, in the compute dtype.
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// HF Llama/Qwen `rotate_half`: (x1, x2) -> (-x2, x1) on the two halves of the last dim.
+fn rotate_half(x: &Tensor) -> Tensor {
+    let half = x.size().last().copied().unwrap_or(0) / 2;
+    let x1 = x.narrow(-1, 0, half);
+    let x2 = x.narrow(-1, half, half);
+    Tensor::cat(&[x2.neg(), x1], -1)
+}
+
+fn apply_rope(x: &Tensor, rope: &Rope) -> Tensor {
+    x * &rope.cos + rotate_half(x) * &rope.sin
+}
+
+struct Attention {
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    o_proj: Tensor,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    num_heads: i64,
+    num_kv_heads: i64,
+    head_dim: i64,
+}
+
+impl Attention {
+    fn new(p: Path, c: &ModelConfig) -> Self {
+        let q_dim = c.num_attention_heads * c.head_dim;
+        let kv_dim = c.num_key_value_heads * c.head_dim;
+        Attention {
+            q_proj: linear_weight(&p, "q_proj", q_dim, c.hidden_size),
+            k_proj: linear_weight(&p, "k_proj", kv_dim, c.hidden_size),
+            v_proj: linear_weight(&p, "v_proj", kv_dim, c.hidden_size),
+            o_proj: linear_weight(&p, "o_proj", c.hidden_size, q_dim),
+            q_norm: RmsNorm::new(&p / "q_norm", c.head_dim, c.rms_norm_eps),
+            k_norm: RmsNorm::new(&p / "k_norm", c.head_dim, c.rms_norm_eps),
+            num_heads: c.num_attention_heads as i64,
+            num_kv_heads: c.num_key_value_heads as i64,
+            head_dim: c.head_dim as i64,
+        }
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        mask: &AttnMask,
+        cache: Option<(&mut (Tensor, Tensor), i64)>,
+    ) -> Tensor {
+        let (b, s, _) = x.size3().expect("hidden states are [B, S, H]");
+        let heads = |w: &Tensor, n: i64| linear(x, w).view([b, s, n, self.head_dim]);
+        // Qwen3 normalizes each head's q and k before the rotation.
+        let q = self
+            .q_norm
+            .forward(&heads(&self.q_proj, self.num_heads))
+            .transpose(1, 2);
+        let k = self
+            .k_norm
+            .forward(&heads(&self.k_proj, self.num_kv_heads))
+            .transpose(1, 2);
+        let v = heads(&self.v_proj, self.num_kv_heads).transpose(1, 2);
+        let q = apply_rope(&q, rope);
+        let k = apply_rope(&k, rope);
+
+        let (k, v) = match cache {
+            Some(((k_cache, v_cache), start)) => {
+                k_cache.narrow(2, start, s).copy_(&k);
+                v_cache.narrow(2, start, s).copy_(&v);
+                (
+                    k_cache.narrow(2, 0, start + s),
+                    v_cache.narrow(2, 0, start + s),
+                )
+            }
+            None => (k, v),
+        };
+        let (attn_mask, is_causal) = match mask {
+            AttnMask::Causal => (None, true),
+            AttnMask::Explicit(m) => (Some(m), false),
+        };
+        let y = Tensor::scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            attn_mask,
+            0.0,
+            is_causal,
+            None,
+            self.num_heads != self.num_kv_heads,
+        );
+        let y = y
+            .transpose(1, 2)
+            .reshape([b, s, self.num_heads * self.head_dim]);
+        linear(&y, &self.o_proj)
+    }
+}
+
+struct Mlp {
+    gate_proj: Tensor,
+    up_proj: Tensor,
+    down_proj: Tensor,
+}
+
+impl Mlp {
+    fn new(p: Path, c: &ModelConfig) -> Self {
+        Mlp {
+            gate_proj: linear_weight(&p, "gate_proj", c.intermediate_size, c.hidden_size),
+            up_proj: linear_weight(&p, "up_proj", c.intermediate_size, c.hidden_size),
+            down_proj: linear_weight(&p, "down_proj", c.hidden_size, c.intermediate_size),
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let gated = linear(x, &self.gate_proj).silu() * linear(x, &self.up_proj);
+        linear(&gated, &self.down_proj)
+    }
+}
+
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// The transformer itself, without ownership of its parameters (see [`Policy`]).
+pub(crate) struct Qwen3 {
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    /// `None` when tied to `embed_tokens`.
+    lm_head: Option<Tensor>,
+    /// RoPE inverse frequencies, `[head_dim / 2]`, float32.
+    inv_freq: Tensor,
+}
+
+impl Qwen3 {
+    fn new(root: &Path, c: &ModelConfig) -> Self {
+        let model = root / "model";
+        let embed_tokens = (&model / "embed_tokens").var(
+            "weight",
+            &[c.vocab_size as i64, c.hidden_size as i64],
+            Init::Const(0.0),
+        );
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| {
+                let p = &model / "layers" / i;
+                DecoderLayer {
+                    input_layernorm: RmsNorm::new(
+                        &p / "input_layernorm",
+                        c.hidden_size,
+                        c.rms_norm_eps,
+                    ),
+                    self_attn: Attention::new(&p / "self_attn", c),
+                    post_attention_layernorm: RmsNorm::new(
+                        &p / "post_attention_layernorm",
+                        c.hidden_size,
+                        c.rms_norm_eps,
+                    ),
+                    mlp: Mlp::new(&p / "mlp", c),
+                }
+            })
+            .collect();
+        let norm = RmsNorm::new(&model / "norm", c.hidden_size, c.rms_norm_eps);
+        let lm_head = (!c.tie_word_embeddings)
+            .then(|| linear_weight(root, "lm_head", c.vocab_size, c.hidden_size));
+        // Computed in f64 and rounded once: HF computes `1 / theta^(2i/d)` in float32; the
+        // difference is at the last bit.
+        let d = c.head_dim as f64;
+        let inv: Vec<f32> = (0..c.head_dim / 2)
+            .map(|i| (1.0 / c.rope_theta.powf(2.0 * i as f64 / d)) as f32)
+            .collect();
+        let inv_freq = Tensor::from_slice(&inv).to_device(root.device());
+        Qwen3 {
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+        }
+    }
+
+    /// Kind the activations are computed in: the parameters' (float32 unless the var store
+    /// was cast).
+    pub(crate) fn compute_kind(&self) -> Kind {
+        self.embed_tokens.kind()
+    }
+
+    fn rope(&self, positions: &Tensor) -> Rope {
+        // [B, S, 1] * [D/2] -> [B, S, D/2]; duplicated to D as in HF (`cat(freqs, freqs)`).
+        // `inv_freq` is not a variable, so `VarStore::set_device` does not move it.
+        let inv_freq = self.inv_freq.to_device(positions.device());
+        let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * inv_freq;
+        let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1);
+        let kind = self.compute_kind();
+        Rope {
+            cos: emb.cos().to_kind(kind),
+            sin: emb.sin().to_kind(kind),
+        }
+    }
+
+    /// Runs the decoder over `input_ids` `[B, S]` at `positions` `[B, S]`, writing keys and
+    /// values into `cache` slots `cache.len .. cache.len + S` when given. Returns the final
+    /// normalized hidden states `[B, S, H]`.
+    pub(crate) fn hidden_states(
+        &self,
+        input_ids: &Tensor,
+        positions: &Tensor,
+        mask: &AttnMask,
+        mut cache: Option<&mut KvCache>,
+    ) -> Tensor {
+        let rope = self.rope(positions);
+        let mut h = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+        let start = cache.as_ref().map_or(0, |c| c.len);
+        // Residual adds are out of place (`&h + x`, not `+=`): the norms save `h` for the
+        // backward pass, and an in-place update would invalidate it.
+        for (i, layer) in self.layers.iter().enumerate() {
+            let layer_cache = cache.as_mut().map(|c| (&mut c.layers[i], start));
+            let a = layer.self_attn.forward(
+                &layer.input_layernorm.forward(&h),
+                &rope,
+                mask,
+                layer_cache,
+            );
+            h = &h + a;
+            let m = layer
+                .mlp
+                .forward(&layer.post_attention_layernorm.forward(&h));
+            h = &h + m;
+        }
+        if let Some(c) = cache {
+            c.len = start + input_ids.size()[1];
+        }
+        self.norm.forward(&h)
+    }
+
+    /// Projects hidden states to float32 logits over the vocabulary.
+    pub(crate) fn logits(&self, hidden: &Tensor) -> Tensor {
+        let w = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        linear(hidden, w).to_kind(Kind::Float)
+    }
+}
+
+/// The student model: configuration, parameters and the transformer using them.
+pub struct Policy {
+    pub(crate) config: ModelConfig,
+    pub(crate) vs: VarStore,
+    pub(crate) model: Qwen3,
+}
+
+/// libtorch has one global random generator, so concurrent `Policy::new` calls would
+/// interleave their draws; this lock makes initialization depend only on the seed.
+static INIT_LOCK: Mutex<()> = Mutex::new(());
+
+impl Policy {
+    /// A randomly initialized model: matrices ~ N(0, 0.02²), norm weights 1. The same seed
+    /// gives the same weights on any device (they are drawn on the CPU).
+    ///
+    /// Panics if the config is inconsistent (see `ModelConfig::load`, which checks it).
+    pub fn new(config: ModelConfig, device: Device, seed: i64) -> Self {
+        let policy = Self::zeroed(config, device);
+        let _guard = INIT_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(seed);
+        let mut vars: Vec<(String, Tensor)> = policy.vs.variables().into_iter().collect();
+        // HashMap order is arbitrary; draw in name order for determinism.
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        tch::no_grad(|| {
+            for (name, mut var) in vars {
+                if name.ends_with("norm.weight") {
+                    continue; // already 1
+                }
+                let init = Tensor::randn(var.size(), (Kind::Float, Device::Cpu)) * 0.02;
+                var.copy_(&init);
+            }
+        });
+        policy
+    }
+
+    /// The architecture with all matrices zero (norms 1): the starting point for loading a
+    /// checkpoint, where drawing random weights first would only cost time.
+    pub(crate) fn zeroed(config: ModelConfig, device: Device) -> Self {
+        if let Err((field, message)) = config.validate() {
+            panic!("invalid ModelConfig: field `{field}` {message}");
+        }
+        let vs = VarStore::new(device);
+        let model = Qwen3::new(&vs.root(), &config);
+        Policy { config, vs, model }
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn var_store(&self) -> &VarStore {
+        &self.vs
+    }
+
+    pub fn var_store_mut(&mut self) -> &mut VarStore {
+        &mut self.vs
+    }
+
+    pub fn device(&self) -> Device {
+        self.vs.device()
+    }
+
+    /// Full-sequence causal forward for training.
+    ///
+    /// `input_ids` `[B, T]` (Int64), `attention_mask` `[B, T]` (1 = real token, 0 = padding)
+    /// -> logits `[B, T, vocab]` (Float). With right padding (the expected layout) real
+    /// tokens never see padding under a causal mask, so the fused causal kernel is used and
+    /// positions are 0..T. Any other mask layout (e.g. left padding) falls back to an
+    /// explicit mask with positions counted over real tokens only. Logits at padding
+    /// positions are meaningless; mask them out of the loss.
+    pub fn forward(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Tensor {
+        let device = self.device();
+        let ids = input_ids.to_device(device).to_kind(Kind::Int64);
+        let (b, t) = ids.size2().expect("input_ids must be [B, T]");
+        let valid = attention_mask.to_device(device).ne(0);
+        assert_eq!(
+            valid.size(),
+            [b, t],
+            "attention_mask must have the shape of input_ids"
+        );
+        let right_padded = t < 2
+            || bool::try_from(
+                valid
+                    .narrow(1, 1, t - 1)
+                    .to_kind(Kind::Int64)
+                    .le_tensor(&valid.narrow(1, 0, t - 1).to_kind(Kind::Int64))
+                    .all(),
+            )
+            .unwrap_or(false);
+        let (positions, mask) = if right_padded {
+            let positions = Tensor::arange(t, (Kind::Int64, device))
+                .unsqueeze(0)
+                .expand([b, t], true);
+            (positions, AttnMask::Causal)
+        } else {
+            let positions = (valid.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0);
+            (
+                positions,
+                AttnMask::Explicit(causal_mask(&valid, &valid, 0)),
+            )
+        };
+        let hidden = self.model.hidden_states(&ids, &positions, &mask, None);
+        self.model.logits(&hidden)
+    }
+}
+
+/// Attention mask `[B, 1, S, L]` for `S` new queries after `past` cached keys: a query may
+/// see valid keys at or before its own slot. `key_valid` is `[B, L]` (L = past + S),
+/// `query_valid` `[B, S]`. Padding queries also see themselves, so that no softmax row is
+/// entirely masked (that gives NaN); their outputs are never used by real tokens.
+pub(crate) fn causal_mask(key_valid: &Tensor, query_valid: &Tensor, past: i64) -> Tensor {
+    let (_, l) = key_valid.size2().expect("key_valid is [B, L]");
+    let s = query_valid.size()[1];
+    let device = key_valid.device();
+    let q_slot = Tensor::arange_start(past, past + s, (Kind::Int64, device)).unsqueeze(1);
+    let k_slot = Tensor::arange(l, (Kind::Int64, device)).unsqueeze(0);
+    let causal = k_slot.le_tensor(&q_slot); // [S, L]
+    let own_slot = k_slot.eq_tensor(&q_slot); // [S, L]
+    let allowed = causal.unsqueeze(0).logical_and(&key_valid.unsqueeze(1)); // [B, S, L]
+    let padding_query = query_valid.logical_not().unsqueeze(2); // [B, S, 1]
+    let fallback = own_slot.unsqueeze(0).logical_and(&padding_query);
+    allowed.logical_or(&fallback).unsqueeze(1)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn tiny_policy(seed: i64) -> Policy {
+        let mut c = ModelConfig::tiny(64);
+        c.hidden_size = 64;
+        c.intermediate_size = 128;
+        c.head_dim = 16;
+        c.max_position_embeddings = 256;
+        Policy::new(c, Device::Cpu, seed)
+    }
+
+    #[test]
+    fn parameter_names_follow_hugging_face() {
+        let p = tiny_policy(0);
+        let vars = p.var_store().variables();
+        for name in [
+            "model.embed_tokens.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.self_attn.k_proj.weight",
+            "model.layers.1.self_attn.v_proj.weight",
+            "model.layers.1.self_attn.o_proj.weight",
+            "model.layers.0.self_attn.q_norm.weight",
+            "model.layers.0.self_attn.k_norm.weight",
+            "model.layers.0.mlp.gate_proj.weight",
+            "model.layers.0.mlp.up_proj.weight",
+            "model.layers.0.mlp.down_proj.weight",
+            "model.layers.1.input_layernorm.weight",
+            "model.layers.1.post_attention_layernorm.weight",
+            "model.norm.weight",
+            "lm_head.weight",
+        ] {
+            assert!(
+                vars.contains_key(name),
+                "missing {name}; have {:?}",
+                vars.keys()
+            );
+        }
+        assert_eq!(vars.len(), 2 + 2 * 11 + 1);
+        let count: i64 = vars.values().map(|t| t.numel() as i64).sum();
+        assert_eq!(count as usize, p.config().num_parameters());
+
+        let mut tied = p.config().clone();
+        tied.tie_word_embeddings = true;
+        let t = Policy::new(tied, Device::Cpu, 0);
+        assert!(!t.var_store().variables().contains_key("lm_head.weight"));
+        let count: i64 = t
+            .var_store()
+            .variables()
+            .values()
+            .map(|t| t.numel() as i64)
+            .sum();
+        assert_eq!(count as usize, t.config().num_parameters());
+    }
+
+    #[test]
+    fn init_is_deterministic_by_seed() {
+        let a = tiny_policy(7).var_store().variables();
+        let b = tiny_policy(7).var_store().variables();
+        let c = tiny_policy(8).var_store().variables();
+        let name = "model.layers.0.self_attn.q_proj.weight";
+        assert!(a[name].equal(&b[name]));
+        assert!(!a[name].equal(&c[name]));
+        let std = f64::try_from(a[name].std(true)).unwrap();
+        assert!((std - 0.02).abs() < 0.002, "std {std}");
+        assert!(a["model.norm.weight"].equal(&Tensor::ones([64], (Kind::Float, Device::Cpu))));
+    }
+
+    #[test]
+    fn forward_shapes_and_causality() {
+        let p = tiny_policy(0);
+        let ids = Tensor::from_slice(&[5i64, 6, 7, 8, 9, 10, 11, 12]).view([2, 4]);
+        let mask = Tensor::from_slice(&[1i64, 1, 1, 1, 1, 1, 0, 0]).view([2, 4]);
+        let logits = p.forward(&ids, &mask);
+        assert_eq!(logits.size(), [2, 4, 64]);
+        assert_eq!(logits.kind(), Kind::Float);
+        assert!(bool::try_from(logits.isfinite().all()).unwrap());
+
+        // Changing a later token must not change earlier logits (causal), and right padding
+        // must not change the logits of real tokens.
+        let ids2 = Tensor::from_slice(&[5i64, 6, 7, 13, 9, 10, 40, 41]).view([2, 4]);
+        let logits2 = p.forward(&ids2, &mask);
+        let close = |a: &Tensor, b: &Tensor| a.allclose(b, 1e-5, 1e-5, false);
+        assert!(close(
+            &logits.get(0).narrow(0, 0, 3),
+            &logits2.get(0).narrow(0, 0, 3)
+        ));
+        assert!(close(
+            &logits.get(1).narrow(0, 0, 2),
+            &logits2.get(1).narrow(0, 0, 2)
+        ));
+        assert!(!logits.narrow(1, 3, 1).get(0).allclose(
+            &logits2.narrow(1, 3, 1).get(0),
+            1e-5,
+            1e-5,
+            false
+        ));
+        let alone = p.forward(
+            &ids.get(1).narrow(0, 0, 2).unsqueeze(0),
+            &Tensor::ones([1, 2], (Kind::Int64, Device::Cpu)),
+        );
+        assert!(alone
+            .get(0)
+            .allclose(&logits.get(1).narrow(0, 0, 2), 1e-5, 1e-5, false));
+    }
+
+    #[test]
+    fn forward_left_padding_matches_unpadded() {
+        let p = tiny_policy(1);
+        let ids = Tensor::from_slice(&[0i64, 0, 9, 10]).view([1, 4]);
+        let mask = Tensor::from_slice(&[0i64, 0, 1, 1]).view([1, 4]);
+        let padded = p.forward(&ids, &mask).get(0).narrow(0, 2, 2);
+        let alone = p
+            .forward(&ids.narrow(1, 2, 2), &mask.narrow(1, 2, 2))
+            .get(0);
+        assert!(
+            padded.allclose(&alone, 1e-5, 1e-5, false),
+            "{padded} vs {alone}"
+        );
+    }
+
+    #[test]
+    fn backward_reaches_every_parameter() {
+        let p = tiny_policy(3);
+        let ids = Tensor::from_slice(&[5i64, 6, 7, 8, 9, 10, 0, 0]).view([2, 4]);
+        let mask = Tensor::from_slice(&[1i64, 1, 1, 1, 1, 1, 0, 0]).view([2, 4]);
+        let logits = p.forward(&ids, &mask);
+        let targets = ids.narrow(1, 1, 3).reshape([-1]);
+        let loss = logits
+            .narrow(1, 0, 3)
+            .reshape([-1, 64])
+            .cross_entropy_for_logits(&targets);
+        loss.backward();
+        for (name, var) in p.var_store().variables() {
+            let g = var.grad();
+            assert!(g.defined(), "{name} has no gradient");
+            let norm = f64::try_from(g.norm()).unwrap();
+            assert!(norm.is_finite() && norm > 0.0, "{name}: grad norm {norm}");
+        }
+    }
+
+    #[test]
+    fn rotate_half_matches_hugging_face() {
+        let x = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]);
+        let r: Vec<f32> = Vec::try_from(rotate_half(&x)).unwrap();
+        assert_eq!(r, [-3.0, -4.0, 1.0, 2.0]);
+    }
+
+    #[test]
+    fn casting_the_var_store_casts_the_model() {
+        let mut p = tiny_policy(2);
+        p.var_store_mut().bfloat16();
+        assert_eq!(p.model.compute_kind(), Kind::BFloat16);
+        assert_eq!(p.model.layers[1].mlp.down_proj.kind(), Kind::BFloat16);
+        // bfloat16 matmuls crash (SIGILL in oneDNN) on some virtualized CPUs that
+        // advertise AMX, so the half-precision forward itself is only run on a GPU.
+        if tch::Cuda::is_available() {
+            p.var_store_mut().set_device(Device::Cuda(0));
+            let ids = Tensor::from_slice(&[1i64, 2, 3]).view([1, 3]);
+            let logits = p.forward(&ids, &Tensor::ones([1, 3], (Kind::Int64, Device::Cpu)));
+            assert_eq!(logits.kind(), Kind::Float);
+            assert!(bool::try_from(logits.isfinite().all()).unwrap());
+        }
+    }
+}

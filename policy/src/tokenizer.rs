@@ -1,0 +1,384 @@
+//! Byte-level BPE tokenizer with the ChatML template Qwen uses.
+//!
+//! Either trained here from a corpus (for toy models) or loaded from a Hugging Face
+//! `tokenizer.json` (for real checkpoints). Special token ids are looked up by name, so a
+//! real Qwen tokenizer (where `<|im_end|>` is 151645) works the same as a trained one
+//! (where it is 2).
+//!
+//! Chat rendering inserts the special tokens by id and encodes message *contents* with
+//! special-token recognition turned off: a file or command output that happens to contain
+//! the text `<|im_end|>` must not end a turn in the middle of an observation. Between
+//! special tokens this gives the same ids as encoding the whole rendered string, since the
+//! tokenizer splits on special tokens before anything else.
+
+use std::path::Path;
+
+use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::{
+    AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
+    Tokenizer, TokenizerBuilder,
+};
+
+use crate::PolicyError;
+
+pub const ENDOFTEXT: &str = "<|endoftext|>";
+pub const IM_START: &str = "<|im_start|>";
+pub const IM_END: &str = "<|im_end|>";
+
+#[derive(Clone)]
+pub struct ChatTokenizer {
+    /// Recognizes special tokens in text.
+    tokenizer: Tokenizer,
+    /// The same vocabulary, encoding special-token strings as ordinary text.
+    plain: Tokenizer,
+    eos: u32,
+    im_start: u32,
+    im_end: u32,
+}
+
+impl std::fmt::Debug for ChatTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("eos", &self.eos)
+            .field("im_start", &self.im_start)
+            .field("im_end", &self.im_end)
+            .finish()
+    }
+}
+
+impl ChatTokenizer {
+    /// Trains a byte-level BPE on `corpus`. The special tokens get ids 0, 1, 2, then the 256
+    /// byte symbols, then merges up to `vocab_size` (which therefore must be at least 259).
+    /// The same corpus and size give the same tokenizer.
+    pub fn train(corpus: &[String], vocab_size: usize) -> Result<Self, PolicyError> {
+        let min = 3 + 256;
+        if vocab_size < min {
+            return Err(PolicyError::Tokenizer {
+                context: "training".to_string(),
+                message: format!(
+                    "vocab_size {vocab_size} is below {min} (3 special tokens + 256 bytes)"
+                ),
+            });
+        }
+        let specials = [ENDOFTEXT, IM_START, IM_END]
+            .map(|s| AddedToken::from(s, true))
+            .to_vec();
+        let mut trainer = BpeTrainerBuilder::new()
+            .vocab_size(vocab_size)
+            .min_frequency(2)
+            .show_progress(false)
+            .special_tokens(specials)
+            // Every byte gets a symbol, so any text encodes without an unknown token.
+            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+            .build();
+        let mut tk = TokenizerBuilder::<
+            BPE,
+            NormalizerWrapper,
+            PreTokenizerWrapper,
+            PostProcessorWrapper,
+            DecoderWrapper,
+        >::new()
+        .with_model(BPE::default())
+        .with_pre_tokenizer(Some(ByteLevel::new(false, true, true).into()))
+        .with_decoder(Some(ByteLevel::new(false, true, true).into()))
+        .build()
+        .map_err(|e| tok_err("building the tokenizer", e))?;
+        tk.train(&mut trainer, corpus.iter())
+            .map_err(|e| tok_err("training", e))?;
+        Self::from_tokenizer(Tokenizer::from(tk), "being trained")
+    }
+
+    /// Loads a Hugging Face `tokenizer.json`.
+    pub fn from_file(path: &Path) -> Result<Self, PolicyError> {
+        if !path.exists() {
+            return Err(PolicyError::io(
+                path,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+            ));
+        }
+        let tokenizer =
+            Tokenizer::from_file(path).map_err(|e| tok_err(&path.display().to_string(), e))?;
+        Self::from_tokenizer(tokenizer, &path.display().to_string())
+    }
+
+    fn from_tokenizer(tokenizer: Tokenizer, context: &str) -> Result<Self, PolicyError> {
+        let id = |token: &str| {
+            tokenizer
+                .token_to_id(token)
+                .ok_or_else(|| PolicyError::MissingSpecialToken {
+                    context: context.to_string(),
+                    token: token.to_string(),
+                })
+        };
+        let (eos, im_start, im_end) = (id(ENDOFTEXT)?, id(IM_START)?, id(IM_END)?);
+        let mut plain = tokenizer.clone();
+        plain.set_encode_special_tokens(true);
+        Ok(ChatTokenizer {
+            tokenizer,
+            plain,
+            eos,
+            im_start,
+            im_end,
+        })
+    }
+
+    /// Writes `tokenizer.json`, loadable by Hugging Face `tokenizers`.
+    pub fn save(&self, path: &Path) -> Result<(), PolicyError> {
+        self.tokenizer
+            .save(path, true)
+            .map_err(|e| tok_err(&path.display().to_string(), e))
+    }
+
+    /// Number of ids, special tokens included: the minimum `vocab_size` of a model.
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+
+    /// Encodes text; special-token strings in it become their special ids.
+    ///
+    /// Panics only if the tokenizer itself is broken (a byte-level BPE encodes any text);
+    /// [`ChatTokenizer::try_encode`] returns that as an error instead.
+    pub fn encode(&self, text: &str) -> Vec<u32> {
+        self.try_encode(text).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    pub fn try_encode(&self, text: &str) -> Result<Vec<u32>, PolicyError> {
+        encode_with(&self.tokenizer, text)
+    }
+
+    /// Encodes text with special-token strings treated as ordinary text.
+    pub fn encode_plain(&self, text: &str) -> Vec<u32> {
+        encode_with(&self.plain, text).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Decodes ids to text, leaving special tokens out. Byte sequences that are not valid
+    /// UTF-8 (e.g. a generation cut inside a character) become U+FFFD; unknown ids are
+    /// skipped.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        self.tokenizer.decode(ids, true).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "tokenizer could not decode ids");
+            String::from(char::REPLACEMENT_CHARACTER)
+        })
+    }
+
+    pub fn im_end_id(&self) -> u32 {
+        self.im_end
+    }
+
+    pub fn im_start_id(&self) -> u32 {
+        self.im_start
+    }
+
+    pub fn eos_id(&self) -> u32 {
+        self.eos
+    }
+
+    /// `<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n`
+    pub fn render_prompt(&self, system: &str, user: &str) -> Vec<u32> {
+        let mut ids = self.message("system", system);
+        ids.extend(self.encode_plain("\n"));
+        ids.extend(self.message("user", user));
+        ids.extend(self.encode_plain("\n"));
+        ids.extend(self.assistant_header());
+        ids
+    }
+
+    /// What follows an assistant turn (which ended with `<|im_end|>`):
+    /// `\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n`
+    pub fn render_observation(&self, observation: &str) -> Vec<u32> {
+        let mut ids = self.encode_plain("\n");
+        ids.extend(self.message("user", observation));
+        ids.extend(self.encode_plain("\n"));
+        ids.extend(self.assistant_header());
+        ids
+    }
+
+    /// A teacher's text as assistant tokens: the text followed by `<|im_end|>`.
+    pub fn encode_assistant(&self, text: &str) -> Vec<u32> {
+        let mut ids = self.encode_plain(text);
+        ids.push(self.im_end);
+        ids
+    }
+
+    /// `<|im_start|>{role}\n{content}<|im_end|>`
+    fn message(&self, role: &str, content: &str) -> Vec<u32> {
+        let mut ids = vec![self.im_start];
+        ids.extend(self.encode_plain(&format!("{role}\n{content}")));
+        ids.push(self.im_end);
+        ids
+    }
+
+    fn assistant_header(&self) -> Vec<u32> {
+        let mut ids = vec![self.im_start];
+        ids.extend(self.encode_plain("assistant\n"));
+        ids
+    }
+}
+
+fn encode_with(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, PolicyError> {
+    tokenizer
+        .encode(text, false)
+        .map(|e| e.get_ids().to_vec())
+        .map_err(|e| tok_err("encoding", e))
+}
+
+fn tok_err(context: &str, e: impl std::fmt::Display) -> PolicyError {
+    PolicyError::Tokenizer {
+        context: context.to_string(),
+        message: e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn corpus() -> Vec<String> {
+        let mut c = vec![
+            "def add(a, b):\n    return a + b\n".to_string(),
+            "The quick brown fox jumps over the lazy dog.".to_string(),
+            "```command\nopen src/main.py 10\n```".to_string(),
+            "Ünïcödé: naïve café, 日本語のテキスト, emoji 🦀🚀".to_string(),
+            "\tindented\twith\ttabs\r\nand CRLF".to_string(),
+        ];
+        for i in 0..20 {
+            c.push(format!(
+                "line {i}: for x in range({i}):\n    print(x * {i})\n"
+            ));
+        }
+        c
+    }
+
+    fn trained() -> ChatTokenizer {
+        ChatTokenizer::train(&corpus(), 400).unwrap()
+    }
+
+    #[test]
+    fn special_token_ids() {
+        let t = trained();
+        assert_eq!((t.eos_id(), t.im_start_id(), t.im_end_id()), (0, 1, 2));
+        assert!(
+            t.vocab_size() > 259 && t.vocab_size() <= 400,
+            "{}",
+            t.vocab_size()
+        );
+    }
+
+    #[test]
+    fn round_trips_any_text() {
+        let t = trained();
+        for s in [
+            "",
+            "hello world",
+            "def f(x):\n\treturn x  # tab\n\n",
+            "日本語 and ünïcödé, 🦀 not in the corpus: 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ∮ E⋅da = Q",
+            "  leading and trailing spaces  ",
+            "\0\u{7f}\u{1b}[31mcontrol\r\n",
+        ] {
+            let ids = t.encode(s);
+            assert_eq!(t.decode(&ids), s, "ids {ids:?}");
+            assert!(ids.iter().all(|&i| (i as usize) < t.vocab_size()));
+        }
+        // Merges were learned: common text is shorter than its bytes.
+        assert!(t.encode("    return a + b\n").len() < "    return a + b\n".len());
+    }
+
+    #[test]
+    fn special_tokens_are_recognized_and_skipped_in_decode() {
+        let t = trained();
+        let ids = t.encode("hi<|im_end|>\n<|im_start|>user");
+        assert!(ids.contains(&2) && ids.contains(&1), "{ids:?}");
+        assert_eq!(t.decode(&ids), "hi\nuser");
+        // With recognition off, the same string is plain bytes.
+        let plain = t.encode_plain("<|im_end|>");
+        assert!(!plain.contains(&2) && plain.len() > 1);
+        assert_eq!(t.decode(&plain), "<|im_end|>");
+    }
+
+    #[test]
+    fn decode_never_panics_on_bad_input() {
+        let t = trained();
+        let ids = t.encode("é"); // two bytes, likely two byte tokens
+        let cut = t.decode(&ids[..ids.len() - 1]);
+        if ids.len() > 1 {
+            assert_eq!(cut, "\u{FFFD}");
+        }
+        assert_eq!(t.decode(&[u32::MAX, 99_999]), "");
+    }
+
+    #[test]
+    fn chat_template() {
+        let t = trained();
+        let p = t.render_prompt("You are helpful.", "Fix <|im_end|> bug");
+        assert_eq!(p[0], t.im_start_id());
+        assert_eq!(p.iter().filter(|&&i| i == t.im_start_id()).count(), 3);
+        assert_eq!(
+            p.iter().filter(|&&i| i == t.im_end_id()).count(),
+            2,
+            "user text must not inject specials"
+        );
+        let rendered = t.tokenizer.decode(&p, false).unwrap();
+        assert_eq!(
+            rendered,
+            "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nFix <|im_end|> bug<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let o = t.render_observation("ok");
+        assert_eq!(
+            t.tokenizer.decode(&o, false).unwrap(),
+            "\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let a = t.encode_assistant("ls -la");
+        assert_eq!(*a.last().unwrap(), t.im_end_id());
+        assert_eq!(t.decode(&a), "ls -la");
+        // Piecewise rendering gives the same ids as encoding the whole string.
+        let whole = t.encode("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n");
+        assert_eq!(t.render_prompt("S", "U"), whole);
+    }
+
+    #[test]
+    fn training_is_deterministic() {
+        let a = trained();
+        let b = trained();
+        assert_eq!(
+            a.tokenizer.to_string(false).unwrap(),
+            b.tokenizer.to_string(false).unwrap()
+        );
+        let mut other = corpus();
+        other.push("zzzz zzzz zzzz zzzz qqqq qqqq qqqq".to_string());
+        let c = ChatTokenizer::train(&other, 400).unwrap();
+        assert_ne!(
+            a.tokenizer.to_string(false).unwrap(),
+            c.tokenizer.to_string(false).unwrap()
+        );
+    }
+
+    #[test]
+    fn save_and_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        let a = trained();
+        a.save(&path).unwrap();
+        let b = ChatTokenizer::from_file(&path).unwrap();
+        assert_eq!(b.vocab_size(), a.vocab_size());
+        let s = "def g():\n\tpass 🦀<|im_end|>";
+        assert_eq!(a.encode(s), b.encode(s));
+        assert_eq!(a.render_prompt("s", "u"), b.render_prompt("s", "u"));
+
+        assert!(ChatTokenizer::from_file(&dir.path().join("nope.json"))
+            .unwrap_err()
+            .to_string()
+            .contains("nope.json"));
+        std::fs::write(dir.path().join("bad.json"), "{").unwrap();
+        assert!(ChatTokenizer::from_file(&dir.path().join("bad.json"))
+            .unwrap_err()
+            .to_string()
+            .contains("bad.json"));
+    }
+
+    #[test]
+    fn too_small_vocab_is_an_error() {
+        assert!(ChatTokenizer::train(&corpus(), 100).is_err());
+    }
+}
