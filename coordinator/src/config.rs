@@ -26,7 +26,12 @@ pub struct BetaSchedule {
 
 impl Default for BetaSchedule {
     fn default() -> Self {
-        Self { kind: BetaScheduleKind::Exponential, start: 1.0, end: 0.0, decay: 0.5 }
+        Self {
+            kind: BetaScheduleKind::Exponential,
+            start: 1.0,
+            end: 0.0,
+            decay: 0.5,
+        }
     }
 }
 
@@ -120,11 +125,18 @@ mod tests {
         let e = BetaSchedule::default();
         assert_eq!(e.at(0, 3), 1.0);
         assert_eq!(e.at(2, 3), 0.25);
-        let l = BetaSchedule { kind: BetaScheduleKind::Linear, ..Default::default() };
+        let l = BetaSchedule {
+            kind: BetaScheduleKind::Linear,
+            ..Default::default()
+        };
         assert_eq!(l.at(0, 3), 1.0);
         assert_eq!(l.at(1, 3), 0.5);
         assert_eq!(l.at(2, 3), 0.0);
-        let c = BetaSchedule { kind: BetaScheduleKind::Constant, start: 0.3, ..Default::default() };
+        let c = BetaSchedule {
+            kind: BetaScheduleKind::Constant,
+            start: 0.3,
+            ..Default::default()
+        };
         assert_eq!(c.at(5, 9), 0.3);
     }
 }

@@ -10,7 +10,11 @@ use tutor_proto::{Actor, TrainBatch, TrainExample, TurnRecord};
 /// The history is rebuilt from the recorded token deltas and the executed tokens, so
 /// nothing is re-tokenized. Turns whose teacher label is a format error are skipped;
 /// contexts longer than `max_seq_len` lose their oldest tokens.
-pub fn dagger_examples(episode_id: &str, turns: &[TurnRecord], max_seq_len: usize) -> Vec<TrainExample> {
+pub fn dagger_examples(
+    episode_id: &str,
+    turns: &[TurnRecord],
+    max_seq_len: usize,
+) -> Vec<TrainExample> {
     let mut history: Vec<u32> = Vec::new();
     let mut out = Vec::new();
     for t in turns {
@@ -19,7 +23,9 @@ pub fn dagger_examples(episode_id: &str, turns: &[TurnRecord], max_seq_len: usiz
             let label = &t.teacher_tokens;
             let room = max_seq_len.saturating_sub(label.len()).max(1);
             let ctx = &history[history.len().saturating_sub(room)..];
-            let label = &label[..label.len().min(max_seq_len.saturating_sub(ctx.len()).max(1))];
+            let label = &label[..label
+                .len()
+                .min(max_seq_len.saturating_sub(ctx.len()).max(1))];
             let mut tokens = Vec::with_capacity(ctx.len() + label.len());
             tokens.extend_from_slice(ctx);
             tokens.extend_from_slice(label);
@@ -32,7 +38,11 @@ pub fn dagger_examples(episode_id: &str, turns: &[TurnRecord], max_seq_len: usiz
                 turn_index: t.turn_index,
             });
         }
-        let executed = if t.executed == Actor::Student as i32 { &t.student_tokens } else { &t.teacher_tokens };
+        let executed = if t.executed == Actor::Student as i32 {
+            &t.student_tokens
+        } else {
+            &t.teacher_tokens
+        };
         history.extend_from_slice(executed);
     }
     out
@@ -88,7 +98,12 @@ pub fn make_batches(
     batches
         .into_iter()
         .enumerate()
-        .map(|(i, examples)| TrainBatch { iteration, step: i as u32, examples, publish: i + 1 == n })
+        .map(|(i, examples)| TrainBatch {
+            iteration,
+            step: i as u32,
+            examples,
+            publish: i + 1 == n,
+        })
         .collect()
 }
 
@@ -96,7 +111,13 @@ pub fn make_batches(
 mod tests {
     use super::*;
 
-    fn turn(i: u32, delta: &[u32], teacher: &[u32], student: &[u32], executed: Actor) -> TurnRecord {
+    fn turn(
+        i: u32,
+        delta: &[u32],
+        teacher: &[u32],
+        student: &[u32],
+        executed: Actor,
+    ) -> TurnRecord {
         TurnRecord {
             turn_index: i,
             context_delta_tokens: delta.to_vec(),
@@ -120,7 +141,10 @@ mod tests {
         assert_eq!(ex[0].loss_mask, vec![false, false, false, true, true]);
         // The student acted at turn 0: its tokens, not the teacher's, are the context.
         assert_eq!(ex[1].tokens, vec![1, 2, 3, 20, 4, 12, 13]);
-        assert_eq!(ex[1].loss_mask, vec![false, false, false, false, false, true, true]);
+        assert_eq!(
+            ex[1].loss_mask,
+            vec![false, false, false, false, false, true, true]
+        );
         assert_eq!(ex[2].tokens, vec![1, 2, 3, 20, 4, 12, 13, 5, 14]);
         assert_eq!(ex[2].loss_mask.iter().filter(|m| **m).count(), 1);
     }
@@ -139,7 +163,11 @@ mod tests {
     #[test]
     fn batches_respect_the_budget_and_publish_last() {
         let examples: Vec<TrainExample> = (1..=10)
-            .map(|n| TrainExample { tokens: vec![1; n * 10], loss_mask: vec![true; n * 10], ..Default::default() })
+            .map(|n| TrainExample {
+                tokens: vec![1; n * 10],
+                loss_mask: vec![true; n * 10],
+                ..Default::default()
+            })
             .collect();
         let batches = make_batches(&examples, 0, 200, 2, 100, 1);
         for b in &batches {

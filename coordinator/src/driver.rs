@@ -10,8 +10,8 @@ use tokio::sync::mpsc;
 use tonic::Request;
 use tutor_proto::learner_client::LearnerClient;
 use tutor_proto::{
-    run_event, IterationSummary, LearnerStatusRequest, OutcomeStatus, PolicyVersion, RolloutProgress,
-    RunEvent, RunFinished, SaveCheckpointRequest, TrainingProgress,
+    run_event, IterationSummary, LearnerStatusRequest, OutcomeStatus, PolicyVersion,
+    RolloutProgress, RunEvent, RunFinished, SaveCheckpointRequest, TrainingProgress,
 };
 
 use crate::config::CoordinatorConfig;
@@ -59,7 +59,9 @@ impl Driver {
                     tokio::time::sleep(Duration::from_millis(300)).await;
                 }
                 Err(e) => {
-                    return Err(e).with_context(|| format!("connecting to the learner at {}", self.learner_endpoint))
+                    return Err(e).with_context(|| {
+                        format!("connecting to the learner at {}", self.learner_endpoint)
+                    })
                 }
             }
         }
@@ -69,7 +71,11 @@ impl Driver {
         let mut learner = self.connect_learner().await?;
         let mut req = Request::new(LearnerStatusRequest {});
         req.set_timeout(Duration::from_secs(30));
-        let status = learner.status(req).await.context("asking the learner for its status")?.into_inner();
+        let status = learner
+            .status(req)
+            .await
+            .context("asking the learner for its status")?
+            .into_inner();
         let mut policy = PolicyVersion {
             version: status.latest_version,
             weights_endpoint: self.learner_endpoint.clone(),
@@ -122,7 +128,10 @@ impl Driver {
                 if o.is_empty() {
                     0.0
                 } else {
-                    o.iter().filter(|x| x.status == OutcomeStatus::Resolved as i32).count() as f64 / o.len() as f64
+                    o.iter()
+                        .filter(|x| x.status == OutcomeStatus::Resolved as i32)
+                        .count() as f64
+                        / o.len() as f64
                 }
             };
             let nonzero: Vec<f64> = losses.iter().copied().collect();
@@ -131,7 +140,11 @@ impl Driver {
                 beta,
                 episodes: rollouts.train.len() as u32,
                 teacher_labels_total,
-                train_loss: if nonzero.is_empty() { 0.0 } else { nonzero.iter().sum::<f64>() / nonzero.len() as f64 },
+                train_loss: if nonzero.is_empty() {
+                    0.0
+                } else {
+                    nonzero.iter().sum::<f64>() / nonzero.len() as f64
+                },
                 heldout_solve_rate: solved(&rollouts.eval),
                 heldout_episodes: rollouts.eval.len() as u32,
                 rollout_seconds,
@@ -143,17 +156,27 @@ impl Driver {
                 last_step_loss: losses.last().copied().unwrap_or(0.0),
                 train_examples: examples.len() as u64,
                 agreement_rate: ratio(rollouts.agreements, rollouts.student_turns),
-                student_format_error_rate: ratio(rollouts.student_format_errors, rollouts.student_turns),
+                student_format_error_rate: ratio(
+                    rollouts.student_format_errors,
+                    rollouts.student_turns,
+                ),
             };
             tracing::info!(?summary, "iteration done");
             append_metrics(&metrics_path, &summary, &losses)?;
-            self.events.publish(RunEvent { event: Some(run_event::Event::Iteration(summary)) });
+            self.events.publish(RunEvent {
+                event: Some(run_event::Event::Iteration(summary)),
+            });
         }
 
         let checkpoint_dir = self.run_dir.join("checkpoint");
-        let mut req = Request::new(SaveCheckpointRequest { dir: checkpoint_dir.display().to_string() });
+        let mut req = Request::new(SaveCheckpointRequest {
+            dir: checkpoint_dir.display().to_string(),
+        });
         req.set_timeout(Duration::from_secs(120));
-        learner.save_checkpoint(req).await.context("asking the learner to save the final checkpoint")?;
+        learner
+            .save_checkpoint(req)
+            .await
+            .context("asking the learner to save the final checkpoint")?;
         let worker_versions = self.scheduler.worker_versions().await;
         self.scheduler.finish().await;
         let episodes_stored = 0;
@@ -208,10 +231,18 @@ impl Driver {
         });
         let mut req = Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
         req.set_timeout(Duration::from_secs_f64(self.config.train_timeout_s));
-        let mut progress = learner.train(req).await.context("starting the train stream")?.into_inner();
+        let mut progress = learner
+            .train(req)
+            .await
+            .context("starting the train stream")?
+            .into_inner();
         let mut losses = Vec::new();
         let mut published = None;
-        while let Some(p) = progress.message().await.context("train stream from the learner")? {
+        while let Some(p) = progress
+            .message()
+            .await
+            .context("train stream from the learner")?
+        {
             if p.label_tokens > 0 {
                 losses.push(p.loss);
             }
@@ -241,7 +272,11 @@ impl Driver {
                 return;
             }
             if Instant::now() >= deadline {
-                tracing::warn!(?versions, version, "not every worker loaded the new version in time");
+                tracing::warn!(
+                    ?versions,
+                    version,
+                    "not every worker loaded the new version in time"
+                );
                 return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;

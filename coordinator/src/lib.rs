@@ -34,11 +34,18 @@ pub struct ServeOptions {
 }
 
 /// Runs the coordinator until `shutdown` resolves or a Control.Shutdown call arrives.
-pub async fn serve(opts: ServeOptions, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<()> {
+pub async fn serve(
+    opts: ServeOptions,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<()> {
     let store = store::TrajectoryStore::open(&opts.run_dir.join("trajectories"))?;
     tracing::info!(path = %store.path().display(), events = store.len(), "trajectory store open");
     let store_tx = store::spawn_writer(store);
-    let scheduler = scheduler::SchedulerHandle::spawn(opts.config.clone(), opts.train_tasks, opts.heldout_tasks);
+    let scheduler = scheduler::SchedulerHandle::spawn(
+        opts.config.clone(),
+        opts.train_tasks,
+        opts.heldout_tasks,
+    );
     let events = service::EventLog::default();
     let stop = Arc::new(Notify::new());
 
@@ -60,8 +67,14 @@ pub async fn serve(opts: ServeOptions, shutdown: impl std::future::Future<Output
     };
     tokio::spawn(driver.run());
 
-    let rollout = service::RolloutService { scheduler, store: store_tx };
-    let control = service::ControlService { events, shutdown: stop.clone() };
+    let rollout = service::RolloutService {
+        scheduler,
+        store: store_tx,
+    };
+    let control = service::ControlService {
+        events,
+        shutdown: stop.clone(),
+    };
     let stop_wait = stop.clone();
     tonic::transport::Server::builder()
         .add_service(
@@ -70,12 +83,15 @@ pub async fn serve(opts: ServeOptions, shutdown: impl std::future::Future<Output
                 .max_encoding_message_size(tutor_proto::MAX_MESSAGE_BYTES),
         )
         .add_service(ControlServer::new(control))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
-            tokio::select! {
-                _ = shutdown => {}
-                _ = stop_wait.notified() => {}
-            }
-        })
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            async move {
+                tokio::select! {
+                    _ = shutdown => {}
+                    _ = stop_wait.notified() => {}
+                }
+            },
+        )
         .await
         .context("coordinator server")?;
     tracing::info!("coordinator stopped");

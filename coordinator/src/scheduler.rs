@@ -33,15 +33,43 @@ pub struct IterationRollouts {
 }
 
 enum Cmd {
-    Register { name: String, capacity: u32, reply: oneshot::Sender<(String, PolicyVersion)> },
-    Lease { worker_id: String, max: u32, reply: oneshot::Sender<LeaseResponse> },
-    Stored { event: EpisodeEvent },
-    Heartbeat { worker_id: String, active: Vec<String>, loaded: u64, reply: oneshot::Sender<HeartbeatResponse> },
-    StartIteration { iteration: u32, beta: f64, reply: oneshot::Sender<IterationRollouts> },
-    SetPolicy { policy: PolicyVersion },
-    Examples { aggregate: bool, reply: oneshot::Sender<Vec<TrainExample>> },
-    WorkerVersions { reply: oneshot::Sender<BTreeMap<String, u64>> },
-    Progress { reply: oneshot::Sender<(u32, u32)> },
+    Register {
+        name: String,
+        capacity: u32,
+        reply: oneshot::Sender<(String, PolicyVersion)>,
+    },
+    Lease {
+        worker_id: String,
+        max: u32,
+        reply: oneshot::Sender<LeaseResponse>,
+    },
+    Stored {
+        event: EpisodeEvent,
+    },
+    Heartbeat {
+        worker_id: String,
+        active: Vec<String>,
+        loaded: u64,
+        reply: oneshot::Sender<HeartbeatResponse>,
+    },
+    StartIteration {
+        iteration: u32,
+        beta: f64,
+        reply: oneshot::Sender<IterationRollouts>,
+    },
+    SetPolicy {
+        policy: PolicyVersion,
+    },
+    Examples {
+        aggregate: bool,
+        reply: oneshot::Sender<Vec<TrainExample>>,
+    },
+    WorkerVersions {
+        reply: oneshot::Sender<BTreeMap<String, u64>>,
+    },
+    Progress {
+        reply: oneshot::Sender<(u32, u32)>,
+    },
     Finish,
     Tick,
 }
@@ -77,35 +105,67 @@ impl SchedulerHandle {
     }
 
     pub async fn register(&self, name: String, capacity: u32) -> Option<(String, PolicyVersion)> {
-        self.ask(|reply| Cmd::Register { name, capacity, reply }).await
+        self.ask(|reply| Cmd::Register {
+            name,
+            capacity,
+            reply,
+        })
+        .await
     }
     pub async fn lease(&self, worker_id: String, max: u32) -> Option<LeaseResponse> {
-        self.ask(|reply| Cmd::Lease { worker_id, max, reply }).await
+        self.ask(|reply| Cmd::Lease {
+            worker_id,
+            max,
+            reply,
+        })
+        .await
     }
     /// Called after the event is durable in the store (and only for new events).
     pub async fn stored(&self, event: EpisodeEvent) {
         let _ = self.tx.send(Cmd::Stored { event }).await;
     }
-    pub async fn heartbeat(&self, worker_id: String, active: Vec<String>, loaded: u64) -> Option<HeartbeatResponse> {
-        self.ask(|reply| Cmd::Heartbeat { worker_id, active, loaded, reply }).await
+    pub async fn heartbeat(
+        &self,
+        worker_id: String,
+        active: Vec<String>,
+        loaded: u64,
+    ) -> Option<HeartbeatResponse> {
+        self.ask(|reply| Cmd::Heartbeat {
+            worker_id,
+            active,
+            loaded,
+            reply,
+        })
+        .await
     }
     /// Queues the iteration's episodes and resolves when every one has an outcome.
     pub async fn run_iteration(&self, iteration: u32, beta: f64) -> Option<IterationRollouts> {
-        self.ask(|reply| Cmd::StartIteration { iteration, beta, reply }).await
+        self.ask(|reply| Cmd::StartIteration {
+            iteration,
+            beta,
+            reply,
+        })
+        .await
     }
     pub async fn set_policy(&self, policy: PolicyVersion) {
         let _ = self.tx.send(Cmd::SetPolicy { policy }).await;
     }
     pub async fn examples(&self, aggregate: bool) -> Vec<TrainExample> {
-        self.ask(|reply| Cmd::Examples { aggregate, reply }).await.unwrap_or_default()
+        self.ask(|reply| Cmd::Examples { aggregate, reply })
+            .await
+            .unwrap_or_default()
     }
     /// The loaded policy version of every live worker.
     pub async fn worker_versions(&self) -> BTreeMap<String, u64> {
-        self.ask(|reply| Cmd::WorkerVersions { reply }).await.unwrap_or_default()
+        self.ask(|reply| Cmd::WorkerVersions { reply })
+            .await
+            .unwrap_or_default()
     }
     /// (episodes done, episodes total) of the current iteration.
     pub async fn progress(&self) -> (u32, u32) {
-        self.ask(|reply| Cmd::Progress { reply }).await.unwrap_or((0, 0))
+        self.ask(|reply| Cmd::Progress { reply })
+            .await
+            .unwrap_or((0, 0))
     }
     pub async fn finish(&self) {
         let _ = self.tx.send(Cmd::Finish).await;
@@ -187,21 +247,45 @@ impl Scheduler {
     async fn run(mut self, mut rx: mpsc::Receiver<Cmd>) {
         while let Some(cmd) = rx.recv().await {
             match cmd {
-                Cmd::Register { name, capacity, reply } => {
+                Cmd::Register {
+                    name,
+                    capacity,
+                    reply,
+                } => {
                     let id = format!("{name}-{}", self.next_worker);
                     self.next_worker += 1;
                     tracing::info!(worker = %id, capacity, "worker registered");
-                    self.workers.insert(id.clone(), WorkerInfo { name, last_seen: Instant::now(), loaded: u64::MAX });
+                    self.workers.insert(
+                        id.clone(),
+                        WorkerInfo {
+                            name,
+                            last_seen: Instant::now(),
+                            loaded: u64::MAX,
+                        },
+                    );
                     let _ = reply.send((id, self.policy.clone()));
                 }
-                Cmd::Lease { worker_id, max, reply } => {
+                Cmd::Lease {
+                    worker_id,
+                    max,
+                    reply,
+                } => {
                     let _ = reply.send(self.lease(&worker_id, max));
                 }
                 Cmd::Stored { event } => self.on_stored(event),
-                Cmd::Heartbeat { worker_id, active, loaded, reply } => {
+                Cmd::Heartbeat {
+                    worker_id,
+                    active,
+                    loaded,
+                    reply,
+                } => {
                     let _ = reply.send(self.heartbeat(&worker_id, &active, loaded));
                 }
-                Cmd::StartIteration { iteration, beta, reply } => self.start_iteration(iteration, beta, reply),
+                Cmd::StartIteration {
+                    iteration,
+                    beta,
+                    reply,
+                } => self.start_iteration(iteration, beta, reply),
                 Cmd::SetPolicy { policy } => {
                     tracing::info!(version = policy.version, "policy version is now current");
                     self.policy = policy;
@@ -234,7 +318,12 @@ impl Scheduler {
         }
     }
 
-    fn start_iteration(&mut self, iteration: u32, beta: f64, reply: oneshot::Sender<IterationRollouts>) {
+    fn start_iteration(
+        &mut self,
+        iteration: u32,
+        beta: f64,
+        reply: oneshot::Sender<IterationRollouts>,
+    ) {
         self.iteration = iteration;
         self.beta = beta;
         self.slots.clear();
@@ -250,24 +339,43 @@ impl Scheduler {
             if order.is_empty() {
                 break;
             }
-            self.slots.push(Slot { kind: SlotKind::Train, task: order[k % order.len()], attempt: 0, done: false });
+            self.slots.push(Slot {
+                kind: SlotKind::Train,
+                task: order[k % order.len()],
+                attempt: 0,
+                done: false,
+            });
         }
         // The same held-out tasks every iteration, so solve rates compare across iterations.
         for k in 0..self.config.heldout_episodes as usize {
             if self.heldout_tasks.is_empty() {
                 break;
             }
-            self.slots.push(Slot { kind: SlotKind::Eval, task: k % self.heldout_tasks.len(), attempt: 0, done: false });
+            self.slots.push(Slot {
+                kind: SlotKind::Eval,
+                task: k % self.heldout_tasks.len(),
+                attempt: 0,
+                done: false,
+            });
         }
         self.pending = (0..self.slots.len()).collect();
-        tracing::info!(iteration, beta, episodes = self.slots.len(), "iteration started");
+        tracing::info!(
+            iteration,
+            beta,
+            episodes = self.slots.len(),
+            "iteration started"
+        );
         self.iteration_reply = Some(reply);
         self.check_iteration_done();
     }
 
     fn episode_id(&self, slot: usize) -> String {
         let s = &self.slots[slot];
-        let kind = if s.kind == SlotKind::Train { "train" } else { "eval" };
+        let kind = if s.kind == SlotKind::Train {
+            "train"
+        } else {
+            "eval"
+        };
         format!("it{:03}-{kind}{slot:04}-a{}", self.iteration, s.attempt)
     }
 
@@ -275,14 +383,22 @@ impl Scheduler {
         if let Some(w) = self.workers.get_mut(worker_id) {
             w.last_seen = Instant::now();
         } else {
-            tracing::warn!(worker = worker_id, "lease request from an unregistered worker");
+            tracing::warn!(
+                worker = worker_id,
+                "lease request from an unregistered worker"
+            );
         }
         if self.finished {
-            return LeaseResponse { run_finished: true, ..Default::default() };
+            return LeaseResponse {
+                run_finished: true,
+                ..Default::default()
+            };
         }
         let mut leases = Vec::new();
         while (leases.len() as u32) < max.max(1) {
-            let Some(slot) = self.pending.pop_front() else { break };
+            let Some(slot) = self.pending.pop_front() else {
+                break;
+            };
             let episode_id = self.episode_id(slot);
             let s = &self.slots[slot];
             let (task, beta, temperature, purpose) = match s.kind {
@@ -299,15 +415,25 @@ impl Scheduler {
                     EpisodePurpose::Eval,
                 ),
             };
-            let seed = self.config.seed ^ ((self.iteration as u64) << 40) ^ ((slot as u64) << 8) ^ s.attempt as u64;
+            let seed = self.config.seed
+                ^ ((self.iteration as u64) << 40)
+                ^ ((slot as u64) << 8)
+                ^ s.attempt as u64;
             let timeout = Duration::from_secs_f64(self.config.lease_timeout_s);
-            let deadline_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default() + timeout;
+            let deadline_ms = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                + timeout;
             leases.push(EpisodeLease {
                 episode_id: episode_id.clone(),
                 task: Some(task),
                 beta,
                 policy: Some(self.policy.clone()),
-                sampling: Some(SamplingParams { temperature, max_new_tokens: self.config.max_new_tokens, seed }),
+                sampling: Some(SamplingParams {
+                    temperature,
+                    max_new_tokens: self.config.max_new_tokens,
+                    seed,
+                }),
                 max_turns: self.config.max_turns,
                 command_timeout_ms: (self.config.command_timeout_s * 1000.0) as u32,
                 observation_max_chars: self.config.observation_max_chars,
@@ -319,11 +445,19 @@ impl Scheduler {
             self.episode_slot.insert(episode_id.clone(), slot);
             self.outstanding.insert(
                 episode_id,
-                Outstanding { slot, worker_id: worker_id.to_string(), deadline: Instant::now() + timeout },
+                Outstanding {
+                    slot,
+                    worker_id: worker_id.to_string(),
+                    deadline: Instant::now() + timeout,
+                },
             );
         }
         let retry_after_ms = if leases.is_empty() { 200 } else { 0 };
-        LeaseResponse { leases, run_finished: false, retry_after_ms }
+        LeaseResponse {
+            leases,
+            run_finished: false,
+            retry_after_ms,
+        }
     }
 
     fn heartbeat(&mut self, worker_id: &str, active: &[String], loaded: u64) -> HeartbeatResponse {
@@ -334,10 +468,17 @@ impl Scheduler {
                 w.loaded = loaded;
             }
             None => {
-                tracing::warn!(worker = worker_id, "heartbeat from an unknown worker: registering it");
+                tracing::warn!(
+                    worker = worker_id,
+                    "heartbeat from an unknown worker: registering it"
+                );
                 self.workers.insert(
                     worker_id.to_string(),
-                    WorkerInfo { name: worker_id.to_string(), last_seen: Instant::now(), loaded },
+                    WorkerInfo {
+                        name: worker_id.to_string(),
+                        last_seen: Instant::now(),
+                        loaded,
+                    },
                 );
             }
         }
@@ -348,13 +489,20 @@ impl Scheduler {
                 }
             }
         }
-        HeartbeatResponse { latest: Some(self.policy.clone()), shutdown: self.finished }
+        HeartbeatResponse {
+            latest: Some(self.policy.clone()),
+            shutdown: self.finished,
+        }
     }
 
     fn expire_leases(&mut self) {
         let now = Instant::now();
-        let expired: Vec<String> =
-            self.outstanding.iter().filter(|(_, o)| o.deadline <= now).map(|(id, _)| id.clone()).collect();
+        let expired: Vec<String> = self
+            .outstanding
+            .iter()
+            .filter(|(_, o)| o.deadline <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
         for id in expired {
             let o = self.outstanding.remove(&id).expect("listed above");
             self.rollouts.expired_leases += 1;
@@ -408,7 +556,10 @@ impl Scheduler {
                     SlotKind::Train => {
                         let examples = dagger_examples(&id, &turns, self.config.max_seq_len);
                         self.rollouts.teacher_labels += examples.len() as u64;
-                        self.datasets.last_mut().expect("an iteration is running").extend(examples);
+                        self.datasets
+                            .last_mut()
+                            .expect("an iteration is running")
+                            .extend(examples);
                         self.rollouts.train.push(outcome);
                     }
                     SlotKind::Eval => self.rollouts.eval.push(outcome),

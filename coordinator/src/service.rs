@@ -9,8 +9,9 @@ use tonic::{Request, Response, Status, Streaming};
 use tutor_proto::control_server::Control;
 use tutor_proto::rollout_server::Rollout;
 use tutor_proto::{
-    run_event, EpisodeEvent, EventAck, HeartbeatRequest, HeartbeatResponse, LeaseRequest, LeaseResponse,
-    RegisterRequest, RegisterResponse, RunEvent, ShutdownRequest, ShutdownResponse, WatchRunRequest,
+    run_event, EpisodeEvent, EventAck, HeartbeatRequest, HeartbeatResponse, LeaseRequest,
+    LeaseResponse, RegisterRequest, RegisterResponse, RunEvent, ShutdownRequest, ShutdownResponse,
+    WatchRunRequest,
 };
 
 use crate::scheduler::{SchedulerHandle, HEARTBEAT_INTERVAL};
@@ -26,14 +27,20 @@ pub struct EventLog {
 
 impl Default for EventLog {
     fn default() -> Self {
-        Self { tx: broadcast::channel(1024).0, kept: Default::default() }
+        Self {
+            tx: broadcast::channel(1024).0,
+            kept: Default::default(),
+        }
     }
 }
 
 impl EventLog {
     pub fn publish(&self, ev: RunEvent) {
         let mut kept = self.kept.lock().expect("event log lock");
-        if matches!(ev.event, Some(run_event::Event::Iteration(_)) | Some(run_event::Event::Finished(_))) {
+        if matches!(
+            ev.event,
+            Some(run_event::Event::Iteration(_)) | Some(run_event::Event::Finished(_))
+        ) {
             kept.push(ev.clone());
         }
         let _ = self.tx.send(ev);
@@ -55,10 +62,15 @@ type AckStream = Pin<Box<dyn Stream<Item = Result<EventAck, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl Rollout for RolloutService {
-    async fn register(&self, request: Request<RegisterRequest>) -> Result<Response<RegisterResponse>, Status> {
+    async fn register(
+        &self,
+        request: Request<RegisterRequest>,
+    ) -> Result<Response<RegisterResponse>, Status> {
         let r = request.into_inner();
         if r.worker_name.is_empty() || r.worker_name.len() > 128 {
-            return Err(Status::invalid_argument("worker_name must be 1 to 128 characters"));
+            return Err(Status::invalid_argument(
+                "worker_name must be 1 to 128 characters",
+            ));
         }
         let (worker_id, policy) = self
             .scheduler
@@ -72,7 +84,10 @@ impl Rollout for RolloutService {
         }))
     }
 
-    async fn lease(&self, request: Request<LeaseRequest>) -> Result<Response<LeaseResponse>, Status> {
+    async fn lease(
+        &self,
+        request: Request<LeaseRequest>,
+    ) -> Result<Response<LeaseResponse>, Status> {
         let r = request.into_inner();
         let resp = self
             .scheduler
@@ -104,12 +119,25 @@ impl Rollout for RolloutService {
                     }
                 };
                 let Some((episode_id, turn_index)) = event_key(&ev) else {
-                    let _ = tx.send(Err(Status::invalid_argument("event without a turn or outcome"))).await;
+                    let _ = tx
+                        .send(Err(Status::invalid_argument(
+                            "event without a turn or outcome",
+                        )))
+                        .await;
                     return;
                 };
                 let (reply, stored) = oneshot::channel();
-                if store.send(StoreRequest { event: ev.clone(), reply }).await.is_err() {
-                    let _ = tx.send(Err(Status::unavailable("trajectory store stopped"))).await;
+                if store
+                    .send(StoreRequest {
+                        event: ev.clone(),
+                        reply,
+                    })
+                    .await
+                    .is_err()
+                {
+                    let _ = tx
+                        .send(Err(Status::unavailable("trajectory store stopped")))
+                        .await;
                     return;
                 }
                 let duplicate = match stored.await {
@@ -119,7 +147,9 @@ impl Rollout for RolloutService {
                         return;
                     }
                     Err(_) => {
-                        let _ = tx.send(Err(Status::unavailable("trajectory store stopped"))).await;
+                        let _ = tx
+                            .send(Err(Status::unavailable("trajectory store stopped")))
+                            .await;
                         return;
                     }
                 };
@@ -127,16 +157,26 @@ impl Rollout for RolloutService {
                 if !duplicate {
                     scheduler.stored(ev).await;
                 }
-                let ack = EventAck { episode_id, turn_index, is_outcome, duplicate };
+                let ack = EventAck {
+                    episode_id,
+                    turn_index,
+                    is_outcome,
+                    duplicate,
+                };
                 if tx.send(Ok(ack)).await.is_err() {
                     return; // the worker went away; it will replay unacked events
                 }
             }
         });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
-    async fn heartbeat(&self, request: Request<HeartbeatRequest>) -> Result<Response<HeartbeatResponse>, Status> {
+    async fn heartbeat(
+        &self,
+        request: Request<HeartbeatRequest>,
+    ) -> Result<Response<HeartbeatResponse>, Status> {
         let r = request.into_inner();
         let resp = self
             .scheduler
@@ -159,7 +199,10 @@ type RunEventStream = Pin<Box<dyn Stream<Item = Result<RunEvent, Status>> + Send
 impl Control for ControlService {
     type WatchRunStream = RunEventStream;
 
-    async fn watch_run(&self, _request: Request<WatchRunRequest>) -> Result<Response<Self::WatchRunStream>, Status> {
+    async fn watch_run(
+        &self,
+        _request: Request<WatchRunRequest>,
+    ) -> Result<Response<Self::WatchRunStream>, Status> {
         let (kept, mut live) = self.events.subscribe();
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(async move {
@@ -181,10 +224,15 @@ impl Control for ControlService {
                 }
             }
         });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
-    async fn shutdown(&self, _request: Request<ShutdownRequest>) -> Result<Response<ShutdownResponse>, Status> {
+    async fn shutdown(
+        &self,
+        _request: Request<ShutdownRequest>,
+    ) -> Result<Response<ShutdownResponse>, Status> {
         tracing::info!("shutdown requested over Control");
         self.shutdown.notify_one();
         Ok(Response::new(ShutdownResponse {}))

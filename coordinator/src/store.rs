@@ -50,7 +50,11 @@ impl TrajectoryStore {
         }
         file.seek(SeekFrom::End(0))?;
         let seen = events.iter().filter_map(event_key).collect();
-        Ok(Self { path, file: BufWriter::new(file), seen })
+        Ok(Self {
+            path,
+            file: BufWriter::new(file),
+            seen,
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -81,7 +85,8 @@ impl TrajectoryStore {
             }
             let bytes = ev.encode_to_vec();
             self.file.write_all(&(bytes.len() as u32).to_le_bytes())?;
-            self.file.write_all(&crc32fast::hash(&bytes).to_le_bytes())?;
+            self.file
+                .write_all(&crc32fast::hash(&bytes).to_le_bytes())?;
             self.file.write_all(&bytes)?;
             self.seen.insert(key);
             dup.push(false);
@@ -102,7 +107,8 @@ pub fn scan(path: &Path) -> Result<(Vec<EpisodeEvent>, u64)> {
     let mut data = Vec::new();
     match File::open(path) {
         Ok(mut f) => {
-            f.read_to_end(&mut data).with_context(|| format!("reading {}", path.display()))?;
+            f.read_to_end(&mut data)
+                .with_context(|| format!("reading {}", path.display()))?;
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((events, 0)),
         Err(e) => return Err(e).with_context(|| format!("opening {}", path.display())),
@@ -174,7 +180,10 @@ mod tests {
         EpisodeEvent {
             episode_id: ep.into(),
             worker_id: "w".into(),
-            event: Some(episode_event::Event::Turn(TurnRecord { turn_index: i, ..Default::default() })),
+            event: Some(episode_event::Event::Turn(TurnRecord {
+                turn_index: i,
+                ..Default::default()
+            })),
         }
     }
 
@@ -182,8 +191,14 @@ mod tests {
     fn duplicates_are_not_written_twice_and_survive_reopen() {
         let dir = tempfile::tempdir().unwrap();
         let mut s = TrajectoryStore::open(dir.path()).unwrap();
-        assert_eq!(s.append_batch(&[turn("e1", 0), turn("e1", 1)]).unwrap(), vec![false, false]);
-        assert_eq!(s.append_batch(&[turn("e1", 1), turn("e1", 2)]).unwrap(), vec![true, false]);
+        assert_eq!(
+            s.append_batch(&[turn("e1", 0), turn("e1", 1)]).unwrap(),
+            vec![false, false]
+        );
+        assert_eq!(
+            s.append_batch(&[turn("e1", 1), turn("e1", 2)]).unwrap(),
+            vec![true, false]
+        );
         drop(s);
         let mut s = TrajectoryStore::open(dir.path()).unwrap();
         assert_eq!(s.len(), 3);
@@ -192,7 +207,10 @@ mod tests {
             worker_id: "w".into(),
             event: Some(episode_event::Event::Outcome(EpisodeOutcome::default())),
         };
-        assert_eq!(s.append_batch(&[turn("e1", 0), out.clone(), out]).unwrap(), vec![true, false, true]);
+        assert_eq!(
+            s.append_batch(&[turn("e1", 0), out.clone(), out]).unwrap(),
+            vec![true, false, true]
+        );
         let (events, _) = scan(&dir.path().join("events.log")).unwrap();
         assert_eq!(events.len(), 4);
     }

@@ -16,7 +16,12 @@ impl PaddedBatch {
     /// Pads examples on the right to the longest one. `loss_mask[i][j]` says whether token
     /// j of example i is a label token.
     pub fn new(examples: &[(Vec<u32>, Vec<bool>)], device: tch::Device) -> Self {
-        let max_len = examples.iter().map(|(t, _)| t.len()).max().unwrap_or(0).max(1);
+        let max_len = examples
+            .iter()
+            .map(|(t, _)| t.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
         let n = examples.len();
         let mut ids = vec![0i64; n * max_len];
         let mut attn = vec![0i64; n * max_len];
@@ -74,7 +79,10 @@ mod tests {
         let mask_last = Tensor::from_slice(&[0f32, 0.0, 1.0]).reshape([1, 3]);
         let l_last = masked_cross_entropy(&logits, &ids, &mask_last).double_value(&[]);
         let expect_last = -(2f64.exp() / (2f64.exp() + 1.0)).ln();
-        assert!((l_last - expect_last).abs() < 1e-5, "{l_last} vs {expect_last}");
+        assert!(
+            (l_last - expect_last).abs() < 1e-5,
+            "{l_last} vs {expect_last}"
+        );
         // Only the middle token (1, unlikely) is a label: high loss.
         let mask_mid = Tensor::from_slice(&[0f32, 1.0, 0.0]).reshape([1, 3]);
         let l_mid = masked_cross_entropy(&logits, &ids, &mask_mid).double_value(&[]);

@@ -56,13 +56,18 @@ impl LearnerHandle {
                 let mut trainer = trainer;
                 while let Some(cmd) = rx.blocking_recv() {
                     match cmd {
-                        Command::Step { examples, publish, reply } => {
+                        Command::Step {
+                            examples,
+                            publish,
+                            reply,
+                        } => {
                             let report = trainer.step(&examples);
                             let published = if publish {
                                 match publish_next(&trainer, &store) {
                                     Ok(pv) => Some(pv),
                                     Err(e) => {
-                                        let _ = reply.send(Err(format!("publishing weights: {e:#}")));
+                                        let _ =
+                                            reply.send(Err(format!("publishing weights: {e:#}")));
                                         continue;
                                     }
                                 }
@@ -92,7 +97,8 @@ impl LearnerHandle {
             .send(make(reply))
             .await
             .map_err(|_| Status::unavailable("the trainer thread has stopped"))?;
-        rx.await.map_err(|_| Status::internal("the trainer thread dropped a request"))
+        rx.await
+            .map_err(|_| Status::internal("the trainer thread dropped a request"))
     }
 }
 
@@ -104,7 +110,12 @@ fn publish_next(trainer: &Trainer, store: &WeightsStore) -> Result<PublishedVers
     Ok(pv)
 }
 
-fn save_checkpoint(trainer: &Trainer, store: &WeightsStore, model_dir: &Path, dir: &Path) -> Result<u64> {
+fn save_checkpoint(
+    trainer: &Trainer,
+    store: &WeightsStore,
+    model_dir: &Path,
+    dir: &Path,
+) -> Result<u64> {
     trainer.save_dir(dir)?;
     let tok = model_dir.join("tokenizer.json");
     if tok.exists() {
@@ -136,11 +147,18 @@ impl Learner for LearnerHandle {
                         return;
                     }
                 };
-                let examples: Vec<(Vec<u32>, Vec<bool>)> =
-                    batch.examples.into_iter().map(|e| (e.tokens, e.loss_mask)).collect();
+                let examples: Vec<(Vec<u32>, Vec<bool>)> = batch
+                    .examples
+                    .into_iter()
+                    .map(|e| (e.tokens, e.loss_mask))
+                    .collect();
                 let publish = batch.publish;
                 let result = handle
-                    .call(|reply| Command::Step { examples, publish, reply })
+                    .call(|reply| Command::Step {
+                        examples,
+                        publish,
+                        reply,
+                    })
                     .await
                     .and_then(|r| r.map_err(Status::internal));
                 let msg = result.map(|(report, published)| TrainProgress {
@@ -159,7 +177,9 @@ impl Learner for LearnerHandle {
                 }
             }
         });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
     async fn status(
@@ -202,7 +222,10 @@ pub struct ServeOptions {
 }
 
 /// Runs the learner until `shutdown` resolves.
-pub async fn serve(opts: ServeOptions, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<()> {
+pub async fn serve(
+    opts: ServeOptions,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<()> {
     let trainer = Trainer::from_model_dir(&opts.model_dir, opts.config.clone())?;
     tracing::info!(
         parameters = trainer.policy().config().num_parameters(),
@@ -226,7 +249,10 @@ pub async fn serve(opts: ServeOptions, shutdown: impl std::future::Future<Output
                 .max_encoding_message_size(tutor_proto::MAX_MESSAGE_BYTES),
         )
         .add_service(WeightsServer::new(store))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
         .await
         .context("learner server")?;
     tracing::info!("learner stopped");

@@ -36,8 +36,9 @@ impl Trainer {
     pub fn from_model_dir(model_dir: &Path, config: LearnerConfig) -> Result<Self> {
         let device = Device::Cpu;
         let policy = if model_dir.join("model.safetensors").exists() {
-            Policy::load_dir(model_dir, device)
-                .with_context(|| format!("loading the initial model from {}", model_dir.display()))?
+            Policy::load_dir(model_dir, device).with_context(|| {
+                format!("loading the initial model from {}", model_dir.display())
+            })?
         } else {
             let cfg_path = model_dir.join("config.json");
             let mc = ModelConfig::load(&cfg_path)
@@ -57,7 +58,12 @@ impl Trainer {
         }
         .build(policy.var_store(), config.lr_at(0))
         .context("building the AdamW optimizer")?;
-        Ok(Self { policy, optimizer, config, steps: 0 })
+        Ok(Self {
+            policy,
+            optimizer,
+            config,
+            steps: 0,
+        })
     }
 
     pub fn policy(&self) -> &Policy {
@@ -83,7 +89,13 @@ impl Trainer {
         let lr = self.config.lr_at(self.steps);
         if examples.is_empty() {
             // Nothing to learn from (e.g. only format-error labels): no update, no step.
-            return StepReport { loss: 0.0, grad_norm: 0.0, label_tokens: 0, learning_rate: lr, seconds: 0.0 };
+            return StepReport {
+                loss: 0.0,
+                grad_norm: 0.0,
+                label_tokens: 0,
+                learning_rate: lr,
+                seconds: 0.0,
+            };
         }
         self.optimizer.set_lr(lr);
         let batch = PaddedBatch::new(examples, self.policy.device());
@@ -145,16 +157,29 @@ mod tests {
         mc.intermediate_size = 64;
         mc.head_dim = 8;
         let policy = Policy::new(mc, Device::Cpu, 3);
-        Trainer::new(policy, LearnerConfig { learning_rate: 1e-2, warmup_steps: 0, ..Default::default() })
-            .unwrap()
+        Trainer::new(
+            policy,
+            LearnerConfig {
+                learning_rate: 1e-2,
+                warmup_steps: 0,
+                ..Default::default()
+            },
+        )
+        .unwrap()
     }
 
     #[test]
     fn loss_goes_down_on_repeated_data() {
         let mut t = tiny_trainer();
         let ex = vec![
-            (vec![1u32, 5, 9, 13, 17, 21, 25, 2], vec![false, false, false, true, true, true, true, true]),
-            (vec![1u32, 7, 11, 3, 2], vec![false, false, true, true, true]),
+            (
+                vec![1u32, 5, 9, 13, 17, 21, 25, 2],
+                vec![false, false, false, true, true, true, true, true],
+            ),
+            (
+                vec![1u32, 7, 11, 3, 2],
+                vec![false, false, true, true, true],
+            ),
         ];
         let first = t.step(&ex);
         let mut last = first;
@@ -162,7 +187,12 @@ mod tests {
             last = t.step(&ex);
         }
         assert!(first.loss.is_finite() && first.grad_norm > 0.0);
-        assert!(last.loss < first.loss * 0.5, "loss {} -> {}", first.loss, last.loss);
+        assert!(
+            last.loss < first.loss * 0.5,
+            "loss {} -> {}",
+            first.loss,
+            last.loss
+        );
         assert_eq!(first.label_tokens, 5 + 3);
     }
 

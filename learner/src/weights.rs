@@ -33,7 +33,10 @@ pub struct WeightsStore {
 impl WeightsStore {
     pub fn new(dir: &Path) -> Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        Ok(Self { dir: dir.to_path_buf(), versions: Default::default() })
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            versions: Default::default(),
+        })
     }
 
     /// Where version `v` is written before `register` makes it visible.
@@ -46,17 +49,34 @@ impl WeightsStore {
         let path = self.path_for(version);
         let data = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
         let sha256 = hex::encode(Sha256::digest(&data));
-        let pv = PublishedVersion { version, path, sha256, bytes: data.len() as u64 };
-        self.versions.write().expect("weights store lock").insert(version, pv.clone());
+        let pv = PublishedVersion {
+            version,
+            path,
+            sha256,
+            bytes: data.len() as u64,
+        };
+        self.versions
+            .write()
+            .expect("weights store lock")
+            .insert(version, pv.clone());
         Ok(pv)
     }
 
     pub fn get(&self, version: u64) -> Option<PublishedVersion> {
-        self.versions.read().expect("weights store lock").get(&version).cloned()
+        self.versions
+            .read()
+            .expect("weights store lock")
+            .get(&version)
+            .cloned()
     }
 
     pub fn latest(&self) -> Option<PublishedVersion> {
-        self.versions.read().expect("weights store lock").values().next_back().cloned()
+        self.versions
+            .read()
+            .expect("weights store lock")
+            .values()
+            .next_back()
+            .cloned()
     }
 }
 
@@ -71,9 +91,9 @@ impl Weights for WeightsStore {
         request: Request<FetchWeightsRequest>,
     ) -> Result<Response<Self::FetchStream>, Status> {
         let version = request.into_inner().version;
-        let pv = self
-            .get(version)
-            .ok_or_else(|| Status::not_found(format!("policy version {version} is not published")))?;
+        let pv = self.get(version).ok_or_else(|| {
+            Status::not_found(format!("policy version {version} is not published"))
+        })?;
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         tokio::spawn(async move {
             let result: Result<(), Status> = async {
@@ -101,7 +121,11 @@ impl Weights for WeightsStore {
                         offset,
                         data: buf,
                         total_bytes: pv.bytes,
-                        sha256: if offset == 0 { pv.sha256.clone() } else { String::new() },
+                        sha256: if offset == 0 {
+                            pv.sha256.clone()
+                        } else {
+                            String::new()
+                        },
                         last,
                     };
                     offset += filled as u64;
@@ -118,6 +142,8 @@ impl Weights for WeightsStore {
                 let _ = tx.send(Err(status)).await;
             }
         });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 }

@@ -1,1 +1,14 @@
-//! placeholder
+//! Rollout worker: runs episodes (sandbox, student, teacher, grading) for leases from the
+//! coordinator and streams every turn back; also the task formats and the toy tasks.
+
+pub mod action;
+pub mod episode;
+pub mod grade;
+pub mod observation;
+pub mod sandbox;
+pub mod student;
+pub mod tasks;
+pub mod teacher;
+pub mod toy;
+pub mod weights;
+pub mod worker;

@@ -1,1 +1,1 @@
-//! Cross-process tests live in tests/tests/.
+//! Cross-process tests live in tests/tests/; they drive the `tutor` binary.

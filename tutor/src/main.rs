@@ -1,1 +1,272 @@
-fn main() {}
+//! `tutor`: one binary for every role, so one image serves the whole system.
+
+mod config;
+mod prepare;
+mod run;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+
+use crate::config::RunConfig;
+
+#[derive(Parser)]
+#[command(
+    name = "tutor",
+    version,
+    about = "Train multi-turn software-engineering agents with turn-level DAgger.",
+    long_about = "Train multi-turn software-engineering agents with turn-level DAgger.\n\n\
+        `tutor run --config configs/quickstart.toml` runs everything on this machine: a learner, a \
+        coordinator and rollout workers as separate processes talking gRPC on 127.0.0.1. The other \
+        subcommands start one role each, for clusters.\n\n\
+        Any config field can be overridden from the environment: TUTOR_<SECTION>__<FIELD>, e.g. \
+        TUTOR_COORDINATOR__ITERATIONS=2."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a whole training run on this machine (learner + coordinator + workers).
+    Run {
+        /// Run config (TOML); see configs/quickstart.toml.
+        #[arg(long, env = "TUTOR_CONFIG")]
+        config: PathBuf,
+    },
+    /// Start the coordinator: leases episodes, stores trajectories, drives the learner.
+    Coordinator {
+        #[arg(long)]
+        config: PathBuf,
+        /// Run directory: trajectories, metrics.jsonl and the checkpoint go here.
+        #[arg(long)]
+        run_dir: PathBuf,
+        /// Learner gRPC endpoint, e.g. http://127.0.0.1:7301.
+        #[arg(long, env = "TUTOR_LEARNER")]
+        learner: String,
+        /// Training tasks (JSONL).
+        #[arg(long)]
+        train_tasks: PathBuf,
+        /// Held-out tasks for student-only evaluation (JSONL).
+        #[arg(long)]
+        heldout_tasks: Option<PathBuf>,
+        #[arg(long, default_value = "127.0.0.1:7300")]
+        listen: SocketAddr,
+        /// Write the bound address here once listening (use with port 0).
+        #[arg(long)]
+        addr_file: Option<PathBuf>,
+    },
+    /// Start the learner: trains on batches from the coordinator, serves the weights.
+    Learner {
+        #[arg(long)]
+        config: PathBuf,
+        /// Student model directory: config.json (+ tokenizer.json, optional model.safetensors).
+        #[arg(long)]
+        model_dir: PathBuf,
+        /// Published versions are written here.
+        #[arg(long)]
+        out_dir: PathBuf,
+        #[arg(long, default_value = "127.0.0.1:7301")]
+        listen: SocketAddr,
+        #[arg(long)]
+        addr_file: Option<PathBuf>,
+    },
+    /// Start a rollout worker: runs leased episodes in sandboxes with student and teacher.
+    Worker {
+        #[arg(long)]
+        config: PathBuf,
+        /// Coordinator gRPC endpoint, e.g. http://127.0.0.1:7300.
+        #[arg(long, env = "TUTOR_COORDINATOR")]
+        coordinator: String,
+        /// Student model directory (config.json, tokenizer.json).
+        #[arg(long)]
+        model_dir: PathBuf,
+        #[arg(long, default_value = "worker")]
+        name: String,
+        /// Where downloaded weights are staged.
+        #[arg(long)]
+        cache_dir: Option<PathBuf>,
+    },
+    /// Task files.
+    Tasks {
+        #[command(subcommand)]
+        command: TasksCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum TasksCmd {
+    /// Generate toy Python repositories with one planted bug each (SWE-bench-style JSONL).
+    Toy {
+        /// Number of tasks.
+        #[arg(long, default_value_t = 40)]
+        n: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Output JSONL (the training part when --heldout-out is given).
+        #[arg(long)]
+        out: PathBuf,
+        /// Also split off held-out tasks into this file (no task on both sides).
+        #[arg(long)]
+        heldout_out: Option<PathBuf>,
+        #[arg(long, default_value_t = 0.2)]
+        heldout_fraction: f64,
+    },
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing the SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutdown signal received");
+}
+
+fn load_proto_tasks(path: &std::path::Path) -> Result<Vec<tutor_proto::Task>> {
+    let tasks = tutor_rollout::tasks::load_tasks(path)?;
+    Ok(tasks.iter().map(tutor_proto::Task::from).collect())
+}
+
+#[tokio::main]
+async fn main() {
+    init_logging();
+    let cli = Cli::parse();
+    if let Err(e) = dispatch(cli).await {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+async fn dispatch(cli: Cli) -> Result<()> {
+    match cli.command {
+        Cmd::Run { config } => run::run(&config).await,
+        Cmd::Coordinator {
+            config,
+            run_dir,
+            learner,
+            train_tasks,
+            heldout_tasks,
+            listen,
+            addr_file,
+        } => {
+            let (cfg, _) = RunConfig::load(&config)?;
+            let train = load_proto_tasks(&train_tasks)?;
+            let heldout = match heldout_tasks {
+                Some(p) => load_proto_tasks(&p)?,
+                None => Vec::new(),
+            };
+            tutor_coordinator::serve(
+                tutor_coordinator::ServeOptions {
+                    listen,
+                    run_dir,
+                    learner_endpoint: learner,
+                    config: cfg.coordinator,
+                    train_tasks: train,
+                    heldout_tasks: heldout,
+                    addr_file,
+                },
+                shutdown_signal(),
+            )
+            .await
+        }
+        Cmd::Learner {
+            config,
+            model_dir,
+            out_dir,
+            listen,
+            addr_file,
+        } => {
+            let (cfg, _) = RunConfig::load(&config)?;
+            tutor_learner::serve(
+                tutor_learner::ServeOptions {
+                    listen,
+                    model_dir,
+                    out_dir,
+                    config: cfg.learner,
+                    addr_file,
+                },
+                shutdown_signal(),
+            )
+            .await
+        }
+        Cmd::Worker {
+            config,
+            coordinator,
+            model_dir,
+            name,
+            cache_dir,
+        } => {
+            let (cfg, _) = RunConfig::load(&config)?;
+            let cache_dir = match cache_dir {
+                Some(d) => d,
+                None => std::env::temp_dir().join(format!("tutor-weights-{}", std::process::id())),
+            };
+            tutor_rollout::worker::run_worker(
+                tutor_rollout::worker::WorkerOptions {
+                    name,
+                    coordinator,
+                    model_dir,
+                    cache_dir,
+                    config: cfg.worker,
+                },
+                shutdown_signal(),
+            )
+            .await
+        }
+        Cmd::Tasks {
+            command:
+                TasksCmd::Toy {
+                    n,
+                    seed,
+                    out,
+                    heldout_out,
+                    heldout_fraction,
+                },
+        } => {
+            if n == 0 {
+                anyhow::bail!("--n must be at least 1");
+            }
+            if !(0.0..1.0).contains(&heldout_fraction) {
+                anyhow::bail!("--heldout-fraction must lie in [0, 1)");
+            }
+            let tasks = tutor_rollout::toy::generate(n, seed);
+            match heldout_out {
+                Some(h) => {
+                    let (train, heldout) = tutor_rollout::toy::split(tasks, heldout_fraction);
+                    tutor_rollout::tasks::write_tasks(&out, &train)
+                        .with_context(|| format!("writing {}", out.display()))?;
+                    tutor_rollout::tasks::write_tasks(&h, &heldout)
+                        .with_context(|| format!("writing {}", h.display()))?;
+                    println!(
+                        "{} training tasks → {}, {} held-out → {}",
+                        train.len(),
+                        out.display(),
+                        heldout.len(),
+                        h.display()
+                    );
+                }
+                None => {
+                    tutor_rollout::tasks::write_tasks(&out, &tasks)
+                        .with_context(|| format!("writing {}", out.display()))?;
+                    println!("{} tasks → {}", tasks.len(), out.display());
+                }
+            }
+            Ok(())
+        }
+    }
+}

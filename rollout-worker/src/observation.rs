@@ -1,0 +1,116 @@
+//! Observation text shown to the model after each command: head+tail truncated output,
+//! exit status / timeout notice, and the SWE-agent style prompt footer.
+
+/// Keeps the first and last halves of `s` (by characters) when it is longer than
+/// `max_chars`, with a marker saying how much was elided in between. The kept text is at
+/// most `max_chars` characters; the marker comes on top. Never splits a UTF-8 character.
+pub fn truncate_head_tail(s: &str, max_chars: usize) -> String {
+    let total = s.chars().count();
+    if total <= max_chars {
+        return s.to_string();
+    }
+    let head = max_chars / 2;
+    let tail = max_chars - head;
+    let elided = total - head - tail;
+    // Byte offsets of the head end and the tail start, found by character index.
+    let head_end = s.char_indices().nth(head).map_or(s.len(), |(i, _)| i);
+    let tail_start = s
+        .char_indices()
+        .nth(total - tail)
+        .map_or(s.len(), |(i, _)| i);
+    format!(
+        "{}\n<... {elided} characters elided ...>\n{}",
+        &s[..head_end],
+        &s[tail_start..]
+    )
+}
+
+/// Renders one observation: the command output (truncated to `max_chars`), a note when the
+/// command timed out or failed, and the footer
+/// `(Current directory: D, current file: F) bash-$`.
+pub fn format_observation(
+    output: &str,
+    exit_code: i32,
+    timed_out: bool,
+    cwd: &str,
+    current_file: Option<&str>,
+    max_chars: usize,
+) -> String {
+    let mut out = String::new();
+    let body = truncate_head_tail(output, max_chars);
+    if body.trim().is_empty() {
+        if !timed_out && exit_code == 0 {
+            out.push_str("Your command ran successfully and did not produce any output.\n");
+        }
+    } else {
+        out.push_str(&body);
+        if !body.ends_with('\n') {
+            out.push('\n');
+        }
+    }
+    if timed_out {
+        out.push_str(
+            "The command timed out and was killed (with all processes it started). Avoid \
+             interactive or long-running commands; run something quicker or in smaller steps.\n",
+        );
+    } else if exit_code != 0 {
+        out.push_str(&format!("(exit code {exit_code})\n"));
+    }
+    out.push_str(&format!(
+        "(Current directory: {cwd}, current file: {}) bash-$",
+        current_file.unwrap_or("none")
+    ));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_text_is_unchanged() {
+        assert_eq!(truncate_head_tail("hello", 5), "hello");
+        assert_eq!(truncate_head_tail("", 0), "");
+    }
+
+    #[test]
+    fn long_text_keeps_head_and_tail() {
+        let s: String = (0..100)
+            .map(|i| char::from(b'a' + (i % 26) as u8))
+            .collect();
+        let t = truncate_head_tail(&s, 10);
+        assert!(t.starts_with(&s[..5]));
+        assert!(t.ends_with(&s[95..]));
+        assert!(t.contains("<... 90 characters elided ...>"));
+    }
+
+    #[test]
+    fn multibyte_characters_are_never_split() {
+        let s = "é🦀".repeat(50);
+        for max in 0..30 {
+            let t = truncate_head_tail(&s, max);
+            let kept = t.chars().filter(|c| *c == 'é' || *c == '🦀').count();
+            assert_eq!(kept, max);
+        }
+    }
+
+    #[test]
+    fn footer_and_status_lines() {
+        let o = format_observation("out", 0, false, "~/repo", None, 100);
+        assert_eq!(
+            o,
+            "out\n(Current directory: ~/repo, current file: none) bash-$"
+        );
+        let o = format_observation("", 2, false, "~/repo/tests", Some("a.py"), 100);
+        assert!(o.contains("(exit code 2)"));
+        assert!(o.ends_with("(Current directory: ~/repo/tests, current file: a.py) bash-$"));
+        let o = format_observation("partial", 124, true, "~/repo", None, 100);
+        assert!(o.contains("timed out"));
+        assert!(!o.contains("exit code"));
+        let o = format_observation("", 0, false, "~/repo", None, 100);
+        assert!(o.contains("did not produce any output"));
+        let big = "x".repeat(1000);
+        let o = format_observation(&big, 0, false, "~/repo", None, 100);
+        assert!(o.contains("900 characters elided"));
+    }
+}

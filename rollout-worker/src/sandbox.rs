@@ -1,0 +1,1098 @@
+//! Local sandbox: one temporary git repository per episode, commands run with `bash` in
+//! their own process group with a timeout, an output cap and a persistent directory.
+//!
+//! Layout of a sandbox (`T` = a fresh temporary directory):
+//! - `T/repo`   — the task's repository, committed once as the base commit;
+//! - `T/.tutor` — bookkeeping outside the repo (command file, cwd file, shims, indexes);
+//! - `T/tmp`    — `TMPDIR` for commands.
+//!
+//! `HOME` is `T`, so the repository root is `~/repo` inside commands, and that is how
+//! [`LocalSandbox::cwd`] displays it (`~/repo`, `~/repo/tests`, …; paths outside `T` are
+//! shown absolute). The same spelling works in commands (`cd ~/repo`), which keeps
+//! teacher labels free of random temp-dir names. `$REPO` also holds the absolute root.
+//!
+//! Each command runs in a fresh `bash` (`--noprofile --norc`); only the working directory
+//! carries over (recorded by an EXIT trap). Environment changes and background jobs do
+//! not: when a command's shell exits, its whole process group is killed, so `sleep 1000 &`
+//! never outlives its command (and cannot keep the output pipe open). A process that
+//! leaves the group on purpose (`setsid`) escapes this; output collection then stops after
+//! a short grace period.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Component, Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::tasks::TaskRecord;
+
+/// How the repository root is spelled in commands and in the observation footer.
+pub const REPO_DISPLAY: &str = "~/repo";
+
+/// Default cap on captured command output (head and tail halves are kept).
+pub const DEFAULT_OUTPUT_CAP: usize = 1 << 20;
+
+/// Exit code reported for a command killed by the timeout (as coreutils `timeout` does).
+pub const TIMEOUT_EXIT_CODE: i32 = 124;
+
+/// How long output is still collected after the shell exited, for stray writers.
+const DRAIN_GRACE: Duration = Duration::from_millis(300);
+
+/// Environment variable naming the sandbox a process belongs to.
+const SANDBOX_TAG: &str = "TUTOR_SANDBOX";
+
+/// Pinned identity and dates: base commits get the same hash for the same files.
+const GIT_NAME: &str = "Tutor";
+const GIT_EMAIL: &str = "tutor@localhost";
+const GIT_DATE: &str = "2000-01-01T00:00:00Z";
+
+/// The Python interpreter commands and the grader use: `$TUTOR_PYTHON`, else `python3`.
+/// `python`, `python3` and `pytest` resolve to it inside the sandbox.
+pub fn python_interpreter() -> PathBuf {
+    let name = std::env::var_os("TUTOR_PYTHON")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("python3"));
+    if name.components().count() > 1 || name.is_absolute() {
+        // A path: make it absolute but do not resolve symlinks (a venv's python is a
+        // symlink, and resolving it would leave the venv).
+        if name.is_absolute() {
+            return name;
+        }
+        return std::env::current_dir()
+            .map(|d| d.join(&name))
+            .unwrap_or(name);
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            let cand = dir.join(&name);
+            if cand.is_file() {
+                return cand;
+            }
+        }
+    }
+    name
+}
+
+/// Quotes `s` for bash with single quotes.
+pub fn shell_quote(s: &str) -> String {
+    if !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_./=:,+@%".contains(&b))
+    {
+        return s.to_string();
+    }
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+/// Result of one command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommandOutput {
+    /// stdout and stderr interleaved, lossy UTF-8, head+tail capped.
+    pub output: String,
+    /// Exit status; `128 + signal` when killed by a signal; [`TIMEOUT_EXIT_CODE`] on timeout.
+    pub exit_code: i32,
+    pub timed_out: bool,
+}
+
+/// Why a sandbox could not be created.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error("task `{0}` carries no repository files; image-based tasks need a container sandbox, the local sandbox only runs tasks with inline `files`")]
+    NoFiles(String),
+    #[error("task file path `{0}` is not a safe relative path (absolute or containing `..`); fix the task record")]
+    UnsafePath(String),
+    #[error("sandbox I/O failed while {context}: {source} (check free disk space and permissions of the sandbox root)")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "`git {args}` failed while preparing the sandbox (is git installed and on PATH?): {output}"
+    )]
+    Git { args: String, output: String },
+}
+
+fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> SandboxError {
+    let context = context.into();
+    move |source| SandboxError::Io { context, source }
+}
+
+/// Output of an internal git invocation.
+#[derive(Debug, Clone)]
+pub struct GitOutput {
+    pub success: bool,
+    pub stdout: Vec<u8>,
+    pub stderr: String,
+}
+
+/// A repository in a temporary directory, removed on drop.
+pub struct LocalSandbox {
+    dir: Option<tempfile::TempDir>,
+    /// Canonical `T`.
+    home: PathBuf,
+    repo: PathBuf,
+    state: PathBuf,
+    cwd: PathBuf,
+    base: String,
+    env: Vec<(String, String)>,
+    output_cap: usize,
+}
+
+/// Rejects absolute paths and `..` so task files and `read_file` stay inside the repo.
+fn safe_rel(rel: &str) -> Option<PathBuf> {
+    let p = Path::new(rel);
+    let mut out = PathBuf::new();
+    for c in p.components() {
+        match c {
+            Component::Normal(x) => out.push(x),
+            Component::CurDir => {}
+            _ => return None,
+        }
+    }
+    if out.as_os_str().is_empty() {
+        None
+    } else {
+        Some(out)
+    }
+}
+
+impl LocalSandbox {
+    /// Creates the sandbox under `root` (default: the system temp dir), writes the task's
+    /// files and commits them as the base commit.
+    pub fn create(task: &TaskRecord, root: Option<&Path>) -> Result<Self, SandboxError> {
+        if task.files.is_empty() {
+            return Err(SandboxError::NoFiles(task.instance_id.clone()));
+        }
+        let builder = {
+            let mut b = tempfile::Builder::new();
+            b.prefix("tutor-sbx-");
+            b
+        };
+        let dir = match root {
+            Some(r) => {
+                std::fs::create_dir_all(r).map_err(io_err(format!("creating {}", r.display())))?;
+                builder.tempdir_in(r)
+            }
+            None => builder.tempdir(),
+        }
+        .map_err(io_err("creating the sandbox directory"))?;
+        // Canonical, because bash reports the physical cwd and we compare against it.
+        let home = dir
+            .path()
+            .canonicalize()
+            .map_err(io_err("resolving the sandbox directory"))?;
+        let repo = home.join("repo");
+        let state = home.join(".tutor");
+        let bin = state.join("bin");
+        for d in [&repo, &bin, &home.join("tmp")] {
+            std::fs::create_dir_all(d).map_err(io_err(format!("creating {}", d.display())))?;
+        }
+
+        let python = python_interpreter();
+        write_shims(&bin, &python)?;
+        let mut path_var = bin.display().to_string();
+        if let Some(pdir) = python.parent().filter(|p| !p.as_os_str().is_empty()) {
+            path_var.push(':');
+            path_var.push_str(&pdir.display().to_string());
+        }
+        let inherited =
+            std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into());
+        path_var.push(':');
+        path_var.push_str(&inherited);
+
+        let gitconfig = home.join(".gitconfig");
+        std::fs::write(
+            &gitconfig,
+            format!(
+                "[user]\n\tname = {GIT_NAME}\n\temail = {GIT_EMAIL}\n[commit]\n\tgpgsign = false\n\
+                 [tag]\n\tgpgsign = false\n[core]\n\thooksPath = /dev/null\n\tpager = cat\n\
+                 [init]\n\tdefaultBranch = main\n[advice]\n\tdetachedHead = false\n"
+            ),
+        )
+        .map_err(io_err("writing .gitconfig"))?;
+
+        let s = |v: &Path| v.display().to_string();
+        let env: Vec<(String, String)> = vec![
+            ("PATH".into(), path_var),
+            ("HOME".into(), s(&home)),
+            ("REPO".into(), s(&repo)),
+            ("TMPDIR".into(), s(&home.join("tmp"))),
+            ("LANG".into(), "C.UTF-8".into()),
+            ("LC_ALL".into(), "C.UTF-8".into()),
+            ("TERM".into(), "dumb".into()),
+            ("PAGER".into(), "cat".into()),
+            ("GIT_PAGER".into(), "cat".into()),
+            ("MANPAGER".into(), "cat".into()),
+            ("PYTHONDONTWRITEBYTECODE".into(), "1".into()),
+            ("PYTHONUNBUFFERED".into(), "1".into()),
+            ("PIP_DISABLE_PIP_VERSION_CHECK".into(), "1".into()),
+            ("GIT_CONFIG_NOSYSTEM".into(), "1".into()),
+            ("GIT_CONFIG_GLOBAL".into(), s(&gitconfig)),
+            ("GIT_TERMINAL_PROMPT".into(), "0".into()),
+            ("GIT_AUTHOR_NAME".into(), GIT_NAME.into()),
+            ("GIT_AUTHOR_EMAIL".into(), GIT_EMAIL.into()),
+            ("GIT_COMMITTER_NAME".into(), GIT_NAME.into()),
+            ("GIT_COMMITTER_EMAIL".into(), GIT_EMAIL.into()),
+            ("GIT_AUTHOR_DATE".into(), GIT_DATE.into()),
+            ("GIT_COMMITTER_DATE".into(), GIT_DATE.into()),
+            // Tags every process of this sandbox, so Drop can find ones that left the
+            // process group (setsid, daemons).
+            (SANDBOX_TAG.into(), s(&home)),
+        ];
+
+        for f in &task.files {
+            let rel = safe_rel(&f.path).ok_or_else(|| SandboxError::UnsafePath(f.path.clone()))?;
+            let dest = repo.join(rel);
+            if let Some(parent) = dest.parent() {
+                std::fs::create_dir_all(parent)
+                    .map_err(io_err(format!("creating {}", parent.display())))?;
+            }
+            std::fs::write(&dest, &f.content).map_err(io_err(format!("writing {}", f.path)))?;
+        }
+
+        let mut sb = LocalSandbox {
+            dir: Some(dir),
+            home,
+            repo: repo.clone(),
+            state,
+            cwd: repo,
+            base: String::new(),
+            env,
+            output_cap: DEFAULT_OUTPUT_CAP,
+        };
+        sb.git_ok(&["init", "-q"])?;
+        for (k, v) in [
+            ("user.name", GIT_NAME),
+            ("user.email", GIT_EMAIL),
+            ("commit.gpgsign", "false"),
+            ("core.hooksPath", "/dev/null"),
+            ("core.autocrlf", "false"),
+        ] {
+            sb.git_ok(&["config", k, v])?;
+        }
+        // Byte-code and pytest caches never belong in a submission.
+        let exclude = sb.repo.join(".git/info/exclude");
+        if let Some(p) = exclude.parent() {
+            std::fs::create_dir_all(p).map_err(io_err("creating .git/info"))?;
+        }
+        std::fs::write(
+            &exclude,
+            "__pycache__/\n*.pyc\n.pytest_cache/\n*.egg-info/\n",
+        )
+        .map_err(io_err("writing .git/info/exclude"))?;
+        sb.git_ok(&["add", "-A"])?;
+        sb.git_ok(&["commit", "-q", "--no-verify", "--no-gpg-sign", "-m", "base"])?;
+        let head = sb.git_ok(&["rev-parse", "HEAD"])?;
+        sb.base = String::from_utf8_lossy(&head).trim().to_string();
+        Ok(sb)
+    }
+
+    /// Sets the cap (bytes) on captured output per command.
+    pub fn set_output_cap(&mut self, bytes: usize) {
+        self.output_cap = bytes.max(2);
+    }
+
+    /// The repository root (absolute, canonical).
+    pub fn root(&self) -> &Path {
+        &self.repo
+    }
+
+    /// The sandbox's home directory (`T`), which holds the repo.
+    pub fn home(&self) -> &Path {
+        &self.home
+    }
+
+    /// A scratch directory outside the repository (never part of a diff).
+    pub fn scratch_dir(&self) -> &Path {
+        &self.state
+    }
+
+    /// Hash of the base commit every diff is taken against.
+    pub fn base_commit(&self) -> &str {
+        &self.base
+    }
+
+    /// Current directory as shown to the model: `~/repo[/sub]`, `~[/sub]`, or absolute.
+    pub fn cwd(&self) -> String {
+        if let Ok(rel) = self.cwd.strip_prefix(&self.repo) {
+            if rel.as_os_str().is_empty() {
+                return REPO_DISPLAY.to_string();
+            }
+            return format!("{REPO_DISPLAY}/{}", rel.display());
+        }
+        if let Ok(rel) = self.cwd.strip_prefix(&self.home) {
+            if rel.as_os_str().is_empty() {
+                return "~".to_string();
+            }
+            return format!("~/{}", rel.display());
+        }
+        self.cwd.display().to_string()
+    }
+
+    /// Absolute current directory.
+    pub fn cwd_path(&self) -> &Path {
+        &self.cwd
+    }
+
+    /// True when the current directory is the repository root.
+    pub fn at_root(&self) -> bool {
+        self.cwd == self.repo
+    }
+
+    /// Reads a file relative to the repository root (`None` if missing, a directory, or
+    /// the path escapes the repo). Invalid UTF-8 is replaced.
+    pub fn read_file(&self, rel: &str) -> Option<String> {
+        let p = self.repo.join(safe_rel(rel)?);
+        let bytes = std::fs::read(p).ok()?;
+        Some(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// A file's content at the base commit (`None` if it did not exist there).
+    pub fn base_file(&self, rel: &str) -> Option<String> {
+        safe_rel(rel)?;
+        let spec = format!("{}:{}", self.base, rel.trim_start_matches("./"));
+        let out = self.git(&["cat-file", "blob", &spec], None).ok()?;
+        out.success
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Current `HEAD` (differs from the base if the agent committed).
+    pub fn head(&self) -> Option<String> {
+        let out = self
+            .git(&["rev-parse", "-q", "--verify", "HEAD"], None)
+            .ok()?;
+        out.success
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+    }
+
+    /// The submission: every change relative to the base commit, new files included, as a
+    /// git-apply-able patch. Uses a private index so the agent's staging area is untouched.
+    /// Empty if git fails (e.g. the agent deleted `.git`).
+    pub fn diff(&self) -> String {
+        match self.diff_cached(&[
+            "--binary",
+            "--no-color",
+            "--no-ext-diff",
+            "--no-textconv",
+            "--no-renames",
+            "--src-prefix=a/",
+            "--dst-prefix=b/",
+        ]) {
+            Some(b) => String::from_utf8_lossy(&b).into_owned(),
+            None => String::new(),
+        }
+    }
+
+    /// Paths changed relative to the base commit (added, modified or deleted).
+    pub fn changed_files(&self) -> Vec<String> {
+        match self.diff_cached(&["--name-only", "-z", "--no-renames"]) {
+            Some(b) => b
+                .split(|&c| c == 0)
+                .filter(|s| !s.is_empty())
+                .map(|s| String::from_utf8_lossy(s).into_owned())
+                .collect(),
+            None => Vec::new(),
+        }
+    }
+
+    fn diff_cached(&self, extra: &[&str]) -> Option<Vec<u8>> {
+        let index = self.state.join("diff-index");
+        let _ = std::fs::create_dir_all(&self.state);
+        let _ = std::fs::remove_file(&index);
+        let index_s = index.display().to_string();
+        let env = [("GIT_INDEX_FILE", index_s.as_str())];
+        let steps: [&[&str]; 2] = [&["read-tree", &self.base], &["add", "-A", "--", "."]];
+        for args in steps {
+            let out = self.git_env(args, None, &env).ok()?;
+            if !out.success {
+                tracing::warn!(args = ?args, stderr = %out.stderr, "sandbox diff: git failed");
+                return None;
+            }
+        }
+        let mut args = vec!["diff", "--cached"];
+        args.extend_from_slice(extra);
+        args.push(&self.base);
+        args.push("--");
+        let out = self.git_env(&args, None, &env).ok()?;
+        if !out.success {
+            tracing::warn!(stderr = %out.stderr, "sandbox diff: git diff failed");
+            return None;
+        }
+        Some(out.stdout)
+    }
+
+    /// Contents of the files `patch` touches once applied to the base commit (`None` for
+    /// files it deletes), computed on a private index without touching the working tree.
+    /// `Err` with git's message if the patch does not apply to the base.
+    pub fn apply_to_base(
+        &self,
+        patch: &str,
+    ) -> Result<std::collections::BTreeMap<String, Option<String>>, String> {
+        let index = self.state.join("apply-index");
+        let _ = std::fs::create_dir_all(&self.state);
+        let _ = std::fs::remove_file(&index);
+        let index_s = index.display().to_string();
+        let env = [("GIT_INDEX_FILE", index_s.as_str())];
+        let run = |args: &[&str], stdin: Option<&[u8]>| -> Result<GitOutput, String> {
+            self.git_env(args, stdin, &env).map_err(|e| e.to_string())
+        };
+        let out = run(&["read-tree", &self.base], None)?;
+        if !out.success {
+            return Err(out.stderr);
+        }
+        let mut body = patch.to_string();
+        if !body.ends_with('\n') {
+            body.push('\n');
+        }
+        let out = run(&["apply", "--cached", "-"], Some(body.as_bytes()))?;
+        if !out.success {
+            return Err(out.stderr);
+        }
+        let mut files = std::collections::BTreeMap::new();
+        for path in crate::tasks::patch_files(patch)
+            .into_iter()
+            .chain(renamed_sources(patch))
+        {
+            let out = run(&["cat-file", "blob", &format!(":{path}")], None)?;
+            let content = out
+                .success
+                .then(|| String::from_utf8_lossy(&out.stdout).into_owned());
+            files.insert(path, content);
+        }
+        Ok(files)
+    }
+
+    /// Runs git in the repository with the sandbox environment (no shell, no timeout: only
+    /// for quick local operations).
+    pub fn git(&self, args: &[&str], stdin: Option<&[u8]>) -> std::io::Result<GitOutput> {
+        self.git_env(args, stdin, &[])
+    }
+
+    fn git_env(
+        &self,
+        args: &[&str],
+        stdin: Option<&[u8]>,
+        extra_env: &[(&str, &str)],
+    ) -> std::io::Result<GitOutput> {
+        use std::io::Write;
+        let mut cmd = Command::new("git");
+        cmd.args([
+            "-c",
+            "core.quotepath=off",
+            "-c",
+            "diff.noprefix=false",
+            "-c",
+            "core.hooksPath=/dev/null",
+        ])
+        .args(args)
+        .current_dir(&self.repo)
+        .env_clear()
+        .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .envs(extra_env.iter().copied())
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        let mut child = cmd.spawn()?;
+        if let (Some(data), Some(mut w)) = (stdin, child.stdin.take()) {
+            // Ignore EPIPE: git may stop reading early; its exit status tells the story.
+            let _ = w.write_all(data);
+        }
+        let out = child.wait_with_output()?;
+        Ok(GitOutput {
+            success: out.status.success(),
+            stdout: out.stdout,
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        })
+    }
+
+    fn git_ok(&self, args: &[&str]) -> Result<Vec<u8>, SandboxError> {
+        let out = self.git(args, None).map_err(|e| SandboxError::Git {
+            args: args.join(" "),
+            output: e.to_string(),
+        })?;
+        if !out.success {
+            return Err(SandboxError::Git {
+                args: args.join(" "),
+                output: out.stderr,
+            });
+        }
+        Ok(out.stdout)
+    }
+
+    /// Runs `command` with bash in the current directory. See the module docs for the
+    /// process-group, timeout and output-cap behaviour. Never panics; failures to start
+    /// bash are reported as output with exit code 127.
+    pub fn run(&mut self, command: &str, timeout: Duration) -> CommandOutput {
+        match self.run_inner(command, timeout) {
+            Ok(o) => o,
+            Err(e) => CommandOutput {
+                output: format!("sandbox error: could not run the command: {e}\n"),
+                exit_code: 127,
+                timed_out: false,
+            },
+        }
+    }
+
+    fn run_inner(&mut self, command: &str, timeout: Duration) -> std::io::Result<CommandOutput> {
+        std::fs::create_dir_all(&self.state)?;
+        let cmd_file = self.state.join("command.sh");
+        let cwd_file = self.state.join("cwd");
+        std::fs::write(&cmd_file, command)?;
+        let _ = std::fs::remove_file(&cwd_file);
+        let start_dir = [&self.cwd, &self.repo, &self.home]
+            .into_iter()
+            .find(|d| d.is_dir())
+            .cloned()
+            .unwrap_or_else(|| PathBuf::from("/"));
+
+        let (read_end, write_end) = make_pipe()?;
+        let write_file = File::from(write_end);
+        let mut cmd = Command::new("bash");
+        cmd.args([
+            "--noprofile",
+            "--norc",
+            "-c",
+            // The trap records the final directory even when the command calls `exit`.
+            "trap 'pwd >\"$TUTOR_CWD_FILE\" 2>/dev/null' EXIT\n. \"$TUTOR_CMD_FILE\"",
+        ])
+        .current_dir(&start_dir)
+        .env_clear()
+        .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .env("TUTOR_CWD_FILE", &cwd_file)
+        .env("TUTOR_CMD_FILE", &cmd_file)
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(write_file.try_clone()?))
+        .stderr(Stdio::from(write_file));
+        // SAFETY: setsid is async-signal-safe; it makes the child a session and process
+        // group leader, so the whole tree can be killed with one kill(-pgid).
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::setsid() == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn()?;
+        // Close our copies of the write end, or we would never see EOF.
+        drop(cmd);
+        let pgid = child.id() as libc::pid_t;
+
+        let mut reader = File::from(read_end);
+        let mut captured = Capture::new(self.output_cap);
+        let mut buf = vec![0u8; 64 * 1024];
+        let deadline = Instant::now() + timeout;
+        let mut eof = false;
+        let mut timed_out = false;
+        let mut status: Option<std::process::ExitStatus> = None;
+        let mut drain_until: Option<Instant> = None;
+        loop {
+            if !eof {
+                let mut pfd = libc::pollfd {
+                    fd: reader.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd.
+                unsafe { libc::poll(&mut pfd, 1, 20) };
+                loop {
+                    match reader.read(&mut buf) {
+                        Ok(0) => {
+                            eof = true;
+                            break;
+                        }
+                        Ok(n) => captured.push(&buf[..n]),
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                        Err(_) => {
+                            eof = true;
+                            break;
+                        }
+                    }
+                }
+            } else {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if status.is_none() {
+                if leader_exited(pgid) {
+                    // The leader is a zombie until reaped, so the pgid cannot be reused yet:
+                    // kill the rest of the group (background jobs), then reap.
+                    kill_group(pgid);
+                    status = Some(child.wait()?);
+                    drain_until = Some(Instant::now() + DRAIN_GRACE);
+                } else if Instant::now() >= deadline && !timed_out {
+                    timed_out = true;
+                    kill_group(pgid);
+                }
+            }
+            if status.is_some() && (eof || drain_until.is_some_and(|d| Instant::now() >= d)) {
+                break;
+            }
+        }
+
+        if let Ok(p) = std::fs::read_to_string(&cwd_file) {
+            let p = PathBuf::from(p.trim_end_matches('\n'));
+            if p.is_absolute() && p.is_dir() {
+                self.cwd = p;
+            }
+        }
+        let exit_code = if timed_out {
+            TIMEOUT_EXIT_CODE
+        } else {
+            let st = status.expect("loop exits only after reaping");
+            st.code().unwrap_or_else(|| {
+                use std::os::unix::process::ExitStatusExt;
+                128 + st.signal().unwrap_or(0)
+            })
+        };
+        Ok(CommandOutput {
+            output: captured.finish(),
+            exit_code,
+            timed_out,
+        })
+    }
+}
+
+/// Source paths of renames/copies in a git patch (`rename from X`), which
+/// [`crate::tasks::patch_files`] does not list.
+fn renamed_sources(patch: &str) -> Vec<String> {
+    patch
+        .lines()
+        .filter_map(|l| l.strip_prefix("rename from "))
+        .map(|p| p.trim().to_string())
+        .collect()
+}
+
+/// Creates a pipe; the read end is non-blocking, both are close-on-exec (the child gets
+/// dup2'ed copies).
+fn make_pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: fds is a valid 2-element array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } == -1 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: pipe2 returned two fresh descriptors we now own.
+    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: fcntl on a valid fd.
+    unsafe {
+        let flags = libc::fcntl(r.as_raw_fd(), libc::F_GETFL);
+        libc::fcntl(r.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK);
+    }
+    Ok((r, w))
+}
+
+/// Has `pid` exited? Checks without reaping (WNOWAIT), so the pid stays reserved.
+fn leader_exited(pid: libc::pid_t) -> bool {
+    // SAFETY: zeroed siginfo_t is a valid out-parameter.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: valid pointer; WNOHANG makes this non-blocking.
+    let r = unsafe {
+        libc::waitid(
+            libc::P_PID,
+            pid as libc::id_t,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+        )
+    };
+    // SAFETY: si_pid is valid to read after waitid fills the struct (0 if nothing exited).
+    r == 0 && unsafe { info.si_pid() } == pid
+}
+
+fn kill_group(pgid: libc::pid_t) {
+    if pgid > 1 {
+        // SAFETY: plain syscall; ESRCH (group already gone) is fine.
+        unsafe { libc::kill(-pgid, libc::SIGKILL) };
+    }
+}
+
+/// Head+tail capped byte capture: keeps the first and last halves of the cap and counts
+/// what was dropped in between, so a 100 MB print costs bounded memory and the end of a
+/// log (e.g. pytest's summary) survives.
+struct Capture {
+    head_cap: usize,
+    tail_cap: usize,
+    head: Vec<u8>,
+    tail: VecDeque<u8>,
+    dropped: u64,
+}
+
+impl Capture {
+    fn new(cap: usize) -> Self {
+        let head_cap = cap / 2;
+        Capture {
+            head_cap,
+            tail_cap: cap - head_cap,
+            head: Vec::new(),
+            tail: VecDeque::new(),
+            dropped: 0,
+        }
+    }
+
+    fn push(&mut self, mut data: &[u8]) {
+        let take = (self.head_cap - self.head.len()).min(data.len());
+        self.head.extend_from_slice(&data[..take]);
+        data = &data[take..];
+        if data.is_empty() {
+            return;
+        }
+        if data.len() >= self.tail_cap {
+            self.dropped += (self.tail.len() + data.len() - self.tail_cap) as u64;
+            self.tail.clear();
+            self.tail.extend(&data[data.len() - self.tail_cap..]);
+        } else {
+            self.tail.extend(data);
+            let over = self.tail.len().saturating_sub(self.tail_cap);
+            if over > 0 {
+                self.tail.drain(..over);
+                self.dropped += over as u64;
+            }
+        }
+    }
+
+    fn finish(self) -> String {
+        let tail: Vec<u8> = self.tail.into_iter().collect();
+        if self.dropped == 0 {
+            let mut all = self.head;
+            all.extend_from_slice(&tail);
+            return String::from_utf8_lossy(&all).into_owned();
+        }
+        format!(
+            "{}\n<... {} bytes of output dropped ...>\n{}",
+            String::from_utf8_lossy(&self.head),
+            self.dropped,
+            String::from_utf8_lossy(&tail)
+        )
+    }
+}
+
+fn write_shims(bin: &Path, python: &Path) -> Result<(), SandboxError> {
+    use std::os::unix::fs::PermissionsExt;
+    // Shell shims rather than symlinks: a symlinked venv python would not find its
+    // pyvenv.cfg and would lose the venv's packages.
+    let py = shell_quote(&python.display().to_string());
+    for (name, body) in [
+        ("python", format!("#!/bin/sh\nexec {py} \"$@\"\n")),
+        ("python3", format!("#!/bin/sh\nexec {py} \"$@\"\n")),
+        ("pytest", format!("#!/bin/sh\nexec {py} -m pytest \"$@\"\n")),
+    ] {
+        let p = bin.join(name);
+        std::fs::write(&p, body).map_err(io_err(format!("writing shim {name}")))?;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))
+            .map_err(io_err(format!("chmod shim {name}")))?;
+    }
+    Ok(())
+}
+
+/// Makes every directory under `p` writable/searchable so a tree the agent chmod'ed can be
+/// removed.
+fn make_writable(p: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(meta) = std::fs::symlink_metadata(p) else {
+        return;
+    };
+    if meta.is_dir() {
+        let _ = std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755));
+        if let Ok(rd) = std::fs::read_dir(p) {
+            for e in rd.flatten() {
+                make_writable(&e.path());
+            }
+        }
+    }
+}
+
+/// Kills processes (other than this one) whose environment carries `tag`: the ones that
+/// escaped their command's process group. Linux only (reads /proc); best effort.
+fn kill_tagged(tag: &str) {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    let me = std::process::id();
+    let needle = tag.as_bytes();
+    for e in rd.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        // Unreadable for other users' processes, which cannot be ours anyway.
+        let Ok(env) = std::fs::read(e.path().join("environ")) else {
+            continue;
+        };
+        if env.split(|&b| b == 0).any(|kv| kv == needle) {
+            // SAFETY: plain syscall on a pid we just saw; ESRCH is fine.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        }
+    }
+}
+
+impl Drop for LocalSandbox {
+    fn drop(&mut self) {
+        kill_tagged(&format!("{SANDBOX_TAG}={}", self.home.display()));
+        if let Some(dir) = self.dir.take() {
+            let path = dir.path().to_path_buf();
+            if dir.close().is_err() {
+                make_writable(&path);
+                if let Err(e) = std::fs::remove_dir_all(&path) {
+                    tracing::warn!(path = %path.display(), error = %e, "could not remove sandbox");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::tasks::RepoFileRecord;
+
+    pub(crate) fn tiny_task() -> TaskRecord {
+        TaskRecord {
+            instance_id: "t-1".into(),
+            repo: "t/t".into(),
+            base_commit: String::new(),
+            problem_statement: String::new(),
+            hints_text: String::new(),
+            patch: String::new(),
+            test_patch: String::new(),
+            fail_to_pass: vec![],
+            pass_to_pass: vec![],
+            version: String::new(),
+            files: vec![
+                RepoFileRecord {
+                    path: "a.txt".into(),
+                    content: "hello\n".into(),
+                },
+                RepoFileRecord {
+                    path: "sub/dir/b.txt".into(),
+                    content: "b\n".into(),
+                },
+            ],
+            image: String::new(),
+        }
+    }
+
+    const T: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn creates_repo_and_runs_commands() {
+        let mut sb = LocalSandbox::create(&tiny_task(), None).unwrap();
+        assert_eq!(sb.cwd(), "~/repo");
+        assert!(sb.at_root());
+        let out = sb.run("cat a.txt; echo err >&2; exit 3", T);
+        assert_eq!(out.exit_code, 3);
+        assert!(!out.timed_out);
+        assert!(out.output.contains("hello") && out.output.contains("err"));
+        assert_eq!(sb.read_file("sub/dir/b.txt").as_deref(), Some("b\n"));
+        assert_eq!(sb.read_file("../x"), None);
+        assert_eq!(sb.base_file("a.txt").as_deref(), Some("hello\n"));
+        assert_eq!(sb.base_file("nope.txt"), None);
+        assert_eq!(sb.diff(), "");
+        assert!(sb.changed_files().is_empty());
+        assert_eq!(sb.head().as_deref(), Some(sb.base_commit()));
+        // HOME is the sandbox dir, so ~/repo works in commands.
+        let out = sb.run("cd ~/repo && pwd && echo $REPO", T);
+        let root = sb.root().display().to_string();
+        assert_eq!(out.output, format!("{root}\n{root}\n"));
+    }
+
+    #[test]
+    fn base_commit_is_deterministic() {
+        let a = LocalSandbox::create(&tiny_task(), None).unwrap();
+        let b = LocalSandbox::create(&tiny_task(), None).unwrap();
+        assert_eq!(a.base_commit(), b.base_commit());
+        assert_ne!(a.root(), b.root());
+    }
+
+    #[test]
+    fn cwd_persists_across_commands_and_exit() {
+        let mut sb = LocalSandbox::create(&tiny_task(), None).unwrap();
+        sb.run("cd sub", T);
+        assert_eq!(sb.cwd(), "~/repo/sub");
+        sb.run("cd dir && exit 1", T);
+        assert_eq!(sb.cwd(), "~/repo/sub/dir");
+        let out = sb.run("cat b.txt", T);
+        assert_eq!(out.output, "b\n");
+        sb.run("cd ..", T);
+        sb.run("cd /", T);
+        assert_eq!(sb.cwd(), "/");
+        sb.run("cd ~", T);
+        assert_eq!(sb.cwd(), "~");
+        // A deleted cwd falls back to the repo root.
+        sb.run("mkdir -p ~/repo/gone && cd ~/repo/gone", T);
+        assert_eq!(sb.cwd(), "~/repo/gone");
+        sb.run("rm -rf ~/repo/gone", T);
+        let out = sb.run("pwd", T);
+        assert_eq!(out.output.trim(), sb.root().display().to_string());
+    }
+
+    #[test]
+    fn diff_includes_new_files_and_leaves_index_alone() {
+        let mut sb = LocalSandbox::create(&tiny_task(), None).unwrap();
+        sb.run(
+            "echo bye > a.txt && echo new > new.txt && rm sub/dir/b.txt",
+            T,
+        );
+        let d = sb.diff();
+        assert!(d.contains("--- a/a.txt") && d.contains("+bye"), "{d}");
+        assert!(d.contains("+++ b/new.txt"), "{d}");
+        assert!(d.contains("deleted file mode"), "{d}");
+        let mut files = sb.changed_files();
+        files.sort();
+        assert_eq!(files, vec!["a.txt", "new.txt", "sub/dir/b.txt"]);
+        // The agent's staging area is untouched: new.txt is still untracked.
+        let st = sb.run("git status --porcelain", T);
+        assert!(st.output.contains("?? new.txt"), "{}", st.output);
+        // Caches never show up.
+        sb.run("mkdir -p __pycache__ && echo x > __pycache__/m.pyc", T);
+        assert!(!sb.diff().contains("pyc"));
+        // Committing does not hide changes from the diff.
+        sb.run("git add -A && git commit -qm wip", T);
+        assert_eq!(sb.diff(), d);
+    }
+
+    #[test]
+    fn timeout_kills_the_whole_process_group() {
+        let mut sb = LocalSandbox::create(&tiny_task(), None).unwrap();
+        let marker = sb.home().join("tmp/alive");
+        let t0 = Instant::now();
+        let out = sb.run(
+            &format!(
+                "(sleep 2; touch {}) & echo started; sleep 1000",
+                marker.display()
+            ),
+            Duration::from_millis(500),
+        );
+        assert!(out.timed_out);
+        assert_eq!(out.exit_code, TIMEOUT_EXIT_CODE);
+        assert!(out.output.contains("started"));
+        assert!(t0.elapsed() < Duration::from_secs(3));
+        std::thread::sleep(Duration::from_millis(2500));
+        assert!(!marker.exists(), "background child survived the timeout");
+    }
+
+    #[test]
+    fn background_jobs_do_not_block_or_survive() {
+        let mut sb = LocalSandbox::create(&tiny_task(), None).unwrap();
+        let t0 = Instant::now();
+        let out = sb.run("sleep 1000 & echo done", T);
+        assert!(!out.timed_out);
+        assert_eq!(out.exit_code, 0);
+        assert_eq!(out.output, "done\n");
+        assert!(t0.elapsed() < Duration::from_secs(3));
+    }
+
+    #[test]
+    fn drop_kills_processes_that_left_the_group() {
+        let root = tempfile::tempdir().unwrap();
+        let pid_file = root.path().join("pid");
+        {
+            let mut sb = LocalSandbox::create(&tiny_task(), Some(root.path())).unwrap();
+            let t0 = Instant::now();
+            let out = sb.run(
+                &format!(
+                    "setsid sleep 1000 >/dev/null 2>&1 & echo $! > {}",
+                    pid_file.display()
+                ),
+                T,
+            );
+            assert_eq!(out.exit_code, 0, "{}", out.output);
+            assert!(t0.elapsed() < Duration::from_secs(3));
+            let pid = std::fs::read_to_string(&pid_file).unwrap();
+            assert!(Path::new(&format!("/proc/{}", pid.trim())).exists());
+        }
+        let pid = std::fs::read_to_string(&pid_file).unwrap();
+        let alive = || {
+            std::fs::read_to_string(format!("/proc/{}/stat", pid.trim()))
+                .map(|s| !s.contains(") Z"))
+                .unwrap_or(false)
+        };
+        for _ in 0..50 {
+            if !alive() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(!alive(), "escaped process survived the sandbox");
+    }
+
+    #[test]
+    fn huge_output_is_capped_head_and_tail() {
+        let mut sb = LocalSandbox::create(&tiny_task(), None).unwrap();
+        sb.set_output_cap(1000);
+        let out = sb.run(
+            "echo START; head -c 100000000 /dev/zero | tr '\\0' x; echo; echo END",
+            T,
+        );
+        assert!(!out.timed_out);
+        assert_eq!(out.exit_code, 0);
+        assert!(out.output.starts_with("START"));
+        assert!(out.output.ends_with("END\n"));
+        assert!(out.output.contains("bytes of output dropped"));
+        assert!(out.output.len() < 2000);
+    }
+
+    #[test]
+    fn stdin_is_empty_and_invalid_utf8_is_replaced() {
+        let mut sb = LocalSandbox::create(&tiny_task(), None).unwrap();
+        let out = sb.run("cat; printf '\\xff\\xfeok'", T);
+        assert_eq!(out.exit_code, 0);
+        assert!(out.output.ends_with("ok"));
+        assert!(out.output.contains('\u{FFFD}'));
+    }
+
+    #[test]
+    fn python_shims_resolve() {
+        crate::grade::tests_support::init_python();
+        let mut sb = LocalSandbox::create(&tiny_task(), None).unwrap();
+        let out = sb.run("python -c 'import sys; print(sys.version_info[0])'", T);
+        assert_eq!(out.output.trim(), "3", "{}", out.output);
+        let out = sb.run("python -m pytest --version", T);
+        assert_eq!(out.exit_code, 0, "{}", out.output);
+    }
+
+    #[test]
+    fn rejects_unsafe_paths_and_empty_tasks() {
+        let mut t = tiny_task();
+        t.files[0].path = "../evil".into();
+        assert!(matches!(
+            LocalSandbox::create(&t, None),
+            Err(SandboxError::UnsafePath(_))
+        ));
+        t.files.clear();
+        assert!(matches!(
+            LocalSandbox::create(&t, None),
+            Err(SandboxError::NoFiles(_))
+        ));
+    }
+
+    #[test]
+    fn drop_removes_even_read_only_trees() {
+        let root = tempfile::tempdir().unwrap();
+        let home;
+        {
+            let mut sb = LocalSandbox::create(&tiny_task(), Some(root.path())).unwrap();
+            home = sb.home().to_path_buf();
+            sb.run("mkdir -p ro/x && touch ro/x/f && chmod 0555 ro/x ro", T);
+        }
+        assert!(!home.exists());
+    }
+
+    #[test]
+    fn shell_quote_round_trips() {
+        let mut sb = LocalSandbox::create(&tiny_task(), None).unwrap();
+        for s in ["plain", "it's", "a b", "$HOME `x`", "", "\"q\""] {
+            let out = sb.run(&format!("printf %s {}", shell_quote(s)), T);
+            assert_eq!(out.output, s);
+        }
+    }
+}

@@ -1,0 +1,366 @@
+//! The worker process: registers with the coordinator, leases episodes up to its
+//! capacity, runs them, streams their events (replaying unacknowledged ones after a
+//! broken stream), heartbeats, and swaps in new policy versions between episodes.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot, Semaphore};
+use tonic::transport::Channel;
+use tonic::Request;
+use tutor_policy::ChatTokenizer;
+use tutor_proto::rollout_client::RolloutClient;
+use tutor_proto::{EpisodeEvent, HeartbeatRequest, LeaseRequest, RegisterRequest};
+
+use crate::episode::{run_episode, EpisodeEnv, DEFAULT_SYSTEM_PROMPT};
+use crate::student::StudentHost;
+
+/// The worker's typed configuration (section `[worker]` of a run config).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerConfig {
+    /// Episodes run at once; the student decodes their turns as one batch.
+    pub capacity: u32,
+    /// Deadline for running the tests when grading a submission.
+    pub grade_timeout_s: f64,
+    /// Where episode working copies are created (default: the system temp dir).
+    pub sandbox_root: Option<PathBuf>,
+    /// System prompt; empty means the built-in one.
+    pub system_prompt: String,
+    /// Deadline of unary calls to the coordinator.
+    pub rpc_timeout_s: f64,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        Self {
+            capacity: 1,
+            grade_timeout_s: 120.0,
+            sandbox_root: None,
+            system_prompt: String::new(),
+            rpc_timeout_s: 30.0,
+        }
+    }
+}
+
+pub struct WorkerOptions {
+    pub name: String,
+    pub coordinator: String,
+    /// config.json and tokenizer.json of the student.
+    pub model_dir: PathBuf,
+    /// Downloaded weights are staged here.
+    pub cache_dir: PathBuf,
+    pub config: WorkerConfig,
+}
+
+/// Runs the worker until the coordinator says the run is finished or `shutdown` fires.
+pub async fn run_worker(
+    opts: WorkerOptions,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let tok_path = opts.model_dir.join("tokenizer.json");
+    let tokenizer = Arc::new(
+        ChatTokenizer::from_file(&tok_path)
+            .with_context(|| format!("loading {}", tok_path.display()))?,
+    );
+    let student = StudentHost::start(&opts.model_dir, &opts.cache_dir)?;
+    let rpc_timeout = Duration::from_secs_f64(opts.config.rpc_timeout_s);
+    let channel = connect(&opts.coordinator).await?;
+    let mut client = RolloutClient::new(channel.clone())
+        .max_decoding_message_size(tutor_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(tutor_proto::MAX_MESSAGE_BYTES);
+    let mut req = Request::new(RegisterRequest {
+        worker_name: opts.name.clone(),
+        capacity: opts.config.capacity,
+    });
+    req.set_timeout(rpc_timeout);
+    let reg = client
+        .register(req)
+        .await
+        .context("registering with the coordinator")?
+        .into_inner();
+    let worker_id = reg.worker_id.clone();
+    tracing::info!(worker = %worker_id, coordinator = %opts.coordinator, "registered");
+
+    let cancel = Arc::new(AtomicBool::new(false));
+    let active: Arc<Mutex<HashSet<String>>> = Default::default();
+    let sink = EventSink::spawn(client.clone());
+    let heartbeat = tokio::spawn(heartbeat_loop(
+        client.clone(),
+        worker_id.clone(),
+        Duration::from_millis(reg.heartbeat_interval_ms.max(100)),
+        active.clone(),
+        student.clone(),
+        rpc_timeout,
+    ));
+    {
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            shutdown.await;
+            tracing::info!("shutdown: finishing the current turns, leasing no more");
+            cancel.store(true, Ordering::SeqCst);
+        });
+    }
+
+    let env = EpisodeEnv {
+        worker_id: worker_id.clone(),
+        tokenizer,
+        student: student.clone(),
+        events: sink.events.clone(),
+        system_prompt: if opts.config.system_prompt.is_empty() {
+            DEFAULT_SYSTEM_PROMPT.to_string()
+        } else {
+            opts.config.system_prompt.clone()
+        },
+        sandbox_root: opts.config.sandbox_root.clone(),
+        grade_timeout: Duration::from_secs_f64(opts.config.grade_timeout_s),
+        cancel: cancel.clone(),
+    };
+    let capacity = opts.config.capacity.max(1) as usize;
+    let slots = Arc::new(Semaphore::new(capacity));
+    let mut failures = 0u32;
+    while !cancel.load(Ordering::SeqCst) {
+        let first = slots.clone().acquire_owned().await.expect("semaphore open");
+        let free = slots.available_permits() as u32 + 1;
+        let mut req = Request::new(LeaseRequest {
+            worker_id: worker_id.clone(),
+            max_episodes: free,
+        });
+        req.set_timeout(rpc_timeout);
+        let resp = match client.lease(req).await {
+            Ok(r) => {
+                failures = 0;
+                r.into_inner()
+            }
+            Err(status) => {
+                failures += 1;
+                drop(first);
+                if failures > 60 {
+                    anyhow::bail!(
+                        "the coordinator at {} stopped answering: {status}",
+                        opts.coordinator
+                    );
+                }
+                tracing::warn!(%status, "lease failed; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        if resp.run_finished {
+            tracing::info!("the coordinator says the run is finished");
+            break;
+        }
+        if resp.leases.is_empty() {
+            drop(first);
+            tokio::time::sleep(Duration::from_millis(resp.retry_after_ms.clamp(50, 5000))).await;
+            continue;
+        }
+        let mut permit = Some(first);
+        for lease in resp.leases {
+            let permit = match permit.take() {
+                Some(p) => p,
+                None => slots.clone().acquire_owned().await.expect("semaphore open"),
+            };
+            let env = env.clone();
+            let active = active.clone();
+            let student = student.clone();
+            active
+                .lock()
+                .expect("active set")
+                .insert(lease.episode_id.clone());
+            tokio::spawn(async move {
+                let id = lease.episode_id.clone();
+                // Weights are swapped between episodes, never during one.
+                if let Some(p) = &lease.policy {
+                    if let Err(e) = student.ensure(p).await {
+                        tracing::error!(episode = %id, error = %format!("{e:#}"), "could not load the leased policy version");
+                    }
+                }
+                let result = tokio::task::spawn_blocking(move || run_episode(&env, &lease)).await;
+                match result {
+                    Ok(o) => {
+                        tracing::info!(episode = %id, status = o.status, turns = o.num_turns, seconds = o.duration_s, "episode done")
+                    }
+                    Err(e) => tracing::error!(episode = %id, error = %e, "episode thread panicked"),
+                }
+                active.lock().expect("active set").remove(&id);
+                drop(permit);
+            });
+        }
+    }
+    // Let running episodes end (they stop early when cancelled), then deliver every event.
+    let _all = slots
+        .acquire_many(capacity as u32)
+        .await
+        .expect("semaphore open");
+    sink.flush(Duration::from_secs(60)).await;
+    heartbeat.abort();
+    tracing::info!(worker = %worker_id, version = student.loaded_version(), "worker stopped");
+    Ok(())
+}
+
+async fn connect(endpoint: &str) -> Result<Channel> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let ep = tonic::transport::Endpoint::from_shared(endpoint.to_string())
+            .with_context(|| format!("bad coordinator address {endpoint:?}"))?
+            .connect_timeout(Duration::from_secs(5))
+            .http2_keep_alive_interval(Duration::from_secs(20));
+        match ep.connect().await {
+            Ok(c) => return Ok(c),
+            Err(e) if std::time::Instant::now() < deadline => {
+                tracing::debug!(error = %e, "coordinator not reachable yet");
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("connecting to the coordinator at {endpoint}"))
+            }
+        }
+    }
+}
+
+async fn heartbeat_loop(
+    mut client: RolloutClient<Channel>,
+    worker_id: String,
+    every: Duration,
+    active: Arc<Mutex<HashSet<String>>>,
+    student: StudentHost,
+    rpc_timeout: Duration,
+) {
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tick.tick().await;
+        let active_now: Vec<String> = active.lock().expect("active set").iter().cloned().collect();
+        let mut req = Request::new(HeartbeatRequest {
+            worker_id: worker_id.clone(),
+            active_episodes: active_now.clone(),
+            loaded_version: student.loaded_version(),
+        });
+        req.set_timeout(rpc_timeout);
+        match client.heartbeat(req).await {
+            Ok(r) => {
+                let r = r.into_inner();
+                // New weights: load them now if idle, so the next episode starts at once.
+                if let Some(latest) = r.latest {
+                    if !latest.sha256.is_empty()
+                        && latest.version != student.loaded_version()
+                        && active_now.is_empty()
+                    {
+                        if let Err(e) = student.ensure(&latest).await {
+                            tracing::warn!(version = latest.version, error = %format!("{e:#}"), "prefetching weights failed");
+                        }
+                    }
+                }
+            }
+            Err(status) => tracing::warn!(%status, "heartbeat failed"),
+        }
+    }
+}
+
+/// Delivers episode events at least once: keeps each event until the coordinator acks
+/// it (after its durable write) and replays the unacked ones on a new stream.
+struct EventSink {
+    events: mpsc::Sender<EpisodeEvent>,
+    flush: mpsc::Sender<oneshot::Sender<()>>,
+}
+
+impl EventSink {
+    fn spawn(client: RolloutClient<Channel>) -> Self {
+        let (events, rx) = mpsc::channel(256);
+        let (flush, flush_rx) = mpsc::channel(4);
+        tokio::spawn(sink_loop(client, rx, flush_rx));
+        Self { events, flush }
+    }
+
+    async fn flush(&self, timeout: Duration) {
+        let (tx, rx) = oneshot::channel();
+        if self.flush.send(tx).await.is_ok() && tokio::time::timeout(timeout, rx).await.is_err() {
+            tracing::error!("events still unacknowledged after {timeout:?}: they may be lost");
+        }
+    }
+}
+
+async fn sink_loop(
+    mut client: RolloutClient<Channel>,
+    mut events: mpsc::Receiver<EpisodeEvent>,
+    mut flush_rx: mpsc::Receiver<oneshot::Sender<()>>,
+) {
+    let mut pending: BTreeMap<u64, EpisodeEvent> = BTreeMap::new();
+    let mut seq_of: BTreeMap<(String, u32), u64> = BTreeMap::new();
+    let mut next_seq = 0u64;
+    let mut waiters: Vec<oneshot::Sender<()>> = Vec::new();
+    let mut events_open = true;
+    loop {
+        let (stx, srx) = mpsc::channel::<EpisodeEvent>(256);
+        let mut acks = match client
+            .stream_events(tokio_stream::wrappers::ReceiverStream::new(srx))
+            .await
+        {
+            Ok(r) => r.into_inner(),
+            Err(status) => {
+                tracing::warn!(%status, "event stream to the coordinator failed; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        let mut ok = true;
+        for ev in pending.values() {
+            if stx.send(ev.clone()).await.is_err() {
+                ok = false;
+                break;
+            }
+        }
+        while ok {
+            if pending.is_empty() {
+                for w in waiters.drain(..) {
+                    let _ = w.send(());
+                }
+            }
+            tokio::select! {
+                ev = events.recv(), if events_open => match ev {
+                    Some(ev) => {
+                        let Some(key) = key_of(&ev) else { continue };
+                        seq_of.insert(key, next_seq);
+                        pending.insert(next_seq, ev.clone());
+                        next_seq += 1;
+                        if stx.send(ev).await.is_err() {
+                            ok = false;
+                        }
+                    }
+                    None => events_open = false,
+                },
+                w = flush_rx.recv() => match w {
+                    Some(w) => waiters.push(w),
+                    None => return,
+                },
+                ack = acks.message() => match ack {
+                    Ok(Some(ack)) => {
+                        if let Some(seq) = seq_of.remove(&(ack.episode_id, ack.turn_index)) {
+                            pending.remove(&seq);
+                        }
+                    }
+                    Ok(None) | Err(_) => {
+                        tracing::warn!(unacked = pending.len(), "event stream broke; reconnecting and replaying");
+                        ok = false;
+                    }
+                },
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+fn key_of(ev: &EpisodeEvent) -> Option<(String, u32)> {
+    match ev.event.as_ref()? {
+        tutor_proto::episode_event::Event::Turn(t) => Some((ev.episode_id.clone(), t.turn_index)),
+        tutor_proto::episode_event::Event::Outcome(_) => {
+            Some((ev.episode_id.clone(), tutor_proto::TURN_INDEX_OUTCOME))
+        }
+    }
+}

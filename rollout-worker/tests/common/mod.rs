@@ -1,0 +1,70 @@
+//! Shared helpers for the rollout-worker integration tests.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use tutor_rollout::action::{parse_action, Action};
+use tutor_rollout::sandbox::LocalSandbox;
+use tutor_rollout::tasks::TaskRecord;
+use tutor_rollout::teacher::{ExecutedStep, Teacher, TeacherState};
+
+pub const CMD_TIMEOUT: Duration = Duration::from_secs(60);
+pub const GRADE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Points `TUTOR_PYTHON` at the workspace venv (which has pytest) when it exists.
+pub fn init_python() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("TUTOR_PYTHON").is_none() {
+            let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+            if venv.exists() {
+                std::env::set_var("TUTOR_PYTHON", venv);
+            }
+        }
+    });
+}
+
+/// Runs `command` as a history step.
+pub fn exec(sb: &mut LocalSandbox, history: &mut Vec<ExecutedStep>, command: &str) {
+    let out = sb.run(command, CMD_TIMEOUT);
+    history.push(ExecutedStep {
+        command: Some(command.to_string()),
+        output: out.output,
+        exit_code: out.exit_code,
+    });
+}
+
+/// Lets `teacher` act until it submits or `max_turns` pass; returns (submitted, turns used).
+pub fn drive(
+    teacher: &mut dyn Teacher,
+    task: &TaskRecord,
+    sb: &mut LocalSandbox,
+    history: &mut Vec<ExecutedStep>,
+    max_turns: usize,
+) -> (bool, usize) {
+    for turn in 0..max_turns {
+        let reply = {
+            let state = TeacherState {
+                task,
+                sandbox: sb,
+                history,
+                turn,
+                max_turns,
+            };
+            teacher.next_action(&state)
+        };
+        match parse_action(&reply) {
+            Ok(Action::Submit) => return (true, turn + 1),
+            Ok(Action::Shell(cmd)) => {
+                let out = sb.run(&cmd, CMD_TIMEOUT);
+                history.push(ExecutedStep {
+                    command: Some(cmd),
+                    output: out.output,
+                    exit_code: out.exit_code,
+                });
+            }
+            Err(e) => panic!("teacher reply does not parse ({e}):\n{reply}"),
+        }
+    }
+    (false, max_turns)
+}

@@ -1,0 +1,138 @@
+//! Grading against real pytest runs on toy tasks.
+
+mod common;
+
+use std::time::Duration;
+
+use tutor_proto::OutcomeStatus;
+use tutor_rollout::grade::grade;
+use tutor_rollout::sandbox::{shell_quote, LocalSandbox};
+use tutor_rollout::tasks::TaskRecord;
+use tutor_rollout::toy::generate;
+
+fn task() -> TaskRecord {
+    generate(1, 42).remove(0)
+}
+
+fn module_path(t: &TaskRecord) -> String {
+    t.gold_files().remove(0)
+}
+
+#[test]
+fn gold_resolves_and_empty_does_not() {
+    common::init_python();
+    let t = task();
+    let g = grade(&t, &t.patch, common::GRADE_TIMEOUT);
+    assert_eq!(g.status, OutcomeStatus::Resolved, "{}", g.log);
+    for id in t.fail_to_pass.iter().chain(&t.pass_to_pass) {
+        assert_eq!(g.test_statuses.get(id).map(String::as_str), Some("PASSED"));
+    }
+    let g = grade(&t, "", common::GRADE_TIMEOUT);
+    assert_eq!(g.status, OutcomeStatus::Unresolved, "{}", g.log);
+    let g = grade(&t, "  \n", common::GRADE_TIMEOUT);
+    assert_eq!(g.status, OutcomeStatus::Unresolved, "{}", g.log);
+}
+
+#[test]
+fn garbage_patch_fails_to_apply() {
+    common::init_python();
+    let t = task();
+    let g = grade(&t, "this is not a patch\n", common::GRADE_TIMEOUT);
+    assert_eq!(g.status, OutcomeStatus::ApplyPatchFail, "{}", g.log);
+    let wrong_context = "--- a/README.md\n+++ b/README.md\n@@ -1,1 +1,1 @@\n-no such line\n+x\n";
+    let g = grade(&t, wrong_context, common::GRADE_TIMEOUT);
+    assert_eq!(g.status, OutcomeStatus::ApplyPatchFail, "{}", g.log);
+}
+
+#[test]
+fn editing_the_tests_gains_nothing() {
+    common::init_python();
+    let t = task();
+    let test_file = t.test_files().remove(0);
+    let mut sb = LocalSandbox::create(&t, None).unwrap();
+    // Write trivially passing versions of the hidden tests into the test file.
+    let mut cheat = String::new();
+    for id in &t.fail_to_pass {
+        let name = id.rsplit("::").next().unwrap();
+        cheat.push_str(&format!("\n\ndef {name}():\n    assert True\n"));
+    }
+    let out = sb.run(
+        &format!(
+            "printf %s {} >> {}",
+            shell_quote(&cheat),
+            shell_quote(&test_file)
+        ),
+        common::CMD_TIMEOUT,
+    );
+    assert_eq!(out.exit_code, 0);
+    let patch = sb.diff();
+    assert!(patch.contains(&test_file));
+    let g = grade(&t, &patch, common::GRADE_TIMEOUT);
+    assert_eq!(g.status, OutcomeStatus::Unresolved, "{}", g.log);
+    // Same with the real fix on top: the fix still counts.
+    let out = sb.run(
+        &format!("git apply <<'EOF'\n{}EOF", t.patch),
+        common::CMD_TIMEOUT,
+    );
+    assert_eq!(out.exit_code, 0, "{}", out.output);
+    let g = grade(&t, &sb.diff(), common::GRADE_TIMEOUT);
+    assert_eq!(g.status, OutcomeStatus::Resolved, "{}", g.log);
+}
+
+#[test]
+fn agent_diff_with_new_files_round_trips() {
+    common::init_python();
+    let t = task();
+    let mut sb = LocalSandbox::create(&t, None).unwrap();
+    let out = sb.run(
+        &format!("git apply <<'EOF'\n{}EOF\necho 'notes' > NOTES.txt && mkdir -p scratch && echo x > scratch/a.py", t.patch),
+        common::CMD_TIMEOUT,
+    );
+    assert_eq!(out.exit_code, 0, "{}", out.output);
+    let d = sb.diff();
+    assert!(d.contains("NOTES.txt") && d.contains("scratch/a.py"));
+    let g = grade(&t, &d, common::GRADE_TIMEOUT);
+    assert_eq!(g.status, OutcomeStatus::Resolved, "{}", g.log);
+}
+
+#[test]
+fn hanging_tests_time_out() {
+    common::init_python();
+    let t = task();
+    let mut sb = LocalSandbox::create(&t, None).unwrap();
+    let m = module_path(&t);
+    sb.run(
+        &format!(
+            "printf '\\nimport time\\ntime.sleep(1000)\\n' >> {}",
+            shell_quote(&m)
+        ),
+        common::CMD_TIMEOUT,
+    );
+    let t0 = std::time::Instant::now();
+    let g = grade(&t, &sb.diff(), Duration::from_secs(3));
+    assert_eq!(g.status, OutcomeStatus::TestsTimeout, "{}", g.log);
+    assert!(t0.elapsed() < Duration::from_secs(30));
+}
+
+#[test]
+fn collection_errors_are_test_errors() {
+    common::init_python();
+    let t = task();
+    let mut sb = LocalSandbox::create(&t, None).unwrap();
+    let m = module_path(&t);
+    sb.run(
+        &format!("echo 'def broken(:' >> {}", shell_quote(&m)),
+        common::CMD_TIMEOUT,
+    );
+    let g = grade(&t, &sb.diff(), common::GRADE_TIMEOUT);
+    assert_eq!(g.status, OutcomeStatus::TestsError, "{}", g.log);
+}
+
+#[test]
+fn tasks_without_files_are_sandbox_errors() {
+    let mut t = task();
+    t.files.clear();
+    let g = grade(&t, &t.patch.clone(), common::GRADE_TIMEOUT);
+    assert_eq!(g.status, OutcomeStatus::SandboxError);
+    assert!(g.log.contains("no repository files"), "{}", g.log);
+}

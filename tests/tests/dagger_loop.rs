@@ -1,0 +1,168 @@
+//! One tiny DAgger run through the real service boundaries: `tutor run` starts the
+//! learner, the coordinator and two workers as separate processes on 127.0.0.1.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use tutor_proto::episode_event::Event;
+
+const CONFIG: &str = r#"
+[run]
+name = "itest"
+workers = 2
+
+[tasks]
+source = "toy"
+toy_train = 6
+toy_heldout = 2
+seed = 3
+
+[model]
+vocab_size = 512
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 1
+num_attention_heads = 2
+num_key_value_heads = 1
+head_dim = 32
+
+[coordinator]
+iterations = 1
+episodes_per_iteration = 6
+heldout_episodes = 2
+max_turns = 5
+max_new_tokens = 16
+batch_tokens = 1000000   # one batch per epoch: every step sees the same data
+epochs_per_iteration = 6
+max_steps_per_iteration = 6
+
+[coordinator.beta]
+kind = "constant"
+start = 0.5
+
+[learner]
+learning_rate = 5e-3
+warmup_steps = 0
+"#;
+
+#[test]
+fn dagger_iteration_across_processes() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("itest.toml");
+    let out_dir = dir.path().join("runs");
+    std::fs::write(&cfg, format!("{CONFIG}\n")).unwrap();
+    let out = std::process::Command::new(common::tutor_bin())
+        .args(["run", "--config", cfg.to_str().unwrap()])
+        .env("TUTOR_PYTHON", common::python())
+        .env("TUTOR_RUN__OUT_DIR", &out_dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let runs: Vec<_> = std::fs::read_dir(&out_dir)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    let logs = runs.first().map(|r| {
+        std::fs::read_dir(r.join("logs"))
+            .unwrap()
+            .flatten()
+            .map(|e| {
+                format!(
+                    "== {}\n{}",
+                    e.path().display(),
+                    std::fs::read_to_string(e.path()).unwrap_or_default()
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    });
+    assert!(
+        out.status.success(),
+        "tutor run failed\nstdout:\n{stdout}\nstderr:\n{stderr}\nlogs:\n{}",
+        logs.unwrap_or_default()
+    );
+    assert_eq!(runs.len(), 1, "one run directory");
+    let run = &runs[0];
+    assert!(
+        stdout.contains("heldout_solve"),
+        "the table header is printed:\n{stdout}"
+    );
+
+    // Every leased episode's turns reached the store exactly once, with its outcome.
+    let (events, _) = tutor_coordinator::store::scan(&run.join("trajectories/events.log")).unwrap();
+    let mut keys = BTreeSet::new();
+    let mut turns: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+    let mut outcomes: BTreeMap<String, u32> = BTreeMap::new();
+    for ev in &events {
+        match ev.event.as_ref().unwrap() {
+            Event::Turn(t) => {
+                assert!(
+                    keys.insert((ev.episode_id.clone(), t.turn_index)),
+                    "turn stored twice: {} {}",
+                    ev.episode_id,
+                    t.turn_index
+                );
+                turns
+                    .entry(ev.episode_id.clone())
+                    .or_default()
+                    .push(t.turn_index);
+            }
+            Event::Outcome(o) => {
+                assert!(
+                    outcomes
+                        .insert(ev.episode_id.clone(), o.num_turns)
+                        .is_none(),
+                    "outcome stored twice"
+                );
+            }
+        }
+    }
+    assert_eq!(
+        outcomes.len(),
+        8,
+        "6 training + 2 held-out episodes: {outcomes:?}"
+    );
+    for (ep, n) in &outcomes {
+        let mut got = turns.get(ep).cloned().unwrap_or_default();
+        got.sort();
+        assert_eq!(
+            got,
+            (0..*n).collect::<Vec<_>>(),
+            "episode {ep}: turns 0..{n} each exactly once"
+        );
+        assert!(*n >= 1);
+    }
+    assert_eq!(
+        turns.keys().collect::<BTreeSet<_>>(),
+        outcomes.keys().collect::<BTreeSet<_>>()
+    );
+
+    // The learner's loss goes down on repeated data (one identical batch per epoch).
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let row: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    let losses: Vec<f64> = row["step_losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!(losses.len(), 6, "{row}");
+    assert!(
+        losses.last().unwrap() < &(losses[0] * 0.9),
+        "loss did not go down: {losses:?}"
+    );
+    assert!(row["teacher_labels_total"].as_u64().unwrap() > 0);
+
+    // The workers end on the new policy version.
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["final_version"], 1, "{summary}");
+    let versions = summary["worker_versions"].as_object().unwrap();
+    assert_eq!(versions.len(), 2, "{summary}");
+    assert!(versions.values().all(|v| v == 1), "{summary}");
+    // The final checkpoint is a loadable model directory.
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        assert!(run.join("checkpoint").join(f).exists(), "checkpoint/{f}");
+    }
+}

@@ -1,0 +1,354 @@
+//! `tutor run`: the single-machine default. Starts the learner, the coordinator and the
+//! workers as separate processes on 127.0.0.1 (the same gRPC path a cluster uses),
+//! renders progress from the coordinator's Control stream, prints the table, and stops
+//! every process on Ctrl-C.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use tokio::process::{Child, Command};
+use tonic::Request;
+use tutor_proto::control_client::ControlClient;
+use tutor_proto::{run_event, IterationSummary, RunFinished, WatchRunRequest};
+
+use crate::config::RunConfig;
+use crate::prepare::{prepare, PreparedRun};
+
+struct Proc {
+    role: String,
+    child: Child,
+    log: PathBuf,
+}
+
+/// Children die with the parent even if it is killed with SIGKILL.
+fn spawn(role: &str, args: &[String], run: &PreparedRun) -> Result<Proc> {
+    let exe = std::env::current_exe().context("locating the tutor binary")?;
+    let log = run.dir.join("logs").join(format!("{role}.log"));
+    let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+    let err = out.try_clone()?;
+    let mut cmd = Command::new(exe);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .kill_on_drop(true);
+    if std::env::var_os("RUST_LOG").is_none() {
+        cmd.env("RUST_LOG", "info");
+    }
+    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            Ok(())
+        });
+    }
+    let child = cmd
+        .spawn()
+        .with_context(|| format!("starting the {role} process"))?;
+    Ok(Proc {
+        role: role.to_string(),
+        child,
+        log,
+    })
+}
+
+async fn wait_addr(file: &Path, proc_: &mut Proc) -> Result<String> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Ok(s) = std::fs::read_to_string(file) {
+            return Ok(format!("http://{}", s.trim()));
+        }
+        if let Some(status) = proc_.child.try_wait()? {
+            bail!(
+                "the {} exited ({status}) before listening; see {}\n{}",
+                proc_.role,
+                proc_.log.display(),
+                tail(&proc_.log)
+            );
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the {} did not start listening within 120 s; see {}",
+                proc_.role,
+                proc_.log.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+/// Stops processes in order (workers, coordinator, learner): SIGTERM, then SIGKILL
+/// after the grace period.
+async fn stop_all(procs: &mut [Proc], grace: Duration) {
+    for p in procs.iter_mut().rev() {
+        if let Some(pid) = p.child.id() {
+            if p.child.try_wait().ok().flatten().is_none() {
+                // SAFETY: plain kill(2) on our own child.
+                unsafe {
+                    libc::kill(pid as i32, libc::SIGTERM);
+                }
+            }
+        }
+        if tokio::time::timeout(grace, p.child.wait()).await.is_err() {
+            eprintln!("{} did not stop within {grace:?}: killing it", p.role);
+            let _ = p.child.kill().await;
+        }
+    }
+}
+
+fn header() -> String {
+    format!(
+        "{:>4} {:>6} {:>8} {:>8} {:>10} {:>14} {:>9} {:>8} {:>7}",
+        "iter",
+        "beta",
+        "episodes",
+        "labels",
+        "train_loss",
+        "heldout_solve",
+        "rollout_s",
+        "train_s",
+        "sync_s"
+    )
+}
+
+fn row(s: &IterationSummary) -> String {
+    let solved = (s.heldout_solve_rate * s.heldout_episodes as f64).round() as u32;
+    format!(
+        "{:>4} {:>6.3} {:>8} {:>8} {:>10.4} {:>14} {:>9.1} {:>8.1} {:>7.2}",
+        s.iteration,
+        s.beta,
+        s.episodes,
+        s.teacher_labels_total,
+        s.train_loss,
+        format!(
+            "{:.2} ({}/{})",
+            s.heldout_solve_rate, solved, s.heldout_episodes
+        ),
+        s.rollout_seconds,
+        s.train_seconds,
+        s.sync_seconds
+    )
+}
+
+pub async fn run(config_path: &Path) -> Result<()> {
+    let (config, text) = RunConfig::load(config_path)?;
+    let prepared = prepare(&config, &text)?;
+    println!(
+        "run directory {}\n{} training tasks, {} held-out, student with {} parameters, {} workers",
+        prepared.dir.display(),
+        prepared.n_train,
+        prepared.n_heldout,
+        prepared.parameters,
+        config.run.workers
+    );
+    let mut procs: Vec<Proc> = Vec::new();
+    let result = orchestrate(&config, &prepared, &mut procs).await;
+    stop_all(&mut procs, Duration::from_secs(20)).await;
+    match &result {
+        Ok(fin) => {
+            println!("checkpoint: {}", fin.checkpoint_dir);
+            println!(
+                "metrics:    {}",
+                prepared.dir.join("metrics.jsonl").display()
+            );
+        }
+        Err(e) => eprintln!(
+            "run failed: {e:#}\nlogs: {}",
+            prepared.dir.join("logs").display()
+        ),
+    }
+    result.map(|_| ())
+}
+
+async fn orchestrate(
+    config: &RunConfig,
+    run: &PreparedRun,
+    procs: &mut Vec<Proc>,
+) -> Result<RunFinished> {
+    let addr_dir = run.dir.join("addr");
+    let s = |p: &Path| p.display().to_string();
+    let cfg = s(&run.config_path);
+
+    let learner_addr_file = addr_dir.join("learner");
+    procs.push(spawn(
+        "learner",
+        &[
+            "learner".into(),
+            "--config".into(),
+            cfg.clone(),
+            "--model-dir".into(),
+            s(&run.model_dir),
+            "--out-dir".into(),
+            s(&run.dir.join("learner")),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--addr-file".into(),
+            s(&learner_addr_file),
+        ],
+        run,
+    )?);
+    let learner = wait_addr(&learner_addr_file, procs.last_mut().unwrap()).await?;
+
+    let coord_addr_file = addr_dir.join("coordinator");
+    procs.push(spawn(
+        "coordinator",
+        &[
+            "coordinator".into(),
+            "--config".into(),
+            cfg.clone(),
+            "--run-dir".into(),
+            s(&run.dir),
+            "--learner".into(),
+            learner.clone(),
+            "--train-tasks".into(),
+            s(&run.train_tasks),
+            "--heldout-tasks".into(),
+            s(&run.heldout_tasks),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--addr-file".into(),
+            s(&coord_addr_file),
+        ],
+        run,
+    )?);
+    let coordinator = wait_addr(&coord_addr_file, procs.last_mut().unwrap()).await?;
+
+    for i in 0..config.run.workers {
+        procs.push(spawn(
+            &format!("worker-{i}"),
+            &[
+                "worker".into(),
+                "--config".into(),
+                cfg.clone(),
+                "--coordinator".into(),
+                coordinator.clone(),
+                "--model-dir".into(),
+                s(&run.model_dir),
+                "--name".into(),
+                format!("worker-{i}"),
+                "--cache-dir".into(),
+                s(&run.dir.join("cache").join(format!("worker-{i}"))),
+            ],
+            run,
+        )?);
+    }
+
+    let watch = watch(&coordinator, config);
+    tokio::pin!(watch);
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut check = tokio::time::interval(Duration::from_millis(500));
+    let finished = loop {
+        tokio::select! {
+            r = &mut watch => break r?,
+            _ = tokio::signal::ctrl_c() => bail!("interrupted (Ctrl-C): stopping every process"),
+            _ = sigterm.recv() => bail!("terminated (SIGTERM): stopping every process"),
+            _ = check.tick() => {
+                for p in procs.iter_mut() {
+                    if let Some(status) = p.child.try_wait()? {
+                        bail!("the {} exited unexpectedly ({status}); see {}\n{}", p.role, p.log.display(), tail(&p.log));
+                    }
+                }
+            }
+        }
+    };
+    if !finished.error.is_empty() {
+        bail!("the coordinator reports: {}", finished.error);
+    }
+    // Workers leave on their own once told the run is finished.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for p in procs.iter_mut().filter(|p| p.role.starts_with("worker")) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, p.child.wait()).await {
+            Ok(Ok(st)) if !st.success() => {
+                eprintln!("{} exited with {st}; see {}", p.role, p.log.display())
+            }
+            Ok(_) => {}
+            Err(_) => eprintln!("{} did not exit after the run finished", p.role),
+        }
+    }
+    let summary = serde_json::json!({
+        "final_version": finished.final_version,
+        "worker_versions": finished.worker_versions,
+        "checkpoint_dir": finished.checkpoint_dir,
+    });
+    let path = run.dir.join("summary.json");
+    std::fs::write(&path, format!("{summary:#}\n"))
+        .with_context(|| format!("writing {}", path.display()))?;
+    let versions: Vec<String> = finished
+        .worker_versions
+        .iter()
+        .map(|(w, v)| format!("{w}=v{v}"))
+        .collect();
+    println!(
+        "final policy version v{}; workers ended on: {}",
+        finished.final_version,
+        versions.join(", ")
+    );
+    Ok(finished)
+}
+
+/// Follows the coordinator's run events: progress bars on stderr, the table on stdout.
+async fn watch(coordinator: &str, config: &RunConfig) -> Result<RunFinished> {
+    let mut client = ControlClient::connect(coordinator.to_string())
+        .await
+        .with_context(|| format!("connecting to the coordinator at {coordinator}"))?;
+    let mut events = client
+        .watch_run(Request::new(WatchRunRequest {}))
+        .await?
+        .into_inner();
+    let mp = MultiProgress::new();
+    let style =
+        ProgressStyle::with_template("{prefix:>10} [{bar:30}] {pos}/{len} {msg} ({elapsed})")
+            .expect("valid template")
+            .progress_chars("=> ");
+    let rollout = mp.add(
+        ProgressBar::new(0)
+            .with_style(style.clone())
+            .with_prefix("rollout"),
+    );
+    let train = mp.add(ProgressBar::new(0).with_style(style).with_prefix("train"));
+    let out = |line: String| {
+        let _ = mp.suspend(|| {
+            println!("{line}");
+            std::io::stdout().flush()
+        });
+    };
+    out(header());
+    let n = config.coordinator.iterations;
+    while let Some(ev) = events
+        .message()
+        .await
+        .context("the coordinator's event stream broke")?
+    {
+        match ev.event {
+            Some(run_event::Event::Rollout(r)) => {
+                rollout.set_length(r.episodes_total as u64);
+                rollout.set_position(r.episodes_done as u64);
+                rollout.set_message(format!("episodes, iteration {}/{n}", r.iteration + 1));
+            }
+            Some(run_event::Event::Training(t)) => {
+                train.set_length(t.steps_total as u64);
+                train.set_position(t.step as u64);
+                train.set_message(format!("steps, loss {:.4}", t.loss));
+            }
+            Some(run_event::Event::Iteration(s)) => out(row(&s)),
+            Some(run_event::Event::Finished(f)) => {
+                rollout.finish_and_clear();
+                train.finish_and_clear();
+                return Ok(f);
+            }
+            None => {}
+        }
+    }
+    bail!("the coordinator closed its event stream before the run finished")
+}
