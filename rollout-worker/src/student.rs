@@ -40,8 +40,9 @@ pub struct StudentHost {
 
 impl StudentHost {
     /// Builds the model from `model_dir/config.json` (random weights until a version is
-    /// loaded) on its own thread.
-    pub fn start(model_dir: &Path, cache_dir: &Path) -> Result<Self> {
+    /// loaded) on its own thread, with `torch_threads` intra-op threads (0: libtorch's
+    /// default).
+    pub fn start(model_dir: &Path, cache_dir: &Path, torch_threads: u32) -> Result<Self> {
         let cfg_path = model_dir.join("config.json");
         let config = ModelConfig::load(&cfg_path)
             .with_context(|| format!("reading {}", cfg_path.display()))?;
@@ -49,6 +50,10 @@ impl StudentHost {
         std::thread::Builder::new()
             .name("student".into())
             .spawn(move || {
+                // OpenMP thread counts are per thread: set it on the thread that decodes.
+                if torch_threads > 0 {
+                    tch::set_num_threads(torch_threads as i32);
+                }
                 let mut policy = Policy::new(config, tch::Device::Cpu, 0);
                 while let Some(first) = rx.blocking_recv() {
                     let mut gens: Vec<(Vec<u32>, GenParams, oneshot::Sender<Generation>)> =

@@ -34,6 +34,9 @@ pub struct WorkerConfig {
     pub system_prompt: String,
     /// Deadline of unary calls to the coordinator.
     pub rpc_timeout_s: f64,
+    /// libtorch intra-op threads for the student. Several workers share a machine's
+    /// cores; more threads than cores makes OpenMP spin and everything crawl.
+    pub torch_threads: u32,
 }
 
 impl Default for WorkerConfig {
@@ -44,6 +47,7 @@ impl Default for WorkerConfig {
             sandbox_root: None,
             system_prompt: String::new(),
             rpc_timeout_s: 30.0,
+            torch_threads: 1,
         }
     }
 }
@@ -68,7 +72,7 @@ pub async fn run_worker(
         ChatTokenizer::from_file(&tok_path)
             .with_context(|| format!("loading {}", tok_path.display()))?,
     );
-    let student = StudentHost::start(&opts.model_dir, &opts.cache_dir)?;
+    let student = StudentHost::start(&opts.model_dir, &opts.cache_dir, opts.config.torch_threads)?;
     let rpc_timeout = Duration::from_secs_f64(opts.config.rpc_timeout_s);
     let channel = connect(&opts.coordinator).await?;
     let mut client = RolloutClient::new(channel.clone())
