@@ -16,7 +16,7 @@ use tutor_proto::{
 };
 
 use crate::action::{parse_action, Action};
-use crate::grade::grade;
+use crate::grade::grade_in;
 use crate::observation::format_observation;
 use crate::sandbox::LocalSandbox;
 use crate::student::StudentHost;
@@ -221,7 +221,12 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
     let patch = sandbox.diff();
     drop(sandbox);
     if outcome.status != OutcomeStatus::SandboxError as i32 {
-        let g = grade(&task, &patch, env.grade_timeout);
+        let g = grade_in(
+            &task,
+            &patch,
+            env.grade_timeout,
+            env.sandbox_root.as_deref(),
+        );
         outcome.status = g.status as i32;
         outcome.test_statuses = g.test_statuses.into_iter().collect();
     }

@@ -572,13 +572,15 @@ impl LocalSandbox {
         .stdin(Stdio::null())
         .stdout(Stdio::from(write_file.try_clone()?))
         .stderr(Stdio::from(write_file));
-        // SAFETY: setsid is async-signal-safe; it makes the child a session and process
+        // SAFETY: setsid and prctl are async-signal-safe; setsid makes the child a session and process
         // group leader, so the whole tree can be killed with one kill(-pgid).
         unsafe {
             cmd.pre_exec(|| {
                 if libc::setsid() == -1 {
                     return Err(std::io::Error::last_os_error());
                 }
+                // If the worker dies (even by SIGKILL) the command's shell dies with it.
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
                 Ok(())
             });
         }

@@ -202,7 +202,13 @@ pub async fn run_worker(
         .acquire_many(capacity as u32)
         .await
         .expect("semaphore open");
-    sink.flush(Duration::from_secs(60)).await;
+    // On shutdown the coordinator may be stopping too: wait less for the last acks.
+    let grace = if cancel.load(Ordering::SeqCst) {
+        10
+    } else {
+        60
+    };
+    sink.flush(Duration::from_secs(grace)).await;
     heartbeat.abort();
     tracing::info!(worker = %worker_id, version = student.loaded_version(), "worker stopped");
     Ok(())

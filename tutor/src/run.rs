@@ -108,23 +108,26 @@ async fn stop_all(procs: &mut [Proc], grace: Duration) {
 
 fn header() -> String {
     format!(
-        "{:>4} {:>6} {:>8} {:>8} {:>10} {:>14} {:>9} {:>8} {:>7}",
+        "{:>4} {:>6} {:>8} {:>8} {:>10} {:>14} {:>10} {:>9} {:>8} {:>7}",
         "iter",
         "beta",
         "episodes",
         "labels",
         "train_loss",
         "heldout_solve",
+        "valid_cmd",
         "rollout_s",
         "train_s",
         "sync_s"
     )
 }
 
+/// One table row. `valid_cmd`: share of the student's replies with exactly one command
+/// block (the first thing a student learns).
 fn row(s: &IterationSummary) -> String {
     let solved = (s.heldout_solve_rate * s.heldout_episodes as f64).round() as u32;
     format!(
-        "{:>4} {:>6.3} {:>8} {:>8} {:>10.4} {:>14} {:>9.1} {:>8.1} {:>7.2}",
+        "{:>4} {:>6.3} {:>8} {:>8} {:>10.4} {:>14} {:>10.2} {:>9.1} {:>8.1} {:>7.2}",
         s.iteration,
         s.beta,
         s.episodes,
@@ -134,6 +137,7 @@ fn row(s: &IterationSummary) -> String {
             "{:.2} ({}/{})",
             s.heldout_solve_rate, solved, s.heldout_episodes
         ),
+        1.0 - s.student_format_error_rate,
         s.rollout_seconds,
         s.train_seconds,
         s.sync_seconds
