@@ -161,6 +161,21 @@ fn dagger_iteration_across_processes() {
     let versions = summary["worker_versions"].as_object().unwrap();
     assert_eq!(versions.len(), 2, "{summary}");
     assert!(versions.values().all(|v| v == 1), "{summary}");
+    // `tutor report` reads the run back: the table and one line per stored episode.
+    let report = common::tutor(&["report", run.to_str().unwrap(), "--episodes"]);
+    let text = String::from_utf8_lossy(&report.stdout);
+    assert!(
+        report.status.success(),
+        "{}",
+        String::from_utf8_lossy(&report.stderr)
+    );
+    assert!(text.contains("heldout_solve"), "{text}");
+    assert_eq!(
+        text.lines().filter(|l| l.starts_with("it000-")).count(),
+        8,
+        "{text}"
+    );
+    assert!(!text.contains("INCOMPLETE"), "{text}");
     // The final checkpoint is a loadable model directory.
     for f in ["config.json", "model.safetensors", "tokenizer.json"] {
         assert!(run.join("checkpoint").join(f).exists(), "checkpoint/{f}");

@@ -83,7 +83,10 @@ fn ctrl_c_stops_every_process_and_cleans_sandboxes() {
     while std::fs::read_dir(&sandboxes).unwrap().count() == 0 && Instant::now() < end {
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert!(std::fs::read_dir(&sandboxes).unwrap().count() > 0, "no episode started within 60 s");
+    assert!(
+        std::fs::read_dir(&sandboxes).unwrap().count() > 0,
+        "no episode started within 60 s"
+    );
     let needle = dir.path().display().to_string();
     let before = processes_mentioning(&needle);
     assert!(

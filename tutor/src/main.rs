@@ -2,6 +2,7 @@
 
 mod config;
 mod prepare;
+mod report;
 mod run;
 
 use std::net::SocketAddr;
@@ -90,6 +91,14 @@ enum Cmd {
         #[arg(long)]
         cache_dir: Option<PathBuf>,
     },
+    /// Summarise a run directory: the iteration table, and per-episode outcomes.
+    Report {
+        /// A run directory written by `tutor run` (or a coordinator's --run-dir).
+        run_dir: PathBuf,
+        /// Also list every stored episode.
+        #[arg(long)]
+        episodes: bool,
+    },
     /// Task files.
     Tasks {
         #[command(subcommand)]
@@ -155,6 +164,14 @@ async fn main() {
 async fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
         Cmd::Run { config } => run::run(&config).await,
+        Cmd::Report { run_dir, episodes } => {
+            // A report piped into `head` should end quietly, as other Unix tools do.
+            // SAFETY: restoring the default disposition of SIGPIPE before any output.
+            unsafe {
+                libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+            }
+            report::report(&run_dir, episodes)
+        }
         Cmd::Coordinator {
             config,
             run_dir,

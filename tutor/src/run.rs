@@ -106,7 +106,7 @@ async fn stop_all(procs: &mut [Proc], grace: Duration) {
     }
 }
 
-fn header() -> String {
+pub fn header() -> String {
     format!(
         "{:>4} {:>6} {:>8} {:>8} {:>10} {:>14} {:>10} {:>9} {:>8} {:>7}",
         "iter",
@@ -124,7 +124,7 @@ fn header() -> String {
 
 /// One table row. `valid_cmd`: share of the student's replies with exactly one command
 /// block (the first thing a student learns).
-fn row(s: &IterationSummary) -> String {
+pub fn row(s: &IterationSummary) -> String {
     let solved = (s.heldout_solve_rate * s.heldout_episodes as f64).round() as u32;
     format!(
         "{:>4} {:>6.3} {:>8} {:>8} {:>10.4} {:>14} {:>10.2} {:>9.1} {:>8.1} {:>7.2}",
