@@ -134,16 +134,16 @@ impl Driver {
                         / o.len() as f64
                 }
             };
-            let nonzero: Vec<f64> = losses.iter().copied().collect();
             let summary = IterationSummary {
                 iteration,
                 beta,
                 episodes: rollouts.train.len() as u32,
                 teacher_labels_total,
-                train_loss: if nonzero.is_empty() {
+                // Mean over the steps that had label tokens (the learner skips empty ones).
+                train_loss: if losses.is_empty() {
                     0.0
                 } else {
-                    nonzero.iter().sum::<f64>() / nonzero.len() as f64
+                    losses.iter().sum::<f64>() / losses.len() as f64
                 },
                 heldout_solve_rate: solved(&rollouts.eval),
                 heldout_episodes: rollouts.eval.len() as u32,
@@ -179,14 +179,12 @@ impl Driver {
             .context("asking the learner to save the final checkpoint")?;
         let worker_versions = self.scheduler.worker_versions().await;
         self.scheduler.finish().await;
-        let episodes_stored = 0;
         self.events.publish(RunEvent {
             event: Some(run_event::Event::Finished(RunFinished {
                 final_version: policy.version,
                 checkpoint_dir: checkpoint_dir.display().to_string(),
                 error: String::new(),
                 worker_versions: worker_versions.into_iter().collect(),
-                episodes_stored,
             })),
         });
         tracing::info!(version = policy.version, "run finished");
