@@ -1,6 +1,6 @@
 //! The DAgger dataset: one example per visited state, context h_t (attended to, not in
-//! the loss) followed by the teacher's label y*_t (in the loss); and batching by a
-//! padded-token budget.
+//! the loss) followed by the teacher's label y*_t (in the loss); the RFT dataset: one
+//! example per resolved trajectory; and batching by a padded-token budget.
 
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -46,6 +46,50 @@ pub fn dagger_examples(
         history.extend_from_slice(executed);
     }
     out
+}
+
+/// Builds the RFT example of one episode (turns sorted by turn index): SFT on the
+/// executed trajectory of a resolved episode. The example is the whole executed history
+/// (context deltas and the executed actor's tokens of every turn); the loss mask is true
+/// on the executed assistant tokens of turns that are not format errors (the executed
+/// actor's flag, `student_format_error` or `teacher_format_error`) and false on context
+/// tokens and on format-error turns, which stay in the context. One example per resolved
+/// episode, none for an unresolved one. A history longer than `max_seq_len` is cut at
+/// the end (the task statement and the early turns are kept); if no label token is
+/// left, there is no example. `turn_index` is the last turn's index.
+pub fn rft_examples(
+    episode_id: &str,
+    turns: &[TurnRecord],
+    resolved: bool,
+    max_seq_len: usize,
+) -> Vec<TrainExample> {
+    if !resolved {
+        return Vec::new();
+    }
+    let mut tokens: Vec<u32> = Vec::new();
+    let mut loss_mask: Vec<bool> = Vec::new();
+    for t in turns {
+        tokens.extend_from_slice(&t.context_delta_tokens);
+        loss_mask.resize(tokens.len(), false);
+        let (executed, format_error) = if t.executed == Actor::Student as i32 {
+            (&t.student_tokens, t.student_format_error)
+        } else {
+            (&t.teacher_tokens, t.teacher_format_error)
+        };
+        tokens.extend_from_slice(executed);
+        loss_mask.resize(tokens.len(), !format_error);
+    }
+    tokens.truncate(max_seq_len);
+    loss_mask.truncate(max_seq_len);
+    if !loss_mask.iter().any(|m| *m) {
+        return Vec::new();
+    }
+    vec![TrainExample {
+        tokens,
+        loss_mask,
+        episode_id: episode_id.to_string(),
+        turn_index: turns.last().map(|t| t.turn_index).unwrap_or(0),
+    }]
 }
 
 /// Groups examples into batches whose padded size (rows × longest row) stays within
@@ -158,6 +202,78 @@ mod tests {
         assert_eq!(ex.len(), 1);
         assert_eq!(ex[0].tokens, vec![9, 9, 7, 10, 11]);
         assert_eq!(ex[0].loss_mask, vec![false, false, false, true, true]);
+    }
+
+    #[test]
+    fn rft_trains_on_executed_turns_without_format_errors() {
+        let mut t1 = turn(1, &[4], &[12, 13], &[21, 22], Actor::Student);
+        t1.student_format_error = true; // the executed reply was malformed: masked
+        t1.teacher_format_error = false;
+        let mut t2 = turn(2, &[5], &[14, 15], &[23], Actor::Teacher);
+        t2.student_format_error = true; // not executed: irrelevant
+        let turns = vec![
+            turn(0, &[1, 2, 3], &[10, 11], &[20], Actor::Student),
+            t1,
+            t2,
+            turn(3, &[6, 7], &[16], &[24, 25], Actor::Student),
+        ];
+        let ex = rft_examples("ep", &turns, true, 100);
+        assert_eq!(ex.len(), 1);
+        // delta(1 2 3) student(20) delta(4) student(21 22, format error) delta(5)
+        // teacher(14 15) delta(6 7) student(24 25)
+        assert_eq!(
+            ex[0].tokens,
+            vec![1, 2, 3, 20, 4, 21, 22, 5, 14, 15, 6, 7, 24, 25]
+        );
+        let f = false;
+        let t = true;
+        assert_eq!(
+            ex[0].loss_mask,
+            vec![f, f, f, t, f, f, f, f, t, t, f, f, t, t]
+        );
+        assert_eq!(ex[0].episode_id, "ep");
+        assert_eq!(ex[0].turn_index, 3);
+    }
+
+    #[test]
+    fn rft_skips_unresolved_and_label_free_trajectories() {
+        let turns = vec![
+            turn(0, &[1, 2, 3], &[10, 11], &[20], Actor::Student),
+            turn(1, &[4], &[12], &[], Actor::Teacher),
+        ];
+        assert!(rft_examples("ep", &turns, false, 100).is_empty());
+        assert!(rft_examples("ep", &[], true, 100).is_empty());
+        // Teacher format error on the executed teacher turn: masked, context kept.
+        let mut bad = turn(0, &[1, 2], &[9, 9], &[30], Actor::Teacher);
+        bad.teacher_format_error = true;
+        assert!(rft_examples("ep", std::slice::from_ref(&bad), true, 100).is_empty());
+        let ex = rft_examples(
+            "ep",
+            &[bad, turn(1, &[3], &[10], &[], Actor::Teacher)],
+            true,
+            100,
+        );
+        assert_eq!(ex[0].tokens, vec![1, 2, 9, 9, 3, 10]);
+        assert_eq!(
+            ex[0].loss_mask,
+            vec![false, false, false, false, false, true]
+        );
+    }
+
+    #[test]
+    fn rft_cuts_long_histories_at_the_end() {
+        let turns = vec![
+            turn(0, &[1, 2, 3], &[10, 11], &[], Actor::Teacher),
+            turn(1, &[4, 5], &[12, 13], &[], Actor::Teacher),
+        ];
+        let ex = rft_examples("ep", &turns, true, 6);
+        assert_eq!(ex[0].tokens, vec![1, 2, 3, 10, 11, 4]);
+        assert_eq!(
+            ex[0].loss_mask,
+            vec![false, false, false, true, true, false]
+        );
+        // Cut before the first label token: no example.
+        assert!(rft_examples("ep", &turns, true, 3).is_empty());
     }
 
     #[test]

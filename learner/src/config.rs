@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::schedule::{LrSchedule, ScheduleKind};
+
 /// Optimizer and schedule settings. Defaults suit the single-machine CPU run.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -10,6 +12,13 @@ pub struct LearnerConfig {
     pub learning_rate: f64,
     /// Linear warmup steps from 0 to the peak learning rate.
     pub warmup_steps: u32,
+    /// After the warmup: `"constant"` (the default) or `"cosine"` decay to
+    /// `min_lr_ratio × learning_rate` at `total_steps`.
+    pub schedule: ScheduleKind,
+    /// Optimizer steps of the whole run (the cosine's length); unused by `"constant"`.
+    pub total_steps: u64,
+    /// Floor of the cosine as a fraction of the peak (0 decays to 0).
+    pub min_lr_ratio: f64,
     /// Decoupled weight decay.
     pub weight_decay: f64,
     pub beta1: f64,
@@ -26,6 +35,9 @@ impl Default for LearnerConfig {
         Self {
             learning_rate: 1e-3,
             warmup_steps: 5,
+            schedule: ScheduleKind::Constant,
+            total_steps: 0,
+            min_lr_ratio: 0.0,
             weight_decay: 0.01,
             beta1: 0.9,
             beta2: 0.95,
@@ -37,12 +49,80 @@ impl Default for LearnerConfig {
 }
 
 impl LearnerConfig {
-    /// The learning rate at optimizer step `step` (0-based): linear warmup, then constant.
-    pub fn lr_at(&self, step: u64) -> f64 {
-        if self.warmup_steps == 0 || step >= self.warmup_steps as u64 {
-            self.learning_rate
-        } else {
-            self.learning_rate * (step + 1) as f64 / self.warmup_steps as f64
+    /// The schedule these settings describe.
+    pub fn lr_schedule(&self) -> LrSchedule {
+        LrSchedule {
+            peak: self.learning_rate,
+            warmup_steps: self.warmup_steps as u64,
+            kind: self.schedule,
+            min_lr_ratio: self.min_lr_ratio,
         }
+    }
+
+    /// The learning rate at optimizer step `step` (0-based): linear warmup, then constant
+    /// or cosine over `total_steps` (see `LrSchedule::lr_at`).
+    pub fn lr_at(&self, step: u64) -> f64 {
+        self.lr_schedule().lr_at(step, self.total_steps)
+    }
+
+    /// Checks the schedule settings: a cosine needs `total_steps > warmup_steps`, and
+    /// `min_lr_ratio` must lie in [0, 1].
+    pub fn validate(&self) -> Result<(), String> {
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            return Err(format!(
+                "learner.min_lr_ratio must be in [0, 1], got {}",
+                self.min_lr_ratio
+            ));
+        }
+        if self.schedule == ScheduleKind::Cosine && self.total_steps <= self.warmup_steps as u64 {
+            return Err(format!(
+                "learner.schedule = \"cosine\" needs total_steps ({}) > warmup_steps ({})",
+                self.total_steps, self.warmup_steps
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_keep_warmup_then_constant() {
+        // A config that names none of the schedule fields behaves as before they existed.
+        let c: LearnerConfig =
+            serde_json::from_str(r#"{"learning_rate": 0.01, "warmup_steps": 2}"#).unwrap();
+        assert_eq!(c.schedule, ScheduleKind::Constant);
+        assert_eq!(c.lr_at(0), 0.005);
+        assert_eq!(c.lr_at(1), 0.01);
+        assert_eq!(c.lr_at(2), 0.01);
+        assert_eq!(c.lr_at(1_000_000), 0.01);
+        assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn cosine_is_parsed_and_validated() {
+        let c: LearnerConfig = serde_json::from_str(
+            r#"{"learning_rate": 1.0, "warmup_steps": 0, "schedule": "cosine",
+                "total_steps": 4, "min_lr_ratio": 0.0}"#,
+        )
+        .unwrap();
+        // p = step/4: 1, (1 + cos π/4)/2, 1/2, (1 − cos π/4)/2, 0.
+        assert_eq!(c.lr_at(0), 1.0);
+        assert!((c.lr_at(2) - 0.5).abs() < 1e-12);
+        assert!(c.lr_at(4).abs() < 1e-12);
+        assert!(c.validate().is_ok());
+        let short = LearnerConfig {
+            total_steps: 0,
+            ..c.clone()
+        };
+        assert!(short.validate().unwrap_err().contains("total_steps"));
+        let bad_floor = LearnerConfig {
+            min_lr_ratio: 1.5,
+            ..c
+        };
+        assert!(bad_floor.validate().is_err());
+        assert!(serde_json::from_str::<LearnerConfig>(r#"{"schedule": "linear"}"#).is_err());
     }
 }

@@ -3,6 +3,8 @@
 
 pub mod config;
 pub mod loss;
+pub mod objectives;
+pub mod schedule;
 pub mod service;
 pub mod trainer;
 pub mod weights;
