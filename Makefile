@@ -1,6 +1,7 @@
 # Tutor — the two commands a new machine needs: `make quickstart` and `make test`.
 # Both install what is missing first (a project-local Python venv with PyTorch 2.11.0,
-# whose libtorch the Rust crates link against, and pytest, used to grade episodes).
+# whose libtorch the Rust crates link against, and requirements-dev.txt: pytest, used to
+# grade episodes, and transformers, which makes the policy crate's parity references).
 
 SHELL := /bin/bash
 VENV := $(CURDIR)/.venv
@@ -21,12 +22,14 @@ help:
 
 setup: $(VENV)/.ready
 
-$(VENV)/.ready:
+# The stamp depends on the requirements file, so adding or re-pinning a package there
+# re-runs the install on machines that already have a venv.
+$(VENV)/.ready: requirements-dev.txt
 	@command -v git >/dev/null || { echo "git is required (apt-get install git)"; exit 1; }
 	@command -v cargo >/dev/null || { echo "a Rust toolchain is required (cargo)"; exit 1; }
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "torch==$(TORCH_VERSION)" pytest
-	@$(VENV)/bin/python -c "import torch, pytest; print('venv ready: torch', torch.__version__)"
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "torch==$(TORCH_VERSION)" -r requirements-dev.txt
+	@$(VENV)/bin/python -c "import torch, pytest, transformers, safetensors; print('venv ready: torch', torch.__version__, '| transformers', transformers.__version__)"
 	@touch $@
 
 build: setup

@@ -1,6 +1,7 @@
-//! The student model of Tutor: a Qwen3-style transformer in `tch`, its Hugging Face
-//! checkpoint format, a byte-level BPE tokenizer with the ChatML template, and batched
-//! KV-cache generation with per-token logprobs. Used by the learner (training forward)
+//! The student model of Tutor: a Qwen3-style transformer in `tch` (also reading and writing
+//! Qwen2 and Llama checkpoints, see `config.rs`), its Hugging Face checkpoint format, a
+//! byte-level BPE tokenizer with the ChatML template, and batched KV-cache generation with
+//! per-token logprobs. Used by the learner (training forward)
 //! and the rollout workers (generation).
 
 mod checkpoint;
@@ -15,7 +16,7 @@ use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
-pub use config::ModelConfig;
+pub use config::{Family, ModelConfig, RopeScaling, SUPPORTED_MODELS};
 pub use error::PolicyError;
 pub use generate::{FinishReason, GenParams, Generation};
 pub use model::Policy;

@@ -1,8 +1,11 @@
-//! The Qwen3 decoder-only transformer, and [`Policy`], which owns its parameters.
+//! The decoder-only transformer, and [`Policy`], which owns its parameters.
 //!
-//! Architecture (matching Hugging Face `Qwen3ForCausalLM` so checkpoints are interchangeable):
-//! embed -> N x [RMSNorm -> GQA attention (q/k per-head RMSNorm, then RoPE) -> residual;
-//! RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head. No biases anywhere.
+//! Architecture (matching Hugging Face `Qwen3ForCausalLM`, `Qwen2ForCausalLM` and
+//! `LlamaForCausalLM` so checkpoints are interchangeable):
+//! embed -> N x [RMSNorm -> GQA attention (Qwen3: q/k per-head RMSNorm; then RoPE) ->
+//! residual; RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head. Biases only where
+//! the family and config put them (see `config.rs`): Qwen2 on q/k/v, Llama/Qwen3 with
+//! `attention_bias` on q/k/v/o, Llama with `mlp_bias` on the MLP.
 //!
 //! Parameters live in a `tch::nn::VarStore` under their Hugging Face names
 //! (`model.layers.0.self_attn.q_proj.weight`, ...), so saving the var store *is* writing a
@@ -18,7 +21,7 @@ use std::sync::Mutex;
 use tch::nn::{Init, Path, VarStore};
 use tch::{Device, Kind, Tensor};
 
-use crate::ModelConfig;
+use crate::{ModelConfig, RopeScaling};
 
 /// Which keys each query may attend to.
 pub(crate) enum AttnMask {
@@ -111,13 +114,121 @@ impl RmsNorm {
     }
 }
 
-fn linear_weight(p: &Path, name: &str, out_dim: usize, in_dim: usize) -> Tensor {
-    // Zero here; `Policy::new` fills every matrix deterministically from its seed.
-    (p / name).var("weight", &[out_dim as i64, in_dim as i64], Init::Const(0.0))
+/// A linear layer's parameters: `weight` `[out, in]` and optionally `bias` `[out]`.
+struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
 }
 
-fn linear(x: &Tensor, weight: &Tensor) -> Tensor {
-    x.linear(weight, None::<Tensor>)
+impl Linear {
+    /// Zero here; `Policy::new` fills every matrix deterministically from its seed (biases
+    /// stay zero, as in Hugging Face's initialization).
+    fn new(p: &Path, name: &str, out_dim: usize, in_dim: usize, bias: bool) -> Self {
+        let p = p / name;
+        Linear {
+            weight: p.var("weight", &[out_dim as i64, in_dim as i64], Init::Const(0.0)),
+            bias: bias.then(|| p.var("bias", &[out_dim as i64], Init::Const(0.0))),
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        x.linear(&self.weight, self.bias.as_ref())
+    }
+}
+
+/// RoPE inverse frequencies `[head_dim / 2]` and the factor cos/sin are scaled by (1 except
+/// for YaRN), as `transformers`' `ROPE_INIT_FUNCTIONS` compute them. Computed in f64 and
+/// rounded once; `transformers` computes in float32, a difference at the last bit.
+pub(crate) fn rope_inv_freq(c: &ModelConfig) -> (Vec<f64>, f64) {
+    let dim = c.head_dim;
+    let d = dim as f64;
+    let base = c.rope_theta;
+    let plain: Vec<f64> = (0..dim / 2)
+        .map(|i| 1.0 / base.powf(2.0 * i as f64 / d))
+        .collect();
+    match &c.rope_scaling {
+        None => (plain, 1.0),
+        Some(RopeScaling::Linear { factor }) => (plain.iter().map(|f| f / factor).collect(), 1.0),
+        Some(RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            attention_factor,
+            beta_fast,
+            beta_slow,
+            mscale,
+            mscale_all_dim,
+            truncate,
+        }) => {
+            let factor = *factor;
+            let get_mscale = |scale: f64, m: f64| {
+                if scale <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * scale.ln() + 1.0
+                }
+            };
+            let attention_factor = match (attention_factor, mscale, mscale_all_dim) {
+                (Some(a), _, _) => *a,
+                (None, Some(m), Some(all)) if *m != 0.0 && *all != 0.0 => {
+                    get_mscale(factor, *m) / get_mscale(factor, *all)
+                }
+                _ => get_mscale(factor, 1.0),
+            };
+            // `transformers` uses `value or default`, so 0 also means the default.
+            let beta_fast = beta_fast.filter(|b| *b != 0.0).unwrap_or(32.0);
+            let beta_slow = beta_slow.filter(|b| *b != 0.0).unwrap_or(1.0);
+            let original = *original_max_position_embeddings as f64;
+            let correction_dim = |rotations: f64| {
+                d * (original / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln())
+            };
+            let (mut low, mut high) = (correction_dim(beta_fast), correction_dim(beta_slow));
+            if truncate.unwrap_or(true) {
+                low = low.floor();
+                high = high.ceil();
+            }
+            let low = low.max(0.0);
+            let high = high.min(d - 1.0);
+            let high = if low == high { high + 0.001 } else { high };
+            let inv = plain
+                .iter()
+                .enumerate()
+                .map(|(i, &extrapolation)| {
+                    let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    let extrapolation_weight = 1.0 - ramp;
+                    let interpolation = extrapolation / factor;
+                    interpolation * (1.0 - extrapolation_weight)
+                        + extrapolation * extrapolation_weight
+                })
+                .collect();
+            (inv, attention_factor)
+        }
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        }) => {
+            let old_context = *original_max_position_embeddings as f64;
+            let low_freq_wavelen = old_context / low_freq_factor;
+            let high_freq_wavelen = old_context / high_freq_factor;
+            let inv = plain
+                .iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_freq_wavelen {
+                        f
+                    } else if wavelen > low_freq_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old_context / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect();
+            (inv, 1.0)
+        }
+    }
 }
 
 /// Rotary embedding tables for given positions.
@@ -140,12 +251,13 @@ fn apply_rope(x: &Tensor, rope: &Rope) -> Tensor {
 }
 
 struct Attention {
-    q_proj: Tensor,
-    k_proj: Tensor,
-    v_proj: Tensor,
-    o_proj: Tensor,
-    q_norm: RmsNorm,
-    k_norm: RmsNorm,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    /// Qwen3's per-head norms; `None` for Qwen2 and Llama.
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
     num_heads: i64,
     num_kv_heads: i64,
     head_dim: i64,
@@ -155,13 +267,14 @@ impl Attention {
     fn new(p: Path, c: &ModelConfig) -> Self {
         let q_dim = c.num_attention_heads * c.head_dim;
         let kv_dim = c.num_key_value_heads * c.head_dim;
+        let (qkv_bias, o_bias, qk_norm) = (c.qkv_bias(), c.o_bias(), c.qk_norm());
         Attention {
-            q_proj: linear_weight(&p, "q_proj", q_dim, c.hidden_size),
-            k_proj: linear_weight(&p, "k_proj", kv_dim, c.hidden_size),
-            v_proj: linear_weight(&p, "v_proj", kv_dim, c.hidden_size),
-            o_proj: linear_weight(&p, "o_proj", c.hidden_size, q_dim),
-            q_norm: RmsNorm::new(&p / "q_norm", c.head_dim, c.rms_norm_eps),
-            k_norm: RmsNorm::new(&p / "k_norm", c.head_dim, c.rms_norm_eps),
+            q_proj: Linear::new(&p, "q_proj", q_dim, c.hidden_size, qkv_bias),
+            k_proj: Linear::new(&p, "k_proj", kv_dim, c.hidden_size, qkv_bias),
+            v_proj: Linear::new(&p, "v_proj", kv_dim, c.hidden_size, qkv_bias),
+            o_proj: Linear::new(&p, "o_proj", c.hidden_size, q_dim, o_bias),
+            q_norm: qk_norm.then(|| RmsNorm::new(&p / "q_norm", c.head_dim, c.rms_norm_eps)),
+            k_norm: qk_norm.then(|| RmsNorm::new(&p / "k_norm", c.head_dim, c.rms_norm_eps)),
             num_heads: c.num_attention_heads as i64,
             num_kv_heads: c.num_key_value_heads as i64,
             head_dim: c.head_dim as i64,
@@ -176,16 +289,14 @@ impl Attention {
         cache: Option<(&mut (Tensor, Tensor), i64)>,
     ) -> Tensor {
         let (b, s, _) = x.size3().expect("hidden states are [B, S, H]");
-        let heads = |w: &Tensor, n: i64| linear(x, w).view([b, s, n, self.head_dim]);
+        let heads = |proj: &Linear, n: i64| proj.forward(x).view([b, s, n, self.head_dim]);
         // Qwen3 normalizes each head's q and k before the rotation.
-        let q = self
-            .q_norm
-            .forward(&heads(&self.q_proj, self.num_heads))
-            .transpose(1, 2);
-        let k = self
-            .k_norm
-            .forward(&heads(&self.k_proj, self.num_kv_heads))
-            .transpose(1, 2);
+        let norm = |t: Tensor, n: &Option<RmsNorm>| match n {
+            Some(n) => n.forward(&t),
+            None => t,
+        };
+        let q = norm(heads(&self.q_proj, self.num_heads), &self.q_norm).transpose(1, 2);
+        let k = norm(heads(&self.k_proj, self.num_kv_heads), &self.k_norm).transpose(1, 2);
         let v = heads(&self.v_proj, self.num_kv_heads).transpose(1, 2);
         let q = apply_rope(&q, rope);
         let k = apply_rope(&k, rope);
@@ -218,28 +329,29 @@ impl Attention {
         let y = y
             .transpose(1, 2)
             .reshape([b, s, self.num_heads * self.head_dim]);
-        linear(&y, &self.o_proj)
+        self.o_proj.forward(&y)
     }
 }
 
 struct Mlp {
-    gate_proj: Tensor,
-    up_proj: Tensor,
-    down_proj: Tensor,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
 }
 
 impl Mlp {
     fn new(p: Path, c: &ModelConfig) -> Self {
+        let (h, i, bias) = (c.hidden_size, c.intermediate_size, c.mlp_has_bias());
         Mlp {
-            gate_proj: linear_weight(&p, "gate_proj", c.intermediate_size, c.hidden_size),
-            up_proj: linear_weight(&p, "up_proj", c.intermediate_size, c.hidden_size),
-            down_proj: linear_weight(&p, "down_proj", c.hidden_size, c.intermediate_size),
+            gate_proj: Linear::new(&p, "gate_proj", i, h, bias),
+            up_proj: Linear::new(&p, "up_proj", i, h, bias),
+            down_proj: Linear::new(&p, "down_proj", h, i, bias),
         }
     }
 
     fn forward(&self, x: &Tensor) -> Tensor {
-        let gated = linear(x, &self.gate_proj).silu() * linear(x, &self.up_proj);
-        linear(&gated, &self.down_proj)
+        let gated = self.gate_proj.forward(x).silu() * self.up_proj.forward(x);
+        self.down_proj.forward(&gated)
     }
 }
 
@@ -251,7 +363,7 @@ struct DecoderLayer {
 }
 
 /// The transformer itself, without ownership of its parameters (see [`Policy`]).
-pub(crate) struct Qwen3 {
+pub(crate) struct Decoder {
     embed_tokens: Tensor,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
@@ -259,9 +371,11 @@ pub(crate) struct Qwen3 {
     lm_head: Option<Tensor>,
     /// RoPE inverse frequencies, `[head_dim / 2]`, float32.
     inv_freq: Tensor,
+    /// Factor cos/sin are multiplied by (YaRN's attention factor; 1 otherwise).
+    rope_scale: f64,
 }
 
-impl Qwen3 {
+impl Decoder {
     fn new(root: &Path, c: &ModelConfig) -> Self {
         let model = root / "model";
         let embed_tokens = (&model / "embed_tokens").var(
@@ -290,20 +404,17 @@ impl Qwen3 {
             .collect();
         let norm = RmsNorm::new(&model / "norm", c.hidden_size, c.rms_norm_eps);
         let lm_head = (!c.tie_word_embeddings)
-            .then(|| linear_weight(root, "lm_head", c.vocab_size, c.hidden_size));
-        // Computed in f64 and rounded once: HF computes `1 / theta^(2i/d)` in float32; the
-        // difference is at the last bit.
-        let d = c.head_dim as f64;
-        let inv: Vec<f32> = (0..c.head_dim / 2)
-            .map(|i| (1.0 / c.rope_theta.powf(2.0 * i as f64 / d)) as f32)
-            .collect();
+            .then(|| Linear::new(root, "lm_head", c.vocab_size, c.hidden_size, false).weight);
+        let (inv, rope_scale) = rope_inv_freq(c);
+        let inv: Vec<f32> = inv.into_iter().map(|f| f as f32).collect();
         let inv_freq = Tensor::from_slice(&inv).to_device(root.device());
-        Qwen3 {
+        Decoder {
             embed_tokens,
             layers,
             norm,
             lm_head,
             inv_freq,
+            rope_scale,
         }
     }
 
@@ -320,9 +431,14 @@ impl Qwen3 {
         let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * inv_freq;
         let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1);
         let kind = self.compute_kind();
+        let (cos, sin) = if self.rope_scale == 1.0 {
+            (emb.cos(), emb.sin())
+        } else {
+            (emb.cos() * self.rope_scale, emb.sin() * self.rope_scale)
+        };
         Rope {
-            cos: emb.cos().to_kind(kind),
-            sin: emb.sin().to_kind(kind),
+            cos: cos.to_kind(kind),
+            sin: sin.to_kind(kind),
         }
     }
 
@@ -364,7 +480,7 @@ impl Qwen3 {
     /// Projects hidden states to float32 logits over the vocabulary.
     pub(crate) fn logits(&self, hidden: &Tensor) -> Tensor {
         let w = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        linear(hidden, w).to_kind(Kind::Float)
+        hidden.linear(w, None::<Tensor>).to_kind(Kind::Float)
     }
 }
 
@@ -372,7 +488,7 @@ impl Qwen3 {
 pub struct Policy {
     pub(crate) config: ModelConfig,
     pub(crate) vs: VarStore,
-    pub(crate) model: Qwen3,
+    pub(crate) model: Decoder,
 }
 
 /// libtorch has one global random generator, so concurrent `Policy::new` calls would
@@ -380,7 +496,7 @@ pub struct Policy {
 static INIT_LOCK: Mutex<()> = Mutex::new(());
 
 impl Policy {
-    /// A randomly initialized model: matrices ~ N(0, 0.02²), norm weights 1. The same seed
+    /// A randomly initialized model: matrices ~ N(0, 0.02²), norm weights 1, biases 0. The same seed
     /// gives the same weights on any device (they are drawn on the CPU).
     ///
     /// Panics if the config is inconsistent (see `ModelConfig::load`, which checks it).
@@ -393,8 +509,8 @@ impl Policy {
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         tch::no_grad(|| {
             for (name, mut var) in vars {
-                if name.ends_with("norm.weight") {
-                    continue; // already 1
+                if name.ends_with("norm.weight") || name.ends_with(".bias") {
+                    continue; // already 1 (norms) or 0 (biases)
                 }
                 let init = Tensor::randn(var.size(), (Kind::Float, Device::Cpu)) * 0.02;
                 var.copy_(&init);
@@ -410,7 +526,7 @@ impl Policy {
             panic!("invalid ModelConfig: field `{field}` {message}");
         }
         let vs = VarStore::new(device);
-        let model = Qwen3::new(&vs.root(), &config);
+        let model = Decoder::new(&vs.root(), &config);
         Policy { config, vs, model }
     }
 
@@ -549,6 +665,49 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn family_parameters_and_counts() {
+        let count =
+            |p: &Policy| -> usize { p.var_store().variables().values().map(|t| t.numel()).sum() };
+        for (model_type, arch, attention_bias, mlp_bias) in [
+            ("llama", "LlamaForCausalLM", true, true),
+            ("llama", "LlamaForCausalLM", false, false),
+            ("qwen2", "Qwen2ForCausalLM", false, false),
+            ("qwen3", "Qwen3ForCausalLM", true, false),
+        ] {
+            let mut c = tiny_policy(0).config().clone();
+            c.model_type = model_type.to_string();
+            c.architectures = vec![arch.to_string()];
+            c.attention_bias = attention_bias;
+            c.mlp_bias = mlp_bias;
+            let p = Policy::new(c.clone(), Device::Cpu, 0);
+            let vars = p.var_store().variables();
+            let has = |n: &str| vars.contains_key(n);
+            let what = format!("{model_type} bias={attention_bias}/{mlp_bias}");
+            assert_eq!(count(&p), c.num_parameters(), "{what}");
+            assert_eq!(
+                has("model.layers.0.self_attn.q_norm.weight"),
+                model_type == "qwen3",
+                "{what}"
+            );
+            assert_eq!(
+                has("model.layers.1.self_attn.k_proj.bias"),
+                model_type == "qwen2" || attention_bias,
+                "{what}"
+            );
+            assert_eq!(
+                has("model.layers.1.self_attn.o_proj.bias"),
+                model_type != "qwen2" && attention_bias,
+                "{what}"
+            );
+            assert_eq!(has("model.layers.0.mlp.up_proj.bias"), mlp_bias, "{what}");
+            // Biases start at zero, as in Hugging Face.
+            if let Some(b) = vars.get("model.layers.0.self_attn.v_proj.bias") {
+                assert_eq!(f64::try_from(b.abs().sum(Kind::Float)).unwrap(), 0.0);
+            }
+        }
+    }
+
+    #[test]
     fn init_is_deterministic_by_seed() {
         let a = tiny_policy(7).var_store().variables();
         let b = tiny_policy(7).var_store().variables();
@@ -646,7 +805,10 @@ pub(crate) mod tests {
         let mut p = tiny_policy(2);
         p.var_store_mut().bfloat16();
         assert_eq!(p.model.compute_kind(), Kind::BFloat16);
-        assert_eq!(p.model.layers[1].mlp.down_proj.kind(), Kind::BFloat16);
+        assert_eq!(
+            p.model.layers[1].mlp.down_proj.weight.kind(),
+            Kind::BFloat16
+        );
         // bfloat16 matmuls crash (SIGILL in oneDNN) on some virtualized CPUs that
         // advertise AMX, so the half-precision forward itself is only run on a GPU.
         if tch::Cuda::is_available() {
