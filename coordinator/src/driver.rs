@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use tokio::sync::mpsc;
 use tonic::Request;
+use tutor_proto::auth::{AuthChannel, ClientAuth};
 use tutor_proto::learner_client::LearnerClient;
 use tutor_proto::{
     run_event, IterationSummary, LearnerStatusRequest, OutcomeStatus, PolicyVersion,
@@ -24,10 +25,12 @@ pub struct Driver {
     pub scheduler: SchedulerHandle,
     pub events: EventLog,
     pub learner_endpoint: String,
+    /// Adds the deployment's token to every call to the learner.
+    pub learner_auth: ClientAuth,
     pub run_dir: PathBuf,
 }
 
-type Learner = LearnerClient<tonic::transport::Channel>;
+type Learner = LearnerClient<AuthChannel>;
 
 impl Driver {
     pub async fn run(self) -> Result<()> {
@@ -48,9 +51,12 @@ impl Driver {
     async fn connect_learner(&self) -> Result<Learner> {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            match LearnerClient::connect(self.learner_endpoint.clone()).await {
-                Ok(c) => {
-                    return Ok(c
+            let endpoint =
+                tonic::transport::Endpoint::from_shared(self.learner_endpoint.clone())
+                    .with_context(|| format!("bad learner address {:?}", self.learner_endpoint))?;
+            match endpoint.connect().await {
+                Ok(channel) => {
+                    return Ok(LearnerClient::new(self.learner_auth.channel(channel))
                         .max_decoding_message_size(tutor_proto::MAX_MESSAGE_BYTES)
                         .max_encoding_message_size(tutor_proto::MAX_MESSAGE_BYTES))
                 }

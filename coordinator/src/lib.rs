@@ -5,6 +5,7 @@
 pub mod config;
 pub mod dataset;
 pub mod driver;
+pub mod metrics;
 pub mod scheduler;
 pub mod service;
 pub mod store;
@@ -15,6 +16,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use tokio::sync::Notify;
+use tutor_proto::auth::{AuthToken, ClientAuth, ServerAuth};
 use tutor_proto::control_server::ControlServer;
 use tutor_proto::rollout_server::RolloutServer;
 use tutor_proto::Task;
@@ -31,6 +33,13 @@ pub struct ServeOptions {
     pub heldout_tasks: Vec<Task>,
     /// Written with the bound address once the socket listens (useful with port 0).
     pub addr_file: Option<PathBuf>,
+    /// Required on every Rollout and Control call, and sent to the learner. `None`:
+    /// no authentication (single-role development), with a warning at start.
+    pub auth_token: Option<AuthToken>,
+    /// Serve Prometheus metrics over HTTP (`GET /metrics`) here; `None`: off.
+    pub metrics_listen: Option<SocketAddr>,
+    /// Written with the metrics endpoint's bound address.
+    pub metrics_addr_file: Option<PathBuf>,
 }
 
 /// Runs the coordinator until `shutdown` resolves or a Control.Shutdown call arrives.
@@ -48,21 +57,47 @@ pub async fn serve(
     );
     let events = service::EventLog::default();
     let stop = Arc::new(Notify::new());
+    let auth = ServerAuth::new(opts.auth_token.clone());
+    let counters = Arc::new(metrics::EventCounters::default());
 
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .with_context(|| format!("binding the coordinator to {}", opts.listen))?;
     let local = listener.local_addr()?;
+    let metrics_task = match opts.metrics_listen {
+        Some(addr) => Some(
+            metrics::start(
+                addr,
+                opts.metrics_addr_file.as_deref(),
+                metrics::MetricsSource {
+                    scheduler: scheduler.clone(),
+                    events: counters.clone(),
+                    auth: auth.clone(),
+                },
+            )
+            .await?,
+        ),
+        None => None,
+    };
+    // Last: the address file tells `tutor run` that everything is up.
     if let Some(f) = &opts.addr_file {
         write_addr_file(f, local)?;
     }
     tracing::info!(addr = %local, learner = %opts.learner_endpoint, "coordinator listening");
+    if !auth.is_enabled() {
+        tracing::warn!(
+            addr = %local,
+            "no auth token (--auth-token-file or TUTOR_AUTH_TOKEN): the coordinator accepts \
+             gRPC calls from anyone who can reach it"
+        );
+    }
 
     let driver = driver::Driver {
         config: opts.config,
         scheduler: scheduler.clone(),
         events: events.clone(),
         learner_endpoint: opts.learner_endpoint,
+        learner_auth: ClientAuth::new(opts.auth_token.as_ref()),
         run_dir: opts.run_dir,
     };
     tokio::spawn(driver.run());
@@ -70,19 +105,31 @@ pub async fn serve(
     let rollout = service::RolloutService {
         scheduler,
         store: store_tx,
+        counters,
     };
     let control = service::ControlService {
         events,
         shutdown: stop.clone(),
     };
     let stop_wait = stop.clone();
-    tonic::transport::Server::builder()
+    // Probes carry no secrets: the health service is the one left unauthenticated.
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<RolloutServer<service::RolloutService>>()
+        .await;
+    health
+        .set_serving::<ControlServer<service::ControlService>>()
+        .await;
+    let result = tonic::transport::Server::builder()
+        .add_service(health_service)
         .add_service(
-            RolloutServer::new(rollout)
-                .max_decoding_message_size(tutor_proto::MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(tutor_proto::MAX_MESSAGE_BYTES),
+            auth.intercept(
+                RolloutServer::new(rollout)
+                    .max_decoding_message_size(tutor_proto::MAX_ROLLOUT_REQUEST_BYTES)
+                    .max_encoding_message_size(tutor_proto::MAX_MESSAGE_BYTES),
+            ),
         )
-        .add_service(ControlServer::new(control))
+        .add_service(auth.intercept(ControlServer::new(control)))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             async move {
@@ -90,10 +137,17 @@ pub async fn serve(
                     _ = shutdown => {}
                     _ = stop_wait.notified() => {}
                 }
+                health
+                    .set_service_status("", tonic_health::ServingStatus::NotServing)
+                    .await;
             },
         )
         .await
-        .context("coordinator server")?;
+        .context("coordinator server");
+    if let Some(t) = metrics_task {
+        t.abort();
+    }
+    result?;
     tracing::info!("coordinator stopped");
     Ok(())
 }

@@ -44,7 +44,8 @@ enum Cmd {
         reply: oneshot::Sender<LeaseResponse>,
     },
     Stored {
-        event: EpisodeEvent,
+        // Boxed: turns carry token vectors, the other commands are small.
+        event: Box<EpisodeEvent>,
     },
     Heartbeat {
         worker_id: String,
@@ -70,8 +71,29 @@ enum Cmd {
     Progress {
         reply: oneshot::Sender<(u32, u32)>,
     },
+    Snapshot {
+        reply: oneshot::Sender<SchedulerSnapshot>,
+    },
     Finish,
     Tick,
+}
+
+/// The scheduler's numbers at one instant, for metrics. Counters (`*_total`) count
+/// since the coordinator started; the rest are gauges.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SchedulerSnapshot {
+    pub policy_version: u64,
+    pub iteration: u32,
+    /// Episodes of the current iteration waiting for a worker (the lease queue).
+    pub pending_episodes: u64,
+    /// Leases handed out and not yet finished or expired.
+    pub outstanding_leases: u64,
+    /// Workers heard from within three heartbeat intervals.
+    pub live_workers: u64,
+    pub train_episodes_completed_total: u64,
+    pub eval_episodes_completed_total: u64,
+    pub lease_expiries_total: u64,
+    pub run_finished: bool,
 }
 
 #[derive(Clone)]
@@ -122,7 +144,12 @@ impl SchedulerHandle {
     }
     /// Called after the event is durable in the store (and only for new events).
     pub async fn stored(&self, event: EpisodeEvent) {
-        let _ = self.tx.send(Cmd::Stored { event }).await;
+        let _ = self
+            .tx
+            .send(Cmd::Stored {
+                event: Box::new(event),
+            })
+            .await;
     }
     pub async fn heartbeat(
         &self,
@@ -166,6 +193,10 @@ impl SchedulerHandle {
         self.ask(|reply| Cmd::Progress { reply })
             .await
             .unwrap_or((0, 0))
+    }
+    /// The numbers behind the metrics endpoint.
+    pub async fn snapshot(&self) -> Option<SchedulerSnapshot> {
+        self.ask(|reply| Cmd::Snapshot { reply }).await
     }
     pub async fn finish(&self) {
         let _ = self.tx.send(Cmd::Finish).await;
@@ -216,6 +247,10 @@ struct Scheduler {
     workers: HashMap<String, WorkerInfo>,
     next_worker: u32,
     finished: bool,
+    /// Since start, across iterations: counted episodes by purpose, expired leases.
+    completed_train: u64,
+    completed_eval: u64,
+    lease_expiries: u64,
     rng: rand_chacha::ChaCha8Rng,
 }
 
@@ -240,6 +275,9 @@ impl Scheduler {
             workers: HashMap::new(),
             next_worker: 0,
             finished: false,
+            completed_train: 0,
+            completed_eval: 0,
+            lease_expiries: 0,
             rng,
         }
     }
@@ -272,7 +310,7 @@ impl Scheduler {
                 } => {
                     let _ = reply.send(self.lease(&worker_id, max));
                 }
-                Cmd::Stored { event } => self.on_stored(event),
+                Cmd::Stored { event } => self.on_stored(*event),
                 Cmd::Heartbeat {
                     worker_id,
                     active,
@@ -299,14 +337,14 @@ impl Scheduler {
                     let _ = reply.send(ex);
                 }
                 Cmd::WorkerVersions { reply } => {
-                    let live = HEARTBEAT_INTERVAL * 3;
                     let v = self
-                        .workers
-                        .iter()
-                        .filter(|(_, w)| w.last_seen.elapsed() < live)
+                        .live_workers()
                         .map(|(id, w)| (id.clone(), w.loaded))
                         .collect();
                     let _ = reply.send(v);
+                }
+                Cmd::Snapshot { reply } => {
+                    let _ = reply.send(self.snapshot());
                 }
                 Cmd::Progress { reply } => {
                     let done = self.slots.iter().filter(|s| s.done).count() as u32;
@@ -315,6 +353,27 @@ impl Scheduler {
                 Cmd::Finish => self.finished = true,
                 Cmd::Tick => self.expire_leases(),
             }
+        }
+    }
+
+    fn live_workers(&self) -> impl Iterator<Item = (&String, &WorkerInfo)> {
+        let live = HEARTBEAT_INTERVAL * 3;
+        self.workers
+            .iter()
+            .filter(move |(_, w)| w.last_seen.elapsed() < live)
+    }
+
+    fn snapshot(&self) -> SchedulerSnapshot {
+        SchedulerSnapshot {
+            policy_version: self.policy.version,
+            iteration: self.iteration,
+            pending_episodes: self.pending.len() as u64,
+            outstanding_leases: self.outstanding.len() as u64,
+            live_workers: self.live_workers().count() as u64,
+            train_episodes_completed_total: self.completed_train,
+            eval_episodes_completed_total: self.completed_eval,
+            lease_expiries_total: self.lease_expiries,
+            run_finished: self.finished,
         }
     }
 
@@ -506,6 +565,7 @@ impl Scheduler {
         for id in expired {
             let o = self.outstanding.remove(&id).expect("listed above");
             self.rollouts.expired_leases += 1;
+            self.lease_expiries += 1;
             self.turns.remove(&id);
             let slot = &mut self.slots[o.slot];
             if !slot.done {
@@ -527,10 +587,8 @@ impl Scheduler {
     fn on_stored(&mut self, event: EpisodeEvent) {
         let id = event.episode_id.clone();
         match event.event {
-            Some(episode_event::Event::Turn(t)) => {
-                if self.episode_slot.contains_key(&id) {
-                    self.turns.entry(id).or_default().push(t);
-                }
+            Some(episode_event::Event::Turn(t)) if self.episode_slot.contains_key(&id) => {
+                self.turns.entry(id).or_default().push(t);
             }
             Some(episode_event::Event::Outcome(outcome)) => {
                 let Some(&slot) = self.episode_slot.get(&id) else {
@@ -561,12 +619,17 @@ impl Scheduler {
                             .expect("an iteration is running")
                             .extend(examples);
                         self.rollouts.train.push(outcome);
+                        self.completed_train += 1;
                     }
-                    SlotKind::Eval => self.rollouts.eval.push(outcome),
+                    SlotKind::Eval => {
+                        self.rollouts.eval.push(outcome);
+                        self.completed_eval += 1;
+                    }
                 }
                 self.check_iteration_done();
             }
-            None => {}
+            // Turns of an episode of another iteration: stored, not part of this dataset.
+            Some(episode_event::Event::Turn(_)) | None => {}
         }
     }
 
@@ -576,5 +639,78 @@ impl Scheduler {
                 let _ = reply.send(std::mem::take(&mut self.rollouts));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(episode_id: &str) -> EpisodeEvent {
+        EpisodeEvent {
+            episode_id: episode_id.to_string(),
+            worker_id: "w-0".into(),
+            event: Some(episode_event::Event::Outcome(EpisodeOutcome::default())),
+        }
+    }
+
+    #[tokio::test]
+    async fn snapshot_counts_completions_by_purpose_expiries_and_the_queue() {
+        let config = CoordinatorConfig {
+            episodes_per_iteration: 2,
+            heldout_episodes: 1,
+            lease_timeout_s: 0.05,
+            ..Default::default()
+        };
+        let sched = SchedulerHandle::spawn(config, vec![Task::default()], vec![Task::default()]);
+        let (worker, _) = sched.register("w".into(), 4).await.unwrap();
+        sched
+            .set_policy(PolicyVersion {
+                version: 7,
+                ..Default::default()
+            })
+            .await;
+        let runner = sched.clone();
+        let iteration = tokio::spawn(async move { runner.run_iteration(0, 1.0).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let s = sched.snapshot().await.unwrap();
+        assert_eq!(
+            (s.policy_version, s.pending_episodes, s.live_workers),
+            (7, 3, 1)
+        );
+
+        // A lease nobody renews expires and goes back to the queue.
+        let first = sched.lease(worker.clone(), 1).await.unwrap();
+        assert_eq!(first.leases.len(), 1);
+        assert_eq!(sched.snapshot().await.unwrap().outstanding_leases, 1);
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let s = sched.snapshot().await.unwrap();
+        assert_eq!(
+            (s.lease_expiries_total, s.pending_episodes),
+            (1, 3),
+            "{s:?}"
+        );
+
+        let leases = sched.lease(worker.clone(), 3).await.unwrap().leases;
+        assert_eq!(leases.len(), 3);
+        for l in &leases {
+            sched.stored(outcome(&l.episode_id)).await;
+        }
+        let rollouts = iteration.await.unwrap().unwrap();
+        assert_eq!((rollouts.train.len(), rollouts.eval.len()), (2, 1));
+        let s = sched.snapshot().await.unwrap();
+        assert_eq!(
+            (
+                s.train_episodes_completed_total,
+                s.eval_episodes_completed_total,
+                s.pending_episodes,
+                s.outstanding_leases
+            ),
+            (2, 1, 0, 0),
+            "{s:?}"
+        );
+        assert!(!s.run_finished);
+        sched.finish().await;
+        assert!(sched.snapshot().await.unwrap().run_finished);
     }
 }

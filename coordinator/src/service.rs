@@ -14,6 +14,7 @@ use tutor_proto::{
     WatchRunRequest,
 };
 
+use crate::metrics::EventCounters;
 use crate::scheduler::{SchedulerHandle, HEARTBEAT_INTERVAL};
 use crate::store::{event_key, StoreRequest};
 
@@ -56,6 +57,7 @@ impl EventLog {
 pub struct RolloutService {
     pub scheduler: SchedulerHandle,
     pub store: mpsc::Sender<StoreRequest>,
+    pub counters: Arc<EventCounters>,
 }
 
 type AckStream = Pin<Box<dyn Stream<Item = Result<EventAck, Status>> + Send>>;
@@ -108,6 +110,7 @@ impl Rollout for RolloutService {
         let mut events = request.into_inner();
         let store = self.store.clone();
         let scheduler = self.scheduler.clone();
+        let counters = self.counters.clone();
         let (tx, rx) = mpsc::channel(256);
         tokio::spawn(async move {
             while let Some(ev) = events.next().await {
@@ -154,6 +157,11 @@ impl Rollout for RolloutService {
                     }
                 };
                 let is_outcome = turn_index == tutor_proto::TURN_INDEX_OUTCOME;
+                EventCounters::bump(match (duplicate, is_outcome) {
+                    (true, _) => &counters.duplicate_events,
+                    (false, false) => &counters.turns_ingested,
+                    (false, true) => &counters.outcomes_ingested,
+                });
                 if !duplicate {
                     scheduler.stored(ev).await;
                 }

@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
+use tutor_proto::auth::{AuthToken, ServerAuth};
 use tutor_proto::learner_server::{Learner, LearnerServer};
 use tutor_proto::weights_server::WeightsServer;
 use tutor_proto::{
@@ -219,6 +220,9 @@ pub struct ServeOptions {
     pub config: LearnerConfig,
     /// Written with the bound address once the socket listens (useful with port 0).
     pub addr_file: Option<PathBuf>,
+    /// Required on every Learner and Weights call; `None`: no authentication, with a
+    /// warning at start.
+    pub auth_token: Option<AuthToken>,
 }
 
 /// Runs the learner until `shutdown` resolves.
@@ -242,16 +246,36 @@ pub async fn serve(
         write_addr_file(f, local)?;
     }
     tracing::info!(addr = %local, "learner listening");
+    let auth = ServerAuth::new(opts.auth_token);
+    if !auth.is_enabled() {
+        tracing::warn!(
+            addr = %local,
+            "no auth token (--auth-token-file or TUTOR_AUTH_TOKEN): the learner accepts \
+             gRPC calls from anyone who can reach it"
+        );
+    }
+    // Probes carry no secrets: the health service is the one left unauthenticated.
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<LearnerServer<LearnerHandle>>().await;
+    health.set_serving::<WeightsServer<WeightsStore>>().await;
     tonic::transport::Server::builder()
+        .add_service(health_service)
         .add_service(
-            LearnerServer::new(handle)
-                .max_decoding_message_size(tutor_proto::MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(tutor_proto::MAX_MESSAGE_BYTES),
+            auth.intercept(
+                LearnerServer::new(handle)
+                    .max_decoding_message_size(tutor_proto::MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(tutor_proto::MAX_MESSAGE_BYTES),
+            ),
         )
-        .add_service(WeightsServer::new(store))
+        .add_service(auth.intercept(WeightsServer::new(store)))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
+            async move {
+                shutdown.await;
+                health
+                    .set_service_status("", tonic_health::ServingStatus::NotServing)
+                    .await;
+            },
         )
         .await
         .context("learner server")?;

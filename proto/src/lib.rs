@@ -5,6 +5,8 @@ pub mod v1 {
     tonic::include_proto!("tutor.v1");
 }
 
+pub mod auth;
+
 pub use v1::*;
 
 /// Turn index used in acks and idempotency keys for an episode's outcome event.
@@ -12,6 +14,11 @@ pub const TURN_INDEX_OUTCOME: u32 = u32::MAX;
 
 /// Largest gRPC message any Tutor service accepts or sends (weights travel chunked).
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+
+/// Largest message a worker may send the coordinator's Rollout service. An episode event
+/// is a few kilobytes; anything near this is a bug or an attack, refused before it is
+/// buffered.
+pub const MAX_ROLLOUT_REQUEST_BYTES: usize = 16 * 1024 * 1024;
 
 /// Size of one weights chunk on the Weights stream.
 pub const WEIGHTS_CHUNK_BYTES: usize = 1024 * 1024;

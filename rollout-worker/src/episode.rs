@@ -73,7 +73,7 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
     let im_end = tok.im_end_id();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(lease.seed);
     let mut teacher = OracleTeacher::new();
-    let sampling = lease.sampling.clone().unwrap_or_default();
+    let sampling = lease.sampling.unwrap_or_default();
     let timeout = Duration::from_millis(lease.command_timeout_ms.max(1000) as u64);
     let max_obs = lease.observation_max_chars.max(200) as usize;
     let beta = lease.beta.clamp(0.0, 1.0);

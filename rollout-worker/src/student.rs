@@ -9,6 +9,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, Context, Result};
 use tokio::sync::{mpsc, oneshot};
 use tutor_policy::{GenParams, Generation, ModelConfig, Policy};
+use tutor_proto::auth::ClientAuth;
 use tutor_proto::PolicyVersion;
 
 /// Version number meaning "no weights loaded yet".
@@ -36,13 +37,20 @@ pub struct StudentHost {
     loaded: Arc<AtomicU64>,
     load_lock: Arc<tokio::sync::Mutex<()>>,
     cache_dir: PathBuf,
+    /// Sent with every weights download.
+    auth: ClientAuth,
 }
 
 impl StudentHost {
     /// Builds the model from `model_dir/config.json` (random weights until a version is
     /// loaded) on its own thread, with `torch_threads` intra-op threads (0: libtorch's
-    /// default).
-    pub fn start(model_dir: &Path, cache_dir: &Path, torch_threads: u32) -> Result<Self> {
+    /// default). Weights are downloaded with `auth`.
+    pub fn start(
+        model_dir: &Path,
+        cache_dir: &Path,
+        torch_threads: u32,
+        auth: ClientAuth,
+    ) -> Result<Self> {
         let cfg_path = model_dir.join("config.json");
         let config = ModelConfig::load(&cfg_path)
             .with_context(|| format!("reading {}", cfg_path.display()))?;
@@ -91,6 +99,7 @@ impl StudentHost {
             loaded: Arc::new(AtomicU64::new(NO_VERSION)),
             load_lock: Default::default(),
             cache_dir: cache_dir.to_path_buf(),
+            auth,
         })
     }
 
@@ -114,6 +123,7 @@ impl StudentHost {
             policy.version,
             &policy.sha256,
             &path,
+            &self.auth,
         )
         .await?;
         let (reply, rx) = oneshot::channel();

@@ -5,6 +5,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use sha2::{Digest, Sha256};
 use tonic::Request;
+use tutor_proto::auth::ClientAuth;
 use tutor_proto::FetchWeightsRequest;
 
 /// Downloads version `version` from a Weights endpoint into `dest`, verifying offsets,
@@ -14,10 +15,14 @@ pub async fn download_weights(
     version: u64,
     expected_sha: &str,
     dest: &Path,
+    auth: &ClientAuth,
 ) -> Result<String> {
-    let mut client = tutor_proto::weights_client::WeightsClient::connect(endpoint.to_string())
+    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())
+        .with_context(|| format!("bad weights endpoint {endpoint:?}"))?
+        .connect()
         .await
-        .with_context(|| format!("connecting to the weights endpoint {endpoint}"))?
+        .with_context(|| format!("connecting to the weights endpoint {endpoint}"))?;
+    let mut client = tutor_proto::weights_client::WeightsClient::new(auth.channel(channel))
         .max_decoding_message_size(tutor_proto::MAX_MESSAGE_BYTES);
     let mut req = Request::new(FetchWeightsRequest { version });
     req.set_timeout(std::time::Duration::from_secs(300));

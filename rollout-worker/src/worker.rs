@@ -14,6 +14,7 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 use tonic::transport::Channel;
 use tonic::Request;
 use tutor_policy::ChatTokenizer;
+use tutor_proto::auth::{AuthChannel, ClientAuth};
 use tutor_proto::rollout_client::RolloutClient;
 use tutor_proto::{EpisodeEvent, HeartbeatRequest, LeaseRequest, RegisterRequest};
 
@@ -60,6 +61,8 @@ pub struct WorkerOptions {
     /// Downloaded weights are staged here.
     pub cache_dir: PathBuf,
     pub config: WorkerConfig,
+    /// The deployment's token, sent to the coordinator and the learner's Weights service.
+    pub auth: ClientAuth,
 }
 
 /// Runs the worker until the coordinator says the run is finished or `shutdown` fires.
@@ -72,10 +75,15 @@ pub async fn run_worker(
         ChatTokenizer::from_file(&tok_path)
             .with_context(|| format!("loading {}", tok_path.display()))?,
     );
-    let student = StudentHost::start(&opts.model_dir, &opts.cache_dir, opts.config.torch_threads)?;
+    let student = StudentHost::start(
+        &opts.model_dir,
+        &opts.cache_dir,
+        opts.config.torch_threads,
+        opts.auth.clone(),
+    )?;
     let rpc_timeout = Duration::from_secs_f64(opts.config.rpc_timeout_s);
     let channel = connect(&opts.coordinator).await?;
-    let mut client = RolloutClient::new(channel.clone())
+    let mut client = RolloutClient::new(opts.auth.channel(channel))
         .max_decoding_message_size(tutor_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(tutor_proto::MAX_MESSAGE_BYTES);
     let mut req = Request::new(RegisterRequest {
@@ -236,7 +244,7 @@ async fn connect(endpoint: &str) -> Result<Channel> {
 }
 
 async fn heartbeat_loop(
-    mut client: RolloutClient<Channel>,
+    mut client: RolloutClient<AuthChannel>,
     worker_id: String,
     every: Duration,
     active: Arc<Mutex<HashSet<String>>>,
@@ -281,7 +289,7 @@ struct EventSink {
 }
 
 impl EventSink {
-    fn spawn(client: RolloutClient<Channel>) -> Self {
+    fn spawn(client: RolloutClient<AuthChannel>) -> Self {
         let (events, rx) = mpsc::channel(256);
         let (flush, flush_rx) = mpsc::channel(4);
         tokio::spawn(sink_loop(client, rx, flush_rx));
@@ -297,7 +305,7 @@ impl EventSink {
 }
 
 async fn sink_loop(
-    mut client: RolloutClient<Channel>,
+    mut client: RolloutClient<AuthChannel>,
     mut events: mpsc::Receiver<EpisodeEvent>,
     mut flush_rx: mpsc::Receiver<oneshot::Sender<()>>,
 ) {

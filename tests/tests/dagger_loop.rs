@@ -154,6 +154,23 @@ fn dagger_iteration_across_processes() {
     );
     assert!(row["teacher_labels_total"].as_u64().unwrap() > 0);
 
+    // Every process got the run's token from a file only its owner can read.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let token = std::fs::metadata(run.join("auth-token")).unwrap();
+        assert_eq!(token.permissions().mode() & 0o777, 0o600);
+        assert_eq!(
+            std::fs::read_to_string(run.join("auth-token"))
+                .unwrap()
+                .len(),
+            64
+        );
+        assert!(
+            run.join("addr/metrics").exists(),
+            "the metrics address is written"
+        );
+    }
+
     // The workers end on the new policy version.
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();

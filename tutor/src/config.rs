@@ -170,13 +170,14 @@ impl RunConfig {
         if !(0.0..=1.0).contains(&c.beta.start) || !(0.0..=1.0).contains(&c.beta.end) {
             bail!("coordinator.beta.start and coordinator.beta.end must lie in [0, 1]");
         }
+        self.learner.validate().map_err(|e| anyhow!(e))?;
         if self.run.workers == 0 {
             bail!("run.workers must be at least 1");
         }
         let m = &self.model;
         if m.num_attention_heads == 0
             || m.num_key_value_heads == 0
-            || m.num_attention_heads % m.num_key_value_heads != 0
+            || !m.num_attention_heads.is_multiple_of(m.num_key_value_heads)
         {
             bail!("model.num_attention_heads must be a positive multiple of model.num_key_value_heads");
         }
@@ -223,6 +224,9 @@ mod tests {
         let (_d, p) = write("");
         let (c, _) = RunConfig::load(&p).unwrap();
         assert_eq!(c.run.workers, 2);
+        let (_d, p) = write("[learner]\nschedule = \"cosine\"\nwarmup_steps = 10\n");
+        let e = format!("{:#}", RunConfig::load(&p).unwrap_err());
+        assert!(e.contains("total_steps"), "{e}");
         let (_d, p) = write("[coordinator]\niterations = 0\n");
         let e = format!("{:#}", RunConfig::load(&p).unwrap_err());
         assert!(e.contains("coordinator.iterations"), "{e}");

@@ -9,7 +9,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
+use tutor_proto::auth::{load_token, ClientAuth};
 
 use crate::config::RunConfig;
 
@@ -26,8 +27,27 @@ use crate::config::RunConfig;
         TUTOR_COORDINATOR__ITERATIONS=2."
 )]
 struct Cli {
+    /// Log line format on stderr: `human`, or `json` (one object per line, for log
+    /// collectors). `tutor run` passes it on to every process it starts.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Cmd,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Human,
+    Json,
+}
+
+impl LogFormat {
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            LogFormat::Human => "human",
+            LogFormat::Json => "json",
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -59,6 +79,16 @@ enum Cmd {
         /// Write the bound address here once listening (use with port 0).
         #[arg(long)]
         addr_file: Option<PathBuf>,
+        /// File holding the shared token every gRPC call must carry (else TUTOR_AUTH_TOKEN;
+        /// neither: no authentication).
+        #[arg(long, value_name = "PATH")]
+        auth_token_file: Option<PathBuf>,
+        /// Serve Prometheus metrics at http://ADDR/metrics (off by default).
+        #[arg(long, value_name = "ADDR")]
+        metrics_listen: Option<SocketAddr>,
+        /// Write the metrics endpoint's bound address here (use with port 0).
+        #[arg(long, value_name = "PATH", requires = "metrics_listen")]
+        metrics_addr_file: Option<PathBuf>,
     },
     /// Start the learner: trains on batches from the coordinator, serves the weights.
     Learner {
@@ -74,6 +104,10 @@ enum Cmd {
         listen: SocketAddr,
         #[arg(long)]
         addr_file: Option<PathBuf>,
+        /// File holding the shared token every gRPC call must carry (else TUTOR_AUTH_TOKEN;
+        /// neither: no authentication).
+        #[arg(long, value_name = "PATH")]
+        auth_token_file: Option<PathBuf>,
     },
     /// Start a rollout worker: runs leased episodes in sandboxes with student and teacher.
     Worker {
@@ -90,6 +124,10 @@ enum Cmd {
         /// Where downloaded weights are staged.
         #[arg(long)]
         cache_dir: Option<PathBuf>,
+        /// File holding the shared token sent to the coordinator and the learner (else
+        /// TUTOR_AUTH_TOKEN).
+        #[arg(long, value_name = "PATH")]
+        auth_token_file: Option<PathBuf>,
     },
     /// Summarise a run directory: the iteration table, and per-episode outcomes.
     Report {
@@ -126,13 +164,16 @@ enum TasksCmd {
     },
 }
 
-fn init_logging() {
+fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Human => fmt.init(),
+        LogFormat::Json => fmt.json().init(),
+    }
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
@@ -153,8 +194,8 @@ fn load_proto_tasks(path: &std::path::Path) -> Result<Vec<tutor_proto::Task>> {
 
 #[tokio::main]
 async fn main() {
-    init_logging();
     let cli = Cli::parse();
+    init_logging(cli.log_format);
     if let Err(e) = dispatch(cli).await {
         eprintln!("error: {e:#}");
         std::process::exit(1);
@@ -163,7 +204,7 @@ async fn main() {
 
 async fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
-        Cmd::Run { config } => run::run(&config).await,
+        Cmd::Run { config } => run::run(&config, cli.log_format).await,
         Cmd::Report { run_dir, episodes } => {
             // A report piped into `head` should end quietly, as other Unix tools do.
             // SAFETY: restoring the default disposition of SIGPIPE before any output.
@@ -180,8 +221,12 @@ async fn dispatch(cli: Cli) -> Result<()> {
             heldout_tasks,
             listen,
             addr_file,
+            auth_token_file,
+            metrics_listen,
+            metrics_addr_file,
         } => {
             let (cfg, _) = RunConfig::load(&config)?;
+            let auth_token = load_token(auth_token_file.as_deref())?;
             let train = load_proto_tasks(&train_tasks)?;
             let heldout = match heldout_tasks {
                 Some(p) => load_proto_tasks(&p)?,
@@ -196,6 +241,9 @@ async fn dispatch(cli: Cli) -> Result<()> {
                     train_tasks: train,
                     heldout_tasks: heldout,
                     addr_file,
+                    auth_token,
+                    metrics_listen,
+                    metrics_addr_file,
                 },
                 shutdown_signal(),
             )
@@ -207,8 +255,10 @@ async fn dispatch(cli: Cli) -> Result<()> {
             out_dir,
             listen,
             addr_file,
+            auth_token_file,
         } => {
             let (cfg, _) = RunConfig::load(&config)?;
+            let auth_token = load_token(auth_token_file.as_deref())?;
             tutor_learner::serve(
                 tutor_learner::ServeOptions {
                     listen,
@@ -216,6 +266,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
                     out_dir,
                     config: cfg.learner,
                     addr_file,
+                    auth_token,
                 },
                 shutdown_signal(),
             )
@@ -227,8 +278,10 @@ async fn dispatch(cli: Cli) -> Result<()> {
             model_dir,
             name,
             cache_dir,
+            auth_token_file,
         } => {
             let (cfg, _) = RunConfig::load(&config)?;
+            let auth = ClientAuth::new(load_token(auth_token_file.as_deref())?.as_ref());
             let cache_dir = match cache_dir {
                 Some(d) => d,
                 None => std::env::temp_dir().join(format!("tutor-weights-{}", std::process::id())),
@@ -240,6 +293,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
                     model_dir,
                     cache_dir,
                     config: cfg.worker,
+                    auth,
                 },
                 shutdown_signal(),
             )

@@ -1,7 +1,7 @@
 //! `tutor run`: the single-machine default. Starts the learner, the coordinator and the
 //! workers as separate processes on 127.0.0.1 (the same gRPC path a cluster uses),
 //! renders progress from the coordinator's Control stream, prints the table, and stops
-//! every process on Ctrl-C.
+//! every process on Ctrl-C. Every gRPC call carries a token generated for the run.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -12,11 +12,13 @@ use anyhow::{bail, Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use tokio::process::{Child, Command};
 use tonic::Request;
+use tutor_proto::auth::{AuthToken, ClientAuth};
 use tutor_proto::control_client::ControlClient;
 use tutor_proto::{run_event, IterationSummary, RunFinished, WatchRunRequest};
 
 use crate::config::RunConfig;
 use crate::prepare::{prepare, PreparedRun};
+use crate::LogFormat;
 
 struct Proc {
     role: String,
@@ -24,14 +26,37 @@ struct Proc {
     log: PathBuf,
 }
 
+/// A fresh random token (32 bytes, hex) for one run, written 0600 to `path`.
+fn write_run_token(path: &Path) -> Result<AuthToken> {
+    use rand::RngCore;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut bytes = [0u8; 32];
+    rand::rngs::OsRng.fill_bytes(&mut bytes);
+    let token = AuthToken::new(&hex::encode(bytes))?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("creating the auth token file {}", path.display()))?;
+    f.write_all(token.expose().as_bytes())
+        .and_then(|_| f.sync_all())
+        .with_context(|| format!("writing the auth token file {}", path.display()))?;
+    Ok(token)
+}
+
+/// Flags every child gets: the log format and the run's token file.
+struct ChildFlags(Vec<String>);
+
 /// Children die with the parent even if it is killed with SIGKILL.
-fn spawn(role: &str, args: &[String], run: &PreparedRun) -> Result<Proc> {
+fn spawn(role: &str, args: &[String], flags: &ChildFlags, run: &PreparedRun) -> Result<Proc> {
     let exe = std::env::current_exe().context("locating the tutor binary")?;
     let log = run.dir.join("logs").join(format!("{role}.log"));
     let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
     let err = out.try_clone()?;
     let mut cmd = Command::new(exe);
     cmd.args(args)
+        .args(&flags.0)
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err)
@@ -144,7 +169,7 @@ pub fn row(s: &IterationSummary) -> String {
     )
 }
 
-pub async fn run(config_path: &Path) -> Result<()> {
+pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
     let (config, text) = RunConfig::load(config_path)?;
     let prepared = prepare(&config, &text)?;
     println!(
@@ -155,8 +180,16 @@ pub async fn run(config_path: &Path) -> Result<()> {
         prepared.parameters,
         config.run.workers
     );
+    let token_file = prepared.dir.join("auth-token");
+    let token = write_run_token(&token_file)?;
+    let flags = ChildFlags(vec![
+        "--log-format".into(),
+        log_format.as_arg().into(),
+        "--auth-token-file".into(),
+        token_file.display().to_string(),
+    ]);
     let mut procs: Vec<Proc> = Vec::new();
-    let result = orchestrate(&config, &prepared, &mut procs).await;
+    let result = orchestrate(&config, &prepared, &flags, &token, &mut procs).await;
     stop_all(&mut procs, Duration::from_secs(20)).await;
     match &result {
         Ok(fin) => {
@@ -177,6 +210,8 @@ pub async fn run(config_path: &Path) -> Result<()> {
 async fn orchestrate(
     config: &RunConfig,
     run: &PreparedRun,
+    flags: &ChildFlags,
+    token: &AuthToken,
     procs: &mut Vec<Proc>,
 ) -> Result<RunFinished> {
     let addr_dir = run.dir.join("addr");
@@ -199,6 +234,7 @@ async fn orchestrate(
             "--addr-file".into(),
             s(&learner_addr_file),
         ],
+        flags,
         run,
     )?);
     let learner = wait_addr(&learner_addr_file, procs.last_mut().unwrap()).await?;
@@ -222,10 +258,19 @@ async fn orchestrate(
             "127.0.0.1:0".into(),
             "--addr-file".into(),
             s(&coord_addr_file),
+            "--metrics-listen".into(),
+            "127.0.0.1:0".into(),
+            "--metrics-addr-file".into(),
+            s(&addr_dir.join("metrics")),
         ],
+        flags,
         run,
     )?);
     let coordinator = wait_addr(&coord_addr_file, procs.last_mut().unwrap()).await?;
+    // The coordinator writes its metrics address before its own.
+    if let Ok(m) = std::fs::read_to_string(addr_dir.join("metrics")) {
+        println!("metrics at http://{}/metrics", m.trim());
+    }
 
     for i in 0..config.run.workers {
         procs.push(spawn(
@@ -243,11 +288,12 @@ async fn orchestrate(
                 "--cache-dir".into(),
                 s(&run.dir.join("cache").join(format!("worker-{i}"))),
             ],
+            flags,
             run,
         )?);
     }
 
-    let watch = watch(&coordinator, config);
+    let watch = watch(&coordinator, config, token);
     tokio::pin!(watch);
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut check = tokio::time::interval(Duration::from_millis(500));
@@ -302,10 +348,13 @@ async fn orchestrate(
 }
 
 /// Follows the coordinator's run events: progress bars on stderr, the table on stdout.
-async fn watch(coordinator: &str, config: &RunConfig) -> Result<RunFinished> {
-    let mut client = ControlClient::connect(coordinator.to_string())
+async fn watch(coordinator: &str, config: &RunConfig, token: &AuthToken) -> Result<RunFinished> {
+    let channel = tonic::transport::Endpoint::from_shared(coordinator.to_string())
+        .with_context(|| format!("bad coordinator address {coordinator:?}"))?
+        .connect()
         .await
         .with_context(|| format!("connecting to the coordinator at {coordinator}"))?;
+    let mut client = ControlClient::new(ClientAuth::new(Some(token)).channel(channel));
     let mut events = client
         .watch_run(Request::new(WatchRunRequest {}))
         .await?

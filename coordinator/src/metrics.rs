@@ -1,0 +1,344 @@
+//! The coordinator's Prometheus metrics: pure event counts as atomics, everything the
+//! scheduler owns read from its snapshot, served as text by a minimal HTTP/1.1 responder.
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+use tutor_proto::auth::ServerAuth;
+
+use crate::scheduler::{SchedulerHandle, SchedulerSnapshot};
+
+/// Counts of events the Rollout service ingests; bumped where they happen.
+#[derive(Debug, Default)]
+pub struct EventCounters {
+    /// Turn events stored for the first time.
+    pub turns_ingested: AtomicU64,
+    /// Outcome events stored for the first time (counted or not by the scheduler).
+    pub outcomes_ingested: AtomicU64,
+    /// Events a worker replayed that were already stored.
+    pub duplicate_events: AtomicU64,
+}
+
+impl EventCounters {
+    pub fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// What `/metrics` reads on each scrape.
+#[derive(Clone)]
+pub struct MetricsSource {
+    pub scheduler: SchedulerHandle,
+    pub events: Arc<EventCounters>,
+    pub auth: ServerAuth,
+}
+
+impl MetricsSource {
+    async fn render(&self) -> String {
+        let snapshot = self.scheduler.snapshot().await;
+        render(snapshot.as_ref(), &self.events, self.auth.rejected_count())
+    }
+}
+
+/// The Prometheus text exposition (format 0.0.4). Without a snapshot (the scheduler
+/// has stopped) only the counters kept outside it are shown.
+pub fn render(
+    snapshot: Option<&SchedulerSnapshot>,
+    events: &EventCounters,
+    rejected: u64,
+) -> String {
+    let mut out = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, samples: &[(&str, u64)]| {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for (labels, value) in samples {
+            let _ = writeln!(out, "{name}{labels} {value}");
+        }
+    };
+    let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    metric(
+        "tutor_coordinator_turns_ingested_total",
+        "counter",
+        "Turn events stored for the first time.",
+        &[("", load(&events.turns_ingested))],
+    );
+    metric(
+        "tutor_coordinator_outcomes_ingested_total",
+        "counter",
+        "Episode outcome events stored for the first time.",
+        &[("", load(&events.outcomes_ingested))],
+    );
+    metric(
+        "tutor_coordinator_duplicate_events_total",
+        "counter",
+        "Replayed events that were already stored (acknowledged, not stored again).",
+        &[("", load(&events.duplicate_events))],
+    );
+    metric(
+        "tutor_coordinator_unauthenticated_requests_total",
+        "counter",
+        "gRPC calls rejected for a missing or wrong bearer token.",
+        &[("", rejected)],
+    );
+    let Some(s) = snapshot else {
+        return out;
+    };
+    metric(
+        "tutor_coordinator_episodes_completed_total",
+        "counter",
+        "Episodes whose outcome counted for their iteration, by purpose.",
+        &[
+            ("{purpose=\"train\"}", s.train_episodes_completed_total),
+            ("{purpose=\"eval\"}", s.eval_episodes_completed_total),
+        ],
+    );
+    metric(
+        "tutor_coordinator_lease_expiries_total",
+        "counter",
+        "Leases not renewed in time, whose episode went to another worker.",
+        &[("", s.lease_expiries_total)],
+    );
+    metric(
+        "tutor_coordinator_policy_version",
+        "gauge",
+        "The current policy version leased to workers.",
+        &[("", s.policy_version)],
+    );
+    metric(
+        "tutor_coordinator_iteration",
+        "gauge",
+        "The current DAgger iteration (0-based).",
+        &[("", s.iteration as u64)],
+    );
+    metric(
+        "tutor_coordinator_queue_depth",
+        "gauge",
+        "Episodes of the current iteration waiting for a lease.",
+        &[("", s.pending_episodes)],
+    );
+    metric(
+        "tutor_coordinator_outstanding_leases",
+        "gauge",
+        "Leased episodes not yet finished or expired.",
+        &[("", s.outstanding_leases)],
+    );
+    metric(
+        "tutor_coordinator_live_workers",
+        "gauge",
+        "Workers heard from within three heartbeat intervals.",
+        &[("", s.live_workers)],
+    );
+    metric(
+        "tutor_coordinator_run_finished",
+        "gauge",
+        "1 once the run is finished.",
+        &[("", s.run_finished as u64)],
+    );
+    out
+}
+
+/// Largest request head read; a scrape is one short line plus a few headers.
+const MAX_REQUEST_HEAD: usize = 8 * 1024;
+
+/// Binds `addr`, writes the bound address to `addr_file`, and serves `/metrics` on a
+/// task of its own (abort it to stop).
+pub async fn start(
+    addr: SocketAddr,
+    addr_file: Option<&Path>,
+    source: MetricsSource,
+) -> Result<JoinHandle<()>> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the metrics endpoint to {addr}"))?;
+    let bound = listener.local_addr()?;
+    if let Some(f) = addr_file {
+        crate::write_addr_file(f, bound)?;
+    }
+    tracing::info!(addr = %bound, "metrics at http://{bound}/metrics");
+    Ok(tokio::spawn(serve(listener, source)))
+}
+
+/// Serves `GET /metrics` on `listener` until the task is dropped. One request per
+/// connection (`Connection: close`), which is all a Prometheus scrape needs.
+pub async fn serve(listener: TcpListener, source: MetricsSource) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "metrics listener: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let source = source.clone();
+        tokio::spawn(async move {
+            let answer = tokio::time::timeout(Duration::from_secs(10), respond(stream, &source));
+            match answer.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "metrics request failed"),
+                Err(_) => tracing::debug!(%peer, "metrics request timed out"),
+            }
+        });
+    }
+}
+
+async fn respond(mut stream: TcpStream, source: &MetricsSource) -> std::io::Result<()> {
+    let mut head = Vec::with_capacity(512);
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        if head.len() > MAX_REQUEST_HEAD {
+            return write_response(&mut stream, "431 Request Header Fields Too Large", "").await;
+        }
+        let n = stream.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(()); // closed before a whole request head arrived
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let line = head.split(|b| *b == b'\r').next().unwrap_or_default();
+    let line = String::from_utf8_lossy(line);
+    let mut parts = line.split(' ');
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = target.split('?').next().unwrap_or("");
+    match (method, path) {
+        ("GET", "/metrics") => {
+            let body = source.render().await;
+            write_response(&mut stream, "200 OK", &body).await
+        }
+        (_, "/metrics") => write_response(&mut stream, "405 Method Not Allowed", "").await,
+        _ => {
+            write_response(
+                &mut stream,
+                "404 Not Found",
+                "the coordinator serves GET /metrics only\n",
+            )
+            .await
+        }
+    }
+}
+
+async fn write_response(stream: &mut TcpStream, status: &str, body: &str) -> std::io::Result<()> {
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(body.as_bytes()).await?;
+    stream.shutdown().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn value(text: &str, series: &str) -> Option<u64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    async fn http_get(addr: SocketAddr, request: &str) -> String {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(request.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    #[tokio::test]
+    async fn http_endpoint_serves_metrics_and_refuses_other_paths() {
+        let d = tempfile::tempdir().unwrap();
+        let addr_file = d.path().join("addr/metrics");
+        let source = MetricsSource {
+            scheduler: SchedulerHandle::spawn(Default::default(), vec![], vec![]),
+            events: Default::default(),
+            auth: ServerAuth::new(None),
+        };
+        let task = start("127.0.0.1:0".parse().unwrap(), Some(&addr_file), source)
+            .await
+            .unwrap();
+        let addr: SocketAddr = std::fs::read_to_string(&addr_file)
+            .unwrap()
+            .parse()
+            .unwrap();
+
+        let ok = http_get(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
+        assert!(ok.contains("text/plain; version=0.0.4"), "{ok}");
+        let (head, body) = ok.split_once("\r\n\r\n").unwrap();
+        assert!(
+            head.contains(&format!("Content-Length: {}", body.len())),
+            "{head}"
+        );
+        assert!(body.contains("tutor_coordinator_live_workers 0"), "{body}");
+
+        let missing = http_get(addr, "GET / HTTP/1.1\r\n\r\n").await;
+        assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+        let post = http_get(addr, "POST /metrics HTTP/1.1\r\n\r\n").await;
+        assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+        task.abort();
+    }
+
+    #[test]
+    fn exposition_has_every_series_with_help_and_type() {
+        let events = EventCounters::default();
+        EventCounters::bump(&events.turns_ingested);
+        EventCounters::bump(&events.turns_ingested);
+        EventCounters::bump(&events.duplicate_events);
+        let snap = SchedulerSnapshot {
+            policy_version: 3,
+            iteration: 2,
+            pending_episodes: 5,
+            outstanding_leases: 4,
+            live_workers: 2,
+            train_episodes_completed_total: 11,
+            eval_episodes_completed_total: 6,
+            lease_expiries_total: 1,
+            run_finished: false,
+        };
+        let text = render(Some(&snap), &events, 9);
+        for (series, want) in [
+            ("tutor_coordinator_turns_ingested_total", 2),
+            ("tutor_coordinator_duplicate_events_total", 1),
+            ("tutor_coordinator_outcomes_ingested_total", 0),
+            ("tutor_coordinator_unauthenticated_requests_total", 9),
+            (
+                "tutor_coordinator_episodes_completed_total{purpose=\"train\"}",
+                11,
+            ),
+            (
+                "tutor_coordinator_episodes_completed_total{purpose=\"eval\"}",
+                6,
+            ),
+            ("tutor_coordinator_lease_expiries_total", 1),
+            ("tutor_coordinator_policy_version", 3),
+            ("tutor_coordinator_iteration", 2),
+            ("tutor_coordinator_queue_depth", 5),
+            ("tutor_coordinator_outstanding_leases", 4),
+            ("tutor_coordinator_live_workers", 2),
+            ("tutor_coordinator_run_finished", 0),
+        ] {
+            assert_eq!(value(&text, series), Some(want), "{series} in\n{text}");
+        }
+        // Every sample's metric has a TYPE line before it.
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = line.split(['{', ' ']).next().unwrap();
+            assert!(text.contains(&format!("# TYPE {name} ")), "{name}");
+        }
+        // A stopped scheduler still leaves the counters kept outside it.
+        let text = render(None, &events, 9);
+        assert_eq!(
+            value(&text, "tutor_coordinator_turns_ingested_total"),
+            Some(2)
+        );
+        assert!(!text.contains("policy_version"));
+    }
+}

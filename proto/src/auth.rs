@@ -1,0 +1,403 @@
+//! The shared bearer token of a Tutor deployment: loading it, checking it on every
+//! server (`ServerAuth`) and sending it from every client (`ClientAuth`).
+//!
+//! The token is a secret: it is never formatted by `Debug`, never put in a `Status`
+//! message and never logged; only file paths and counts are.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use subtle::ConstantTimeEq;
+use tonic::metadata::{Ascii, MetadataMap, MetadataValue};
+use tonic::service::interceptor::InterceptedService;
+use tonic::service::Interceptor;
+use tonic::transport::Channel;
+use tonic::{Request, Status};
+
+/// Environment variable holding the token itself (`--auth-token-file` wins over it).
+pub const AUTH_TOKEN_ENV: &str = "TUTOR_AUTH_TOKEN";
+
+/// The gRPC metadata key that carries `Bearer <token>`.
+pub const AUTHORIZATION: &str = "authorization";
+
+/// A shared secret every process of one deployment holds.
+#[derive(Clone)]
+pub struct AuthToken(Arc<str>);
+
+impl fmt::Debug for AuthToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("AuthToken(<redacted>)")
+    }
+}
+
+/// Why no token could be loaded. Messages name the source, never the secret.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    #[error("reading the auth token file {path}: {source}")]
+    ReadFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the auth token file {path} is empty: write the shared token into it")]
+    EmptyFile { path: PathBuf },
+    #[error(
+        "the auth token file {path} holds characters a gRPC header cannot carry: \
+         use printable ASCII without spaces (e.g. 64 hex digits)"
+    )]
+    InvalidFile { path: PathBuf },
+    #[error("{AUTH_TOKEN_ENV} is set but empty: unset it or give it the shared token")]
+    EmptyEnv,
+    #[error(
+        "{AUTH_TOKEN_ENV} holds characters a gRPC header cannot carry: \
+         use printable ASCII without spaces (e.g. 64 hex digits)"
+    )]
+    InvalidEnv,
+}
+
+impl AuthToken {
+    /// Surrounding whitespace (a trailing newline in a file) is not part of the token.
+    /// `None` if what is left is empty or cannot travel in a header.
+    fn parse(raw: &str) -> Result<Self, bool> {
+        let t = raw.trim();
+        if t.is_empty() {
+            return Err(true);
+        }
+        if !t.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(false);
+        }
+        Ok(Self(t.into()))
+    }
+
+    /// A token from a string: the value of `TUTOR_AUTH_TOKEN`, or one `tutor run` generated.
+    pub fn new(raw: &str) -> Result<Self, AuthError> {
+        Self::parse(raw).map_err(|empty| {
+            if empty {
+                AuthError::EmptyEnv
+            } else {
+                AuthError::InvalidEnv
+            }
+        })
+    }
+
+    /// The secret itself, for writing it into a token file. Do not log it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+/// The token of this process: read from `file` when given, else from `TUTOR_AUTH_TOKEN`;
+/// `None` when neither is set.
+pub fn load_token(file: Option<&Path>) -> Result<Option<AuthToken>, AuthError> {
+    let env = std::env::var_os(AUTH_TOKEN_ENV).map(|v| v.to_string_lossy().into_owned());
+    load_token_from(file, env.as_deref())
+}
+
+/// `load_token` with the environment value passed in (testable without touching the
+/// process environment).
+pub fn load_token_from(
+    file: Option<&Path>,
+    env_value: Option<&str>,
+) -> Result<Option<AuthToken>, AuthError> {
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(path).map_err(|source| AuthError::ReadFile {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        warn_if_readable_by_others(path);
+        return AuthToken::parse(&text).map(Some).map_err(|empty| {
+            let path = path.to_path_buf();
+            if empty {
+                AuthError::EmptyFile { path }
+            } else {
+                AuthError::InvalidFile { path }
+            }
+        });
+    }
+    match env_value {
+        Some(v) => AuthToken::new(v).map(Some),
+        None => Ok(None),
+    }
+}
+
+#[cfg(unix)]
+fn warn_if_readable_by_others(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(path) {
+        let mode = meta.permissions().mode();
+        if mode & 0o077 != 0 {
+            tracing::warn!(
+                path = %path.display(),
+                mode = format!("{:o}", mode & 0o777),
+                "the auth token file is readable by other users: chmod 600 it"
+            );
+        }
+    }
+}
+
+#[cfg(not(unix))]
+fn warn_if_readable_by_others(_path: &Path) {}
+
+/// Server side: rejects calls without `authorization: Bearer <token>` (constant-time
+/// comparison) and counts them. Without a token it lets every call through, for
+/// single-role development; the server warns about that at start.
+#[derive(Clone)]
+pub struct ServerAuth {
+    token: Option<AuthToken>,
+    rejected: Arc<AtomicU64>,
+}
+
+impl fmt::Debug for ServerAuth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServerAuth")
+            .field("enabled", &self.is_enabled())
+            .field("rejected", &self.rejected_count())
+            .finish()
+    }
+}
+
+impl ServerAuth {
+    pub fn new(token: Option<AuthToken>) -> Self {
+        Self {
+            token,
+            rejected: Default::default(),
+        }
+    }
+
+    pub fn is_enabled(&self) -> bool {
+        self.token.is_some()
+    }
+
+    /// Calls rejected so far (for metrics).
+    pub fn rejected_count(&self) -> u64 {
+        self.rejected.load(Ordering::Relaxed)
+    }
+
+    /// Wraps a generated server so that every one of its calls is checked. Leave the
+    /// health service unwrapped: probes carry no secrets.
+    pub fn intercept<S>(&self, service: S) -> InterceptedService<S, ServerAuth> {
+        InterceptedService::new(service, self.clone())
+    }
+
+    /// Checks the call's metadata; the error never echoes what the caller sent.
+    pub fn check(&self, metadata: &MetadataMap) -> Result<(), Status> {
+        let Some(token) = &self.token else {
+            return Ok(());
+        };
+        let verdict = match metadata.get(AUTHORIZATION) {
+            None => Err("missing authorization metadata: send `authorization: Bearer <token>`"),
+            Some(value) => match bearer(value.as_bytes()) {
+                None => Err("the authorization metadata is not `Bearer <token>`"),
+                Some(sent) if bool::from(sent.ct_eq(token.expose().as_bytes())) => Ok(()),
+                Some(_) => Err("wrong bearer token"),
+            },
+        };
+        verdict.map_err(|why| {
+            let n = self.rejected.fetch_add(1, Ordering::Relaxed) + 1;
+            // Logarithmic: a misconfigured client or a scanner cannot flood the log.
+            if n.is_power_of_two() {
+                tracing::warn!(
+                    rejected_total = n,
+                    reason = why,
+                    "rejected an unauthenticated gRPC call"
+                );
+            }
+            Status::unauthenticated(format!(
+                "{why}; every Tutor process needs the same --auth-token-file or {AUTH_TOKEN_ENV}"
+            ))
+        })
+    }
+}
+
+/// The credentials of `Bearer <credentials>` (the scheme is case-insensitive).
+fn bearer(value: &[u8]) -> Option<&[u8]> {
+    let (scheme, rest) = value.split_at_checked(7)?;
+    if !scheme.eq_ignore_ascii_case(b"bearer ") {
+        return None;
+    }
+    let creds = rest.trim_ascii();
+    (!creds.is_empty()).then_some(creds)
+}
+
+impl Interceptor for ServerAuth {
+    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
+        self.check(request.metadata())?;
+        Ok(request)
+    }
+}
+
+/// Client side: adds `authorization: Bearer <token>` to every call (nothing without a
+/// token). The header value is marked sensitive, so `Debug` of a request hides it.
+#[derive(Clone, Default)]
+pub struct ClientAuth {
+    header: Option<MetadataValue<Ascii>>,
+}
+
+impl fmt::Debug for ClientAuth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientAuth")
+            .field("token", &self.header.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+/// A channel whose calls carry the token; what every Tutor client is built on.
+pub type AuthChannel = InterceptedService<Channel, ClientAuth>;
+
+impl ClientAuth {
+    pub fn new(token: Option<&AuthToken>) -> Self {
+        let header = token.map(|t| {
+            let mut v: MetadataValue<Ascii> = format!("Bearer {}", t.expose())
+                .parse()
+                .expect("a parsed token is printable ASCII, a valid header value");
+            v.set_sensitive(true);
+            v
+        });
+        Self { header }
+    }
+
+    /// `channel` with the token added to every call.
+    pub fn channel(&self, channel: Channel) -> AuthChannel {
+        InterceptedService::new(channel, self.clone())
+    }
+}
+
+impl Interceptor for ClientAuth {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(h) = &self.header {
+            request.metadata_mut().insert(AUTHORIZATION, h.clone());
+        }
+        Ok(request)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn token(s: &str) -> AuthToken {
+        AuthToken::new(s).unwrap()
+    }
+
+    fn request_with(value: Option<&str>) -> Request<()> {
+        let mut r = Request::new(());
+        if let Some(v) = value {
+            r.metadata_mut()
+                .insert(AUTHORIZATION, v.parse().expect("ascii"));
+        }
+        r
+    }
+
+    #[test]
+    fn file_wins_over_env_and_is_trimmed() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("token");
+        std::fs::write(&f, "from-file\n").unwrap();
+        let t = load_token_from(Some(&f), Some("from-env"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.expose(), "from-file");
+        let t = load_token_from(None, Some(" from-env ")).unwrap().unwrap();
+        assert_eq!(t.expose(), "from-env");
+        assert!(load_token_from(None, None).unwrap().is_none());
+    }
+
+    #[test]
+    fn file_errors_name_the_file_and_never_the_token() {
+        let d = tempfile::tempdir().unwrap();
+        let missing = d.path().join("no-such-token");
+        let e = load_token_from(Some(&missing), Some("s3cret")).unwrap_err();
+        assert!(e.to_string().contains("no-such-token"), "{e}");
+
+        let empty = d.path().join("empty-token");
+        std::fs::write(&empty, "\n  \n").unwrap();
+        let e = load_token_from(Some(&empty), None).unwrap_err();
+        assert!(
+            matches!(e, AuthError::EmptyFile { .. }) && e.to_string().contains("empty-token"),
+            "{e}"
+        );
+
+        let bad = d.path().join("bad-token");
+        std::fs::write(&bad, "two words-s3cret").unwrap();
+        let e = load_token_from(Some(&bad), None).unwrap_err();
+        assert!(e.to_string().contains("bad-token"), "{e}");
+        assert!(!e.to_string().contains("s3cret"), "{e}");
+
+        assert!(matches!(
+            load_token_from(None, Some("")),
+            Err(AuthError::EmptyEnv)
+        ));
+        let e = load_token_from(None, Some("s3cret\u{e9}")).unwrap_err();
+        assert!(!e.to_string().contains("s3cret"), "{e}");
+    }
+
+    #[test]
+    fn debug_output_hides_the_token() {
+        let t = token("s3cret-token");
+        let client = ClientAuth::new(Some(&t));
+        let server = ServerAuth::new(Some(t.clone()));
+        let mut c = client.clone();
+        let req = c.call(Request::new(())).unwrap();
+        for text in [
+            format!("{t:?}"),
+            format!("{client:?}"),
+            format!("{server:?}"),
+            format!("{req:?}"),
+        ] {
+            assert!(!text.contains("s3cret"), "{text}");
+        }
+    }
+
+    #[test]
+    fn interceptor_accepts_only_the_right_bearer_token_and_counts_rejections() {
+        let mut server = ServerAuth::new(Some(token("s3cret-token")));
+        assert!(server
+            .call(request_with(Some("Bearer s3cret-token")))
+            .is_ok());
+        assert!(server
+            .call(request_with(Some("bearer s3cret-token")))
+            .is_ok());
+        assert_eq!(server.rejected_count(), 0);
+
+        let cases = [
+            None,
+            Some("Bearer wrong-token"),
+            Some("Bearer s3cret-token-longer"),
+            Some("Bearer s3cret-toke"),
+            Some("s3cret-token"),
+            Some("Basic s3cret-token"),
+            Some("Bearer "),
+        ];
+        for (i, case) in cases.iter().enumerate() {
+            let status = server.call(request_with(*case)).unwrap_err();
+            assert_eq!(status.code(), tonic::Code::Unauthenticated, "{case:?}");
+            assert!(!status.message().contains("s3cret"), "{status:?}");
+            assert_eq!(server.rejected_count(), i as u64 + 1);
+        }
+    }
+
+    #[test]
+    fn client_interceptor_sends_what_the_server_expects() {
+        let t = token("abc123");
+        let mut client = ClientAuth::new(Some(&t));
+        let mut server = ServerAuth::new(Some(t));
+        let req = client.call(Request::new(())).unwrap();
+        assert!(server.call(req).is_ok());
+
+        // Without a token the client sends nothing, which an authenticating server refuses.
+        let mut anonymous = ClientAuth::new(None);
+        let req = anonymous.call(Request::new(())).unwrap();
+        assert!(req.metadata().get(AUTHORIZATION).is_none());
+        assert!(server.call(req).is_err());
+    }
+
+    #[test]
+    fn without_a_token_the_server_lets_calls_through() {
+        let mut open = ServerAuth::new(None);
+        assert!(!open.is_enabled());
+        assert!(open.call(request_with(None)).is_ok());
+        assert!(open.call(request_with(Some("Bearer anything"))).is_ok());
+        assert_eq!(open.rejected_count(), 0);
+    }
+}

@@ -1,0 +1,423 @@
+//! The services as a deployment sees them: a real coordinator and a real learner
+//! process with a token file, called over loopback with no, a wrong and the right token;
+//! unauthenticated health probes; metrics; oversized messages.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tonic::transport::Channel;
+use tonic::{Code, Request};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+use tutor_proto::control_client::ControlClient;
+use tutor_proto::learner_client::LearnerClient;
+use tutor_proto::rollout_client::RolloutClient;
+use tutor_proto::weights_client::WeightsClient;
+use tutor_proto::{FetchWeightsRequest, LearnerStatusRequest, RegisterRequest, WatchRunRequest};
+
+const TOKEN: &str = "9f3c1e0b7a52d4c8e6f1a3b5c7d9e0f2a4b6c8d0e2f4a6b8c0d2e4f6a8b0c2d4";
+
+/// A `tutor` server process, stopped when dropped; its log is kept for assertions.
+struct Server {
+    child: Child,
+    log: PathBuf,
+    addr: String,
+}
+
+impl Server {
+    /// Starts `tutor <args> --addr-file DIR/addr` and waits for the address.
+    fn start(dir: &Path, name: &str, args: &[String]) -> Self {
+        let log = dir.join(format!("{name}.log"));
+        let addr_file = dir.join(format!("{name}.addr"));
+        let out = std::fs::File::create(&log).unwrap();
+        let child = Command::new(common::tutor_bin())
+            .args(args)
+            .arg("--addr-file")
+            .arg(&addr_file)
+            .env("RUST_LOG", "info")
+            .env_remove("TUTOR_AUTH_TOKEN")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap();
+        let mut server = Server {
+            child,
+            log,
+            addr: String::new(),
+        };
+        server.addr = server.wait_file(&addr_file);
+        server
+    }
+
+    fn wait_file(&mut self, path: &Path) -> String {
+        let end = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Ok(s) = std::fs::read_to_string(path) {
+                return s.trim().to_string();
+            }
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!(
+                    "the server exited ({status}) before listening:\n{}",
+                    self.log()
+                );
+            }
+            assert!(
+                Instant::now() < end,
+                "no {} after 120 s:\n{}",
+                path.display(),
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    async fn channel(&self) -> Channel {
+        tonic::transport::Endpoint::from_shared(format!("http://{}", self.addr))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn token_file(dir: &Path) -> PathBuf {
+    let p = dir.join("auth-token");
+    std::fs::write(&p, format!("{TOKEN}\n")).unwrap();
+    p
+}
+
+/// A request carrying `token` the way every Tutor client sends it.
+fn with_token<T>(msg: T, token: Option<&str>) -> Request<T> {
+    let mut r = Request::new(msg);
+    if let Some(t) = token {
+        r.metadata_mut()
+            .insert("authorization", format!("Bearer {t}").parse().unwrap());
+    }
+    r
+}
+
+fn register(name: &str) -> RegisterRequest {
+    RegisterRequest {
+        worker_name: name.into(),
+        capacity: 1,
+    }
+}
+
+/// A coordinator with a token, tasks and metrics, pointed at a learner that does not
+/// exist: its gRPC services answer without one (only its driver task needs a learner).
+fn start_coordinator(dir: &Path) -> (Server, String) {
+    let p = |n: &str| dir.join(n).display().to_string();
+    let out = common::tutor(&["tasks", "toy", "--n", "2", "--out", &p("tasks.jsonl")]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::write(dir.join("run.toml"), "").unwrap();
+    let tok = token_file(dir).display().to_string();
+    let args: Vec<String> = [
+        "coordinator",
+        "--config",
+        &p("run.toml"),
+        "--run-dir",
+        &p("run"),
+        "--learner",
+        "http://127.0.0.1:9",
+        "--train-tasks",
+        &p("tasks.jsonl"),
+        "--listen",
+        "127.0.0.1:0",
+        "--auth-token-file",
+        &tok,
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--metrics-addr-file",
+        &p("metrics.addr"),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut server = Server::start(dir, "coordinator", &args);
+    let metrics = server.wait_file(&dir.join("metrics.addr"));
+    (server, metrics)
+}
+
+async fn http_get(addr: &str, path: &str) -> String {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+fn metric(text: &str, series: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+async fn health(channel: Channel, service: &str) -> i32 {
+    HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: service.into(),
+        })
+        .await
+        .unwrap_or_else(|s| panic!("health check of {service:?} failed: {s}"))
+        .into_inner()
+        .status
+}
+
+#[tokio::test]
+async fn coordinator_requires_the_token_counts_rejections_and_probes_need_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let (coord, metrics_addr) = start_coordinator(dir.path());
+    let mut rollout = RolloutClient::new(coord.channel().await);
+
+    let status = rollout
+        .register(with_token(register("anon"), None))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+    let status = rollout
+        .register(with_token(register("guess"), Some("not-the-token")))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+    assert!(!status.message().contains(TOKEN));
+    let reg = rollout
+        .register(with_token(register("w"), Some(TOKEN)))
+        .await
+        .expect("the right token is accepted")
+        .into_inner();
+    assert!(!reg.worker_id.is_empty());
+
+    // The two rejected calls are counted; the registered worker is live.
+    let page = http_get(&metrics_addr, "/metrics").await;
+    assert!(page.starts_with("HTTP/1.1 200 OK"), "{page}");
+    assert_eq!(
+        metric(&page, "tutor_coordinator_unauthenticated_requests_total"),
+        Some(2),
+        "{page}"
+    );
+    assert_eq!(
+        metric(&page, "tutor_coordinator_live_workers"),
+        Some(1),
+        "{page}"
+    );
+    assert!(!page.contains(TOKEN));
+
+    // The Control service is guarded the same way.
+    let mut control = ControlClient::new(coord.channel().await);
+    let status = control
+        .watch_run(with_token(WatchRunRequest {}, None))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+    control
+        .watch_run(with_token(WatchRunRequest {}, Some(TOKEN)))
+        .await
+        .expect("the right token opens the run stream");
+
+    // Probes carry no token and are not counted as rejections.
+    let serving = ServingStatus::Serving as i32;
+    assert_eq!(health(coord.channel().await, "").await, serving);
+    assert_eq!(
+        health(coord.channel().await, "tutor.v1.Rollout").await,
+        serving
+    );
+    assert_eq!(
+        health(coord.channel().await, "tutor.v1.Control").await,
+        serving
+    );
+    let page = http_get(&metrics_addr, "/metrics").await;
+    assert_eq!(
+        metric(&page, "tutor_coordinator_unauthenticated_requests_total"),
+        Some(3),
+        "{page}"
+    );
+    assert!(
+        !coord.log().contains(TOKEN),
+        "the token leaked into the log"
+    );
+}
+
+#[tokio::test]
+async fn oversized_message_is_refused_and_the_coordinator_keeps_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let (coord, _) = start_coordinator(dir.path());
+    let mut rollout = RolloutClient::new(coord.channel().await);
+    let huge = "w".repeat(tutor_proto::MAX_ROLLOUT_REQUEST_BYTES + 1);
+    let status = rollout
+        .register(with_token(register(&huge), Some(TOKEN)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(status.code(), Code::OutOfRange | Code::ResourceExhausted),
+        "an oversized message is refused by size, not by the handler: {:?} {}",
+        status.code(),
+        status.message()
+    );
+    // The same connection and a new one both still work.
+    rollout
+        .register(with_token(register("after"), Some(TOKEN)))
+        .await
+        .expect("the coordinator answers after an oversized message");
+    RolloutClient::new(coord.channel().await)
+        .register(with_token(register("fresh"), Some(TOKEN)))
+        .await
+        .expect("a new connection is served too");
+}
+
+#[tokio::test]
+async fn learner_requires_the_token_on_learner_and_weights_and_probes_need_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::write(
+        model.join("config.json"),
+        r#"{"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 300,
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+            "max_position_embeddings": 256}"#,
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("run.toml"), "").unwrap();
+    let p = |n: &Path| n.display().to_string();
+    let args: Vec<String> = vec![
+        "learner".into(),
+        "--config".into(),
+        p(&dir.path().join("run.toml")),
+        "--model-dir".into(),
+        p(&model),
+        "--out-dir".into(),
+        p(&dir.path().join("learner")),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--auth-token-file".into(),
+        p(&token_file(dir.path())),
+    ];
+    let learner = Server::start(dir.path(), "learner", &args);
+
+    let mut client = LearnerClient::new(learner.channel().await);
+    for token in [None, Some("not-the-token")] {
+        let status = client
+            .status(with_token(LearnerStatusRequest {}, token))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            status.code(),
+            Code::Unauthenticated,
+            "{token:?}: {status:?}"
+        );
+    }
+    let st = client
+        .status(with_token(LearnerStatusRequest {}, Some(TOKEN)))
+        .await
+        .expect("the right token is accepted")
+        .into_inner();
+    assert!(!st.latest_sha256.is_empty(), "version 0 is published");
+
+    // Weights: refused without the token, streamed whole with it.
+    let mut weights = WeightsClient::new(learner.channel().await);
+    let status = weights
+        .fetch(with_token(FetchWeightsRequest { version: 0 }, None))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+    let mut stream = weights
+        .fetch(with_token(FetchWeightsRequest { version: 0 }, Some(TOKEN)))
+        .await
+        .expect("the right token opens the weights stream")
+        .into_inner();
+    let (mut bytes, mut total, mut last) = (0u64, 0u64, false);
+    while let Some(chunk) = stream.message().await.unwrap() {
+        if chunk.offset == 0 {
+            total = chunk.total_bytes;
+        }
+        bytes += chunk.data.len() as u64;
+        last = chunk.last;
+    }
+    assert!(last && bytes == total && total > 0, "{bytes} of {total}");
+
+    let serving = ServingStatus::Serving as i32;
+    for service in ["", "tutor.v1.Learner", "tutor.v1.Weights"] {
+        assert_eq!(health(learner.channel().await, service).await, serving);
+    }
+    assert!(
+        !learner.log().contains(TOKEN),
+        "the token leaked into the log"
+    );
+}
+
+#[test]
+fn a_server_without_a_token_warns_in_json_logs_and_a_bad_token_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("run.toml"), "").unwrap();
+    let p = |n: &str| dir.path().join(n).display().to_string();
+    let out = common::tutor(&["tasks", "toy", "--n", "1", "--out", &p("tasks.jsonl")]);
+    assert!(out.status.success());
+    let base = |extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "coordinator",
+            "--config",
+            &p("run.toml"),
+            "--run-dir",
+            &p("run"),
+            "--learner",
+            "http://127.0.0.1:9",
+            "--train-tasks",
+            &p("tasks.jsonl"),
+            "--listen",
+            "127.0.0.1:0",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    // Logged as JSON lines when asked, so collectors can parse the warning.
+    let open = Server::start(dir.path(), "open", &base(&["--log-format", "json"]));
+    let warning = || {
+        open.log().lines().find_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).ok()?;
+            let msg = v["fields"]["message"].as_str()?;
+            (v["level"] == "WARN" && msg.contains("no auth token")).then_some(v)
+        })
+    };
+    let end = Instant::now() + Duration::from_secs(10);
+    while warning().is_none() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(warning().is_some(), "no JSON warning in\n{}", open.log());
+    drop(open);
+
+    let missing = p("no-such-token-file");
+    let args = base(&["--auth-token-file", &missing]);
+    let out = Command::new(common::tutor_bin())
+        .args(&args)
+        .env_remove("TUTOR_AUTH_TOKEN")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("no-such-token-file"), "{err}");
+}
