@@ -4,6 +4,7 @@
 pub mod config;
 pub mod loss;
 pub mod objectives;
+pub mod packing;
 pub mod schedule;
 pub mod service;
 pub mod trainer;

@@ -13,8 +13,9 @@
 //! share storage with the var store, so loading weights or casting the store (e.g.
 //! `var_store_mut().bfloat16()`, which uses `set_data`) is seen by the model.
 //!
-//! One code path serves training (`forward`, full sequences) and generation (prefill and
-//! one-token decode steps with a KV cache); they differ only in positions, mask and cache.
+//! One code path serves training (`forward`, full sequences; `forward_tree`, packed rows
+//! with explicit positions and attention structure) and generation (prefill and one-token
+//! decode steps with a KV cache); they differ only in positions, mask and cache.
 
 use std::sync::Mutex;
 
@@ -588,6 +589,42 @@ impl Policy {
         let hidden = self.model.hidden_states(&ids, &positions, &mask, None);
         self.model.logits(&hidden)
     }
+
+    /// Forward over rows with an explicit attention structure, for training on packed
+    /// rows where several sequences share a prefix (a tree of token sequences).
+    ///
+    /// `input_ids` `[B, L]` (integer), `position_ids` `[B, L]` (integer): the RoPE
+    /// position of each token, i.e. its index in the plain sequence it belongs to (a
+    /// branch continues the positions of its prefix); `allowed` `[B, L, L]` (bool, or
+    /// integer with nonzero = true): `allowed[b, i, j]` says whether query `i` may attend
+    /// key `j`. A query always attends itself as well (so padding slots, whatever their
+    /// row says, never produce an all-masked softmax row). Returns float32 logits
+    /// `[B, L, vocab]`; logits of padding slots are meaningless.
+    ///
+    /// With `allowed` the causal lower triangle and positions `0..L`, this equals
+    /// `forward` with an all-ones attention mask (up to the kernels' rounding).
+    pub fn forward_tree(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        allowed: &Tensor,
+    ) -> Tensor {
+        let device = self.device();
+        let ids = input_ids.to_device(device).to_kind(Kind::Int64);
+        let (b, l) = ids.size2().expect("input_ids must be [B, L]");
+        let positions = position_ids.to_device(device).to_kind(Kind::Int64);
+        assert_eq!(
+            positions.size(),
+            [b, l],
+            "position_ids must have the shape of input_ids"
+        );
+        let allowed = allowed.to_device(device);
+        assert_eq!(allowed.size(), [b, l, l], "allowed must be [B, L, L]");
+        let own = Tensor::eye(l, (Kind::Bool, device)).unsqueeze(0);
+        let mask = AttnMask::Explicit(allowed.ne(0).logical_or(&own).unsqueeze(1));
+        let hidden = self.model.hidden_states(&ids, &positions, &mask, None);
+        self.model.logits(&hidden)
+    }
 }
 
 /// Attention mask `[B, 1, S, L]` for `S` new queries after `past` cached keys: a query may
@@ -791,6 +828,56 @@ pub(crate) mod tests {
             let norm = f64::try_from(g.norm()).unwrap();
             assert!(norm.is_finite() && norm > 0.0, "{name}: grad norm {norm}");
         }
+    }
+
+    #[test]
+    fn forward_tree_matches_forward_on_each_branch() {
+        let p = tiny_policy(4);
+        let ones = |n: i64| Tensor::ones([1, n], (Kind::Int64, Device::Cpu));
+        // Causal structure and plain positions: the same as `forward`.
+        let ids = Tensor::from_slice(&[3i64, 4, 5, 6, 7]).view([1, 5]);
+        let pos = Tensor::arange(5, (Kind::Int64, Device::Cpu)).unsqueeze(0);
+        let causal = Tensor::ones([5, 5], (Kind::Bool, Device::Cpu))
+            .tril(0)
+            .unsqueeze(0);
+        let tree = p.forward_tree(&ids, &pos, &causal);
+        let plain = p.forward(&ids, &ones(5));
+        assert!(tree.allclose(&plain, 1e-5, 1e-5, false));
+
+        // Prefix [3 4 5], branch A [6 7] after it, branch B [8 9] after it, in one row:
+        // slots 0..3 prefix, 3..5 A, 5..7 B; B sees the prefix and itself, not A.
+        let row = Tensor::from_slice(&[3i64, 4, 5, 6, 7, 8, 9]).view([1, 7]);
+        let pos = Tensor::from_slice(&[0i64, 1, 2, 3, 4, 3, 4]).view([1, 7]);
+        let parent = [None, Some(0), Some(1), Some(2), Some(3), Some(2), Some(5)];
+        let mut allowed = vec![false; 49];
+        for i in 0..7 {
+            let mut j = Some(i);
+            while let Some(k) = j {
+                allowed[i * 7 + k] = true;
+                j = parent[k];
+            }
+        }
+        let allowed = Tensor::from_slice(&allowed).view([1, 7, 7]);
+        let packed = p.forward_tree(&row, &pos, &allowed).get(0);
+        let a = p
+            .forward(
+                &Tensor::from_slice(&[3i64, 4, 5, 6, 7]).view([1, 5]),
+                &ones(5),
+            )
+            .get(0);
+        let b = p
+            .forward(
+                &Tensor::from_slice(&[3i64, 4, 5, 8, 9]).view([1, 5]),
+                &ones(5),
+            )
+            .get(0);
+        let close = |x: &Tensor, y: &Tensor| x.allclose(y, 1e-5, 1e-5, false);
+        assert!(close(&packed.narrow(0, 0, 5), &a));
+        assert!(close(&packed.narrow(0, 5, 2), &b.narrow(0, 3, 2)));
+        // The positions matter: B at slots' own indices (5, 6) gives other logits.
+        let wrong_pos = Tensor::arange(7, (Kind::Int64, Device::Cpu)).unsqueeze(0);
+        let shifted = p.forward_tree(&row, &wrong_pos, &allowed).get(0);
+        assert!(!close(&shifted.narrow(0, 5, 2), &b.narrow(0, 3, 2)));
     }
 
     #[test]
