@@ -14,11 +14,12 @@ export PATH := $(VENV)/bin:$(PATH)
 export TUTOR_PYTHON := $(VENV)/bin/python
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: setup build release quickstart test clean-runs help
+.PHONY: setup build release images quickstart test bench-ingest clean-runs help
 
 help:
 	@echo "make quickstart   set up, build (release) and run configs/quickstart.toml"
 	@echo "make test         set up, build and run the whole test suite"
+	@echo "make bench-ingest coordinator ingest throughput (release; BENCH_ARGS=... to change)"
 
 setup: $(VENV)/.ready
 
@@ -41,12 +42,32 @@ release: setup
 quickstart: release
 	./target/release/tutor run --config configs/quickstart.toml
 
-test: build
+# Sandbox images, built locally (no registry is reachable): a Debian base from
+# debootstrap, then the Python task image on it. Skipped, with a note, where no Docker
+# engine answers; the Docker tests then say they were skipped.
+images:
+	@if docker info >/dev/null 2>&1; then \
+		deploy/images/build-base.sh tutor/base:bookworm && \
+		docker build -q -t tutor/python-task:latest deploy/images/python-task >/dev/null && \
+		echo "image tutor/python-task:latest ready"; \
+	else \
+		echo "no Docker engine reachable: sandbox images not built"; \
+	fi
+
+test: build images
 	@if cargo nextest --version >/dev/null 2>&1; then \
 		cargo nextest run --workspace --no-fail-fast; \
 	else \
 		cargo test --workspace --no-fail-fast; \
 	fi
+
+# Coordinator ingest throughput over loopback, fsync on (bench/README.md). Not part of
+# `make test`; needs no venv (the bench links neither libtorch nor the policy).
+# Example: make bench-ingest BENCH_ARGS="--workers 32 --window 16"
+BENCH_ARGS ?=
+bench-ingest:
+	cargo build --release -p tutor-bench --bin ingest
+	./target/release/ingest $(BENCH_ARGS)
 
 clean-runs:
 	rm -rf runs

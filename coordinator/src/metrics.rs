@@ -25,6 +25,10 @@ pub struct EventCounters {
     pub outcomes_ingested: AtomicU64,
     /// Events a worker replayed that were already stored.
     pub duplicate_events: AtomicU64,
+    /// Group commits of the trajectory store: one write of a batch and one fsync each.
+    pub store_commits: AtomicU64,
+    /// Bytes appended to the trajectory store (records with their headers).
+    pub store_bytes: AtomicU64,
 }
 
 impl EventCounters {
@@ -81,6 +85,18 @@ pub fn render(
         "counter",
         "Replayed events that were already stored (acknowledged, not stored again).",
         &[("", load(&events.duplicate_events))],
+    );
+    metric(
+        "tutor_coordinator_store_commits_total",
+        "counter",
+        "Group commits of the trajectory store (one write and one fsync each).",
+        &[("", load(&events.store_commits))],
+    );
+    metric(
+        "tutor_coordinator_store_bytes_total",
+        "counter",
+        "Bytes appended to the trajectory store.",
+        &[("", load(&events.store_bytes))],
     );
     metric(
         "tutor_coordinator_unauthenticated_requests_total",
@@ -309,6 +325,8 @@ mod tests {
             ("tutor_coordinator_turns_ingested_total", 2),
             ("tutor_coordinator_duplicate_events_total", 1),
             ("tutor_coordinator_outcomes_ingested_total", 0),
+            ("tutor_coordinator_store_commits_total", 0),
+            ("tutor_coordinator_store_bytes_total", 0),
             ("tutor_coordinator_unauthenticated_requests_total", 9),
             (
                 "tutor_coordinator_episodes_completed_total{purpose=\"train\"}",

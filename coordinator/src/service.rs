@@ -16,7 +16,7 @@ use tutor_proto::{
 
 use crate::metrics::EventCounters;
 use crate::scheduler::{SchedulerHandle, HEARTBEAT_INTERVAL};
-use crate::store::{event_key, StoreRequest};
+use crate::store::{event_key, StoreReply, StoreRequest};
 
 /// Run events for watchers. Iteration summaries and the final event are kept, so a
 /// watcher that connects late still sees the whole table.
@@ -62,6 +62,19 @@ pub struct RolloutService {
 
 type AckStream = Pin<Box<dyn Stream<Item = Result<EventAck, Status>> + Send>>;
 
+/// Events of one stream handed to the store and not yet acknowledged, at most.
+const STREAM_PIPELINE: usize = 256;
+
+/// An event handed to the store, waiting for its commit; or the error that ends the
+/// stream after the acks before it.
+type Waiting = Result<InStore, Status>;
+
+struct InStore {
+    episode_id: String,
+    turn_index: u32,
+    stored: oneshot::Receiver<StoreReply>,
+}
+
 #[tonic::async_trait]
 impl Rollout for RolloutService {
     async fn register(
@@ -102,7 +115,9 @@ impl Rollout for RolloutService {
     type StreamEventsStream = AckStream;
 
     /// Each event is acknowledged only after the store made it durable; a replayed
-    /// event is acknowledged as a duplicate and changes nothing.
+    /// event is acknowledged as a duplicate and changes nothing. Events are pipelined:
+    /// the next is handed to the store while earlier ones wait for their group commit,
+    /// so one stream's events share fsyncs; acks (and a final error) keep stream order.
     async fn stream_events(
         &self,
         request: Request<Streaming<EpisodeEvent>>,
@@ -112,6 +127,8 @@ impl Rollout for RolloutService {
         let scheduler = self.scheduler.clone();
         let counters = self.counters.clone();
         let (tx, rx) = mpsc::channel(256);
+        // Events handed to the store, in stream order, waiting for their commit.
+        let (waiting_tx, mut waiting_rx) = mpsc::channel::<Waiting>(STREAM_PIPELINE);
         tokio::spawn(async move {
             while let Some(ev) = events.next().await {
                 let ev = match ev {
@@ -122,7 +139,7 @@ impl Rollout for RolloutService {
                     }
                 };
                 let Some((episode_id, turn_index)) = event_key(&ev) else {
-                    let _ = tx
+                    let _ = waiting_tx
                         .send(Err(Status::invalid_argument(
                             "event without a turn or outcome",
                         )))
@@ -130,22 +147,41 @@ impl Rollout for RolloutService {
                     return;
                 };
                 let (reply, stored) = oneshot::channel();
-                if store
-                    .send(StoreRequest {
-                        event: ev.clone(),
-                        reply,
-                    })
-                    .await
-                    .is_err()
-                {
-                    let _ = tx
+                if store.send(StoreRequest { event: ev, reply }).await.is_err() {
+                    let _ = waiting_tx
                         .send(Err(Status::unavailable("trajectory store stopped")))
                         .await;
                     return;
                 }
-                let duplicate = match stored.await {
-                    Ok(Ok(d)) => d,
-                    Ok(Err(e)) => {
+                let waiting = Ok(InStore {
+                    episode_id,
+                    turn_index,
+                    stored,
+                });
+                if waiting_tx.send(waiting).await.is_err() {
+                    return; // the acking task stopped: the worker went away
+                }
+            }
+        });
+        tokio::spawn(async move {
+            while let Some(waiting) = waiting_rx.recv().await {
+                let InStore {
+                    episode_id,
+                    turn_index,
+                    stored,
+                } = match waiting {
+                    Ok(w) => w,
+                    Err(status) => {
+                        let _ = tx.send(Err(status)).await;
+                        return;
+                    }
+                };
+                let (event, duplicate) = match stored.await {
+                    Ok(StoreReply {
+                        event,
+                        result: Ok(d),
+                    }) => (event, d),
+                    Ok(StoreReply { result: Err(e), .. }) => {
                         let _ = tx.send(Err(Status::internal(e))).await;
                         return;
                     }
@@ -163,7 +199,7 @@ impl Rollout for RolloutService {
                     (false, true) => &counters.outcomes_ingested,
                 });
                 if !duplicate {
-                    scheduler.stored(ev).await;
+                    scheduler.stored(event).await;
                 }
                 let ack = EventAck {
                     episode_id,
@@ -244,5 +280,98 @@ impl Control for ControlService {
         tracing::info!("shutdown requested over Control");
         self.shutdown.notify_one();
         Ok(Response::new(ShutdownResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use tutor_proto::rollout_client::RolloutClient;
+    use tutor_proto::{episode_event, EpisodeOutcome, TurnRecord, TURN_INDEX_OUTCOME};
+
+    use super::*;
+    use crate::ServeOptions;
+
+    fn event(ep: &str, turn: Option<u32>) -> EpisodeEvent {
+        EpisodeEvent {
+            episode_id: ep.into(),
+            worker_id: "w".into(),
+            event: Some(match turn {
+                Some(i) => episode_event::Event::Turn(TurnRecord {
+                    turn_index: i,
+                    observation: "x".repeat(1500),
+                    ..Default::default()
+                }),
+                None => episode_event::Event::Outcome(EpisodeOutcome::default()),
+            }),
+        }
+    }
+
+    /// A worker that sends everything before reading any ack: the events travel through
+    /// the store pipelined, yet the acks come back in stream order, the replays in the
+    /// same stream are duplicates, and the store holds each event once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pipelined_stream_acks_in_order_and_flags_replays() {
+        let dir = tempfile::tempdir().unwrap();
+        let addr_file = dir.path().join("addr");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let server = tokio::spawn(crate::serve(
+            ServeOptions {
+                listen: "127.0.0.1:0".parse().unwrap(),
+                run_dir: dir.path().join("run"),
+                learner_endpoint: "no learner in this test".into(),
+                config: Default::default(),
+                train_tasks: Vec::new(),
+                heldout_tasks: Vec::new(),
+                addr_file: Some(addr_file.clone()),
+                auth_token: None,
+                metrics_listen: None,
+                metrics_addr_file: None,
+                store: Default::default(),
+            },
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        let end = Instant::now() + Duration::from_secs(30);
+        let addr = loop {
+            if let Ok(a) = std::fs::read_to_string(&addr_file) {
+                break a;
+            }
+            assert!(Instant::now() < end, "the coordinator never listened");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let mut client = RolloutClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+
+        let mut sent: Vec<EpisodeEvent> = (0..200).map(|i| event("e1", Some(i))).collect();
+        sent.extend((0..10).map(|i| event("e1", Some(i))));
+        sent.push(event("e1", None));
+        let (tx, rx) = mpsc::channel(sent.len());
+        for ev in &sent {
+            tx.send(ev.clone()).await.unwrap();
+        }
+        drop(tx);
+        let mut acks = client
+            .stream_events(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut got = Vec::new();
+        while let Some(a) = acks.message().await.unwrap() {
+            got.push((a.turn_index, a.duplicate));
+        }
+        let mut want: Vec<(u32, bool)> = (0..200).map(|i| (i, false)).collect();
+        want.extend((0..10).map(|i| (i, true)));
+        want.push((TURN_INDEX_OUTCOME, false));
+        assert_eq!(got, want);
+
+        stop.send(()).unwrap();
+        server.await.unwrap().unwrap();
+        let (stored, _) =
+            crate::store::scan(&dir.path().join("run/trajectories/events.log")).unwrap();
+        assert_eq!(stored.len(), 201);
     }
 }

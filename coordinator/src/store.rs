@@ -9,11 +9,15 @@ use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use prost::Message;
 use tokio::sync::{mpsc, oneshot};
 use tutor_proto::{episode_event, EpisodeEvent, TURN_INDEX_OUTCOME};
+
+use crate::metrics::EventCounters;
 
 /// Idempotency key of an event: (episode id, turn index); outcomes use TURN_INDEX_OUTCOME.
 pub fn event_key(ev: &EpisodeEvent) -> Option<(String, u32)> {
@@ -23,15 +27,40 @@ pub fn event_key(ev: &EpisodeEvent) -> Option<(String, u32)> {
     }
 }
 
+/// How the store writes. The default is the only durable setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreOptions {
+    /// fsync each batch before acknowledging it. Off only for benchmarks that measure
+    /// what the fsync costs: without it an acknowledged event can be lost in a crash.
+    pub fsync: bool,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self { fsync: true }
+    }
+}
+
 pub struct TrajectoryStore {
     path: PathBuf,
     file: BufWriter<File>,
     seen: HashSet<(String, u32)>,
+    options: StoreOptions,
+    /// Since open: batches written (one fsync each when `options.fsync`), bytes appended.
+    commits: u64,
+    bytes: u64,
+    /// Reused buffer for encoding one record.
+    scratch: Vec<u8>,
 }
 
 impl TrajectoryStore {
     /// Opens (or creates) `dir/events.log`, recovering what a previous run stored.
     pub fn open(dir: &Path) -> Result<Self> {
+        Self::open_with(dir, StoreOptions::default())
+    }
+
+    /// `open` with explicit options.
+    pub fn open_with(dir: &Path, options: StoreOptions) -> Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let path = dir.join("events.log");
         let (events, valid_len) = scan(&path)?;
@@ -52,9 +81,23 @@ impl TrajectoryStore {
         let seen = events.iter().filter_map(event_key).collect();
         Ok(Self {
             path,
-            file: BufWriter::new(file),
+            file: BufWriter::with_capacity(256 * 1024, file),
             seen,
+            options,
+            commits: 0,
+            bytes: 0,
+            scratch: Vec::new(),
         })
+    }
+
+    /// Batches written since open (each fsynced once when fsync is on).
+    pub fn commits(&self) -> u64 {
+        self.commits
+    }
+
+    /// Bytes appended since open.
+    pub fn bytes_written(&self) -> u64 {
+        self.bytes
     }
 
     pub fn path(&self) -> &Path {
@@ -70,31 +113,45 @@ impl TrajectoryStore {
     }
 
     /// Appends the events that are new and fsyncs once. Returns, per event, whether it
-    /// was a duplicate (already stored, nothing written).
-    pub fn append_batch(&mut self, events: &[EpisodeEvent]) -> Result<Vec<bool>> {
-        let mut dup = Vec::with_capacity(events.len());
-        let mut wrote = false;
+    /// was a duplicate (already stored, or earlier in this batch: nothing written).
+    /// Keys count as stored only once the batch is durable: after a failed write or
+    /// fsync, a replay of the same events is written again, not acked as a duplicate.
+    pub fn append_batch<'a>(
+        &mut self,
+        events: impl IntoIterator<Item = &'a EpisodeEvent>,
+    ) -> Result<Vec<bool>> {
+        let mut dup = Vec::new();
+        let mut new_keys: HashSet<(String, u32)> = HashSet::new();
+        let mut bytes = 0u64;
         for ev in events {
             let Some(key) = event_key(ev) else {
                 dup.push(true);
                 continue;
             };
-            if self.seen.contains(&key) {
+            if self.seen.contains(&key) || new_keys.contains(&key) {
                 dup.push(true);
                 continue;
             }
-            let bytes = ev.encode_to_vec();
-            self.file.write_all(&(bytes.len() as u32).to_le_bytes())?;
+            self.scratch.clear();
+            ev.encode(&mut self.scratch)
+                .expect("a Vec grows to hold any message");
+            let record = &self.scratch;
+            self.file.write_all(&(record.len() as u32).to_le_bytes())?;
             self.file
-                .write_all(&crc32fast::hash(&bytes).to_le_bytes())?;
-            self.file.write_all(&bytes)?;
-            self.seen.insert(key);
+                .write_all(&crc32fast::hash(record).to_le_bytes())?;
+            self.file.write_all(record)?;
+            bytes += 8 + record.len() as u64;
+            new_keys.insert(key);
             dup.push(false);
-            wrote = true;
         }
-        if wrote {
+        if !new_keys.is_empty() {
             self.file.flush()?;
-            self.file.get_ref().sync_data()?;
+            if self.options.fsync {
+                self.file.get_ref().sync_data()?;
+            }
+            self.commits += 1;
+            self.bytes += bytes;
+            self.seen.extend(new_keys);
         }
         Ok(dup)
     }
@@ -130,38 +187,66 @@ pub fn scan(path: &Path) -> Result<(Vec<EpisodeEvent>, u64)> {
     Ok((events, pos as u64))
 }
 
-/// A request to store one event; the reply says whether it was a duplicate.
+/// A request to store one event. The reply hands the event back (so the caller need
+/// not keep a copy) with whether it was a duplicate.
 pub struct StoreRequest {
     pub event: EpisodeEvent,
-    pub reply: oneshot::Sender<Result<bool, String>>,
+    pub reply: oneshot::Sender<StoreReply>,
 }
+
+/// The answer to a `StoreRequest`, sent once the event's batch is durable (or failed).
+pub struct StoreReply {
+    pub event: EpisodeEvent,
+    /// Whether the event was a duplicate; an error if the batch could not be written.
+    pub result: Result<bool, String>,
+}
+
+/// Largest batch one group commit writes.
+const MAX_BATCH: usize = 1024;
 
 /// Runs the store on its own thread: drains whatever requests are waiting, writes them
 /// with one fsync, then answers each. The bounded channel is the backpressure.
-pub fn spawn_writer(mut store: TrajectoryStore) -> mpsc::Sender<StoreRequest> {
-    let (tx, mut rx) = mpsc::channel::<StoreRequest>(1024);
+/// `counters` gets the store's commits and bytes.
+pub fn spawn_writer(
+    mut store: TrajectoryStore,
+    counters: Arc<EventCounters>,
+) -> mpsc::Sender<StoreRequest> {
+    let (tx, mut rx) = mpsc::channel::<StoreRequest>(MAX_BATCH);
     std::thread::Builder::new()
         .name("trajectory-store".into())
         .spawn(move || {
+            let mut batch = Vec::with_capacity(MAX_BATCH);
             while let Some(first) = rx.blocking_recv() {
-                let mut batch = vec![first];
-                while batch.len() < 512 {
+                batch.push(first);
+                while batch.len() < MAX_BATCH {
                     match rx.try_recv() {
                         Ok(r) => batch.push(r),
                         Err(_) => break,
                     }
                 }
-                let events: Vec<EpisodeEvent> = batch.iter().map(|r| r.event.clone()).collect();
-                match store.append_batch(&events) {
+                let result = store.append_batch(batch.iter().map(|r| &r.event));
+                counters
+                    .store_commits
+                    .store(store.commits(), Ordering::Relaxed);
+                counters
+                    .store_bytes
+                    .store(store.bytes_written(), Ordering::Relaxed);
+                match result {
                     Ok(dups) => {
-                        for (r, d) in batch.into_iter().zip(dups) {
-                            let _ = r.reply.send(Ok(d));
+                        for (r, d) in batch.drain(..).zip(dups) {
+                            let _ = r.reply.send(StoreReply {
+                                event: r.event,
+                                result: Ok(d),
+                            });
                         }
                     }
                     Err(e) => {
                         tracing::error!(error = %format!("{e:#}"), path = %store.path().display(), "trajectory store write failed");
-                        for r in batch {
-                            let _ = r.reply.send(Err(format!("store write failed: {e:#}")));
+                        for r in batch.drain(..) {
+                            let _ = r.reply.send(StoreReply {
+                                event: r.event,
+                                result: Err(format!("store write failed: {e:#}")),
+                            });
                         }
                     }
                 }

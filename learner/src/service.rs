@@ -269,7 +269,9 @@ pub async fn serve(
         )
         .add_service(auth.intercept(WeightsServer::new(store)))
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            // tonic sets TCP_NODELAY only on listeners it binds itself; without it small
+            // replies wait on delayed ACKs (~40 ms each).
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
             async move {
                 shutdown.await;
                 health

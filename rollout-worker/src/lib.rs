@@ -2,6 +2,7 @@
 //! coordinator and streams every turn back; also the task formats and the toy tasks.
 
 pub mod action;
+pub mod docker;
 pub mod episode;
 pub mod grade;
 pub mod observation;

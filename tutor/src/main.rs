@@ -244,6 +244,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
                     auth_token,
                     metrics_listen,
                     metrics_addr_file,
+                    store: Default::default(),
                 },
                 shutdown_signal(),
             )

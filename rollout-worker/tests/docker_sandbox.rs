@@ -1,0 +1,206 @@
+//! The Docker sandbox against the real engine: persistent shell, timeouts, output caps,
+//! no network, diff, cleanup. Needs the image from `make images`; skips (saying so) only
+//! when no Docker engine is reachable.
+
+use std::time::{Duration, Instant};
+
+use tutor_rollout::docker::{self, ContainerSpec, DockerError, DockerSandbox};
+
+const IMAGE: &str = "tutor/python-task:latest";
+
+async fn engine() -> Option<bollard::Docker> {
+    match docker::connect().await {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("SKIPPED: no Docker engine reachable: {e}");
+            None
+        }
+    }
+}
+
+fn task() -> tutor_rollout::tasks::TaskRecord {
+    tutor_rollout::toy::generate(1, 11).remove(0)
+}
+
+fn spec(run: &str, episode: &str) -> ContainerSpec {
+    ContainerSpec::new(IMAGE, run, "test-worker", episode)
+}
+
+async fn sandbox(d: &bollard::Docker, run: &str) -> DockerSandbox {
+    match DockerSandbox::create(d, &spec(run, "e1"), &task()).await {
+        Ok(s) => s,
+        Err(e @ DockerError::MissingImage(_)) => panic!("{e}"),
+        Err(e) => panic!("creating the sandbox: {e}"),
+    }
+}
+
+async fn containers_of(d: &bollard::Docker, run: &str) -> usize {
+    let filters = std::collections::HashMap::from([(
+        "label".to_string(),
+        vec![format!("{}={run}", docker::LABEL_RUN)],
+    )]);
+    d.list_containers(Some(
+        bollard::query_parameters::ListContainersOptionsBuilder::default()
+            .all(true)
+            .filters(&filters)
+            .build(),
+    ))
+    .await
+    .unwrap()
+    .len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn persistent_shell_keeps_state_and_reports_exit_codes() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-shell-{}", std::process::id());
+    let mut sb = sandbox(&d, &run).await;
+    let t = Duration::from_secs(20);
+    let out = sb.run("pwd && ls", t).await;
+    assert_eq!(out.exit_code, 0, "{}", out.output);
+    assert!(out.output.starts_with("/testbed\n"), "{}", out.output);
+    assert!(out.output.contains("tests"), "{}", out.output);
+    let out = sb.run("cd tests && export FOO=bar", t).await;
+    assert_eq!(out.exit_code, 0);
+    assert_eq!(sb.cwd(), "/testbed/tests");
+    let out = sb.run("pwd", t).await;
+    assert_eq!(out.output.trim(), "/testbed/tests");
+    assert_eq!(sb.run("false", t).await.exit_code, 1);
+    assert_eq!(sb.run("exit 3", t).await.exit_code, 3);
+    let out = sb.run("echo to-stderr >&2; printf 'no newline'", t).await;
+    assert!(
+        out.output.contains("to-stderr") && out.output.ends_with("no newline"),
+        "{:?}",
+        out.output
+    );
+    // Tests run in the container with the image's pytest.
+    let out = sb
+        .run(
+            "cd /testbed && python -m pytest -q tests 2>&1 | tail -1",
+            Duration::from_secs(60),
+        )
+        .await;
+    assert!(
+        out.output.contains("passed") || out.output.contains("failed"),
+        "{}",
+        out.output
+    );
+    // No network: only the loopback interface exists.
+    let out = sb.run("cat /proc/net/dev", t).await;
+    let ifaces: Vec<&str> = out
+        .output
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split(':').next())
+        .map(str::trim)
+        .collect();
+    assert_eq!(ifaces, vec!["lo"], "{}", out.output);
+    sb.remove().await;
+    assert_eq!(containers_of(&d, &run).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hanging_command_is_killed_and_the_shell_stays_usable() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-timeout-{}", std::process::id());
+    let mut sb = sandbox(&d, &run).await;
+    let start = Instant::now();
+    let out = sb
+        .run("sleep 1000 & sleep 1000", Duration::from_secs(2))
+        .await;
+    assert!(out.timed_out, "{out:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        start.elapsed()
+    );
+    let out = sb
+        .run(
+            "echo alive; pgrep -fc 'sleep 1000' || true",
+            Duration::from_secs(10),
+        )
+        .await;
+    assert!(
+        out.output.starts_with("alive\n0"),
+        "the shell works and no sleep survived: {:?}",
+        out.output
+    );
+    sb.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_output_is_truncated_not_buffered() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-output-{}", std::process::id());
+    let mut sb = sandbox(&d, &run).await;
+    let out = sb
+        .run(
+            "head -c 20000000 /dev/zero | tr '\\0' x; echo; echo END",
+            Duration::from_secs(60),
+        )
+        .await;
+    assert_eq!(out.exit_code, 0);
+    assert!(
+        out.output.len() < 2_000_000,
+        "{} bytes kept",
+        out.output.len()
+    );
+    assert!(out.output.trim_end().ends_with("END"), "the tail is kept");
+    assert!(
+        out.output.contains("dropped") || out.output.contains("elided"),
+        "the cut is marked"
+    );
+    let out = sb.run("echo next", Duration::from_secs(10)).await;
+    assert_eq!(out.output.trim(), "next");
+    sb.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn diff_has_edits_and_new_files_and_orphans_are_removed() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-diff-{}", std::process::id());
+    let mut sb = sandbox(&d, &run).await;
+    let t = Duration::from_secs(20);
+    let first = task()
+        .files
+        .iter()
+        .find(|f| f.path.ends_with(".py") && !f.path.starts_with("tests"))
+        .unwrap()
+        .path
+        .clone();
+    sb.run(
+        &format!("echo '# touched' >> {first} && echo 'x = 1' > new_file.py && git add {first}"),
+        t,
+    )
+    .await;
+    let diff = sb.diff().await;
+    assert!(
+        diff.contains(&format!("+++ b/{first}")) && diff.contains("+# touched"),
+        "{diff}"
+    );
+    assert!(diff.contains("+++ b/new_file.py"), "{diff}");
+    // A worker killed with -9 leaves its container; the next one removes it by label.
+    std::mem::forget(sb);
+    assert_eq!(containers_of(&d, &run).await, 1);
+    let removed = docker::remove_orphans(&d, &run, Some("test-worker"))
+        .await
+        .unwrap();
+    assert_eq!(removed, 1);
+    assert_eq!(containers_of(&d, &run).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_image_is_a_clear_error() {
+    let Some(d) = engine().await else { return };
+    let mut s = spec("test-missing", "e1");
+    s.image = "tutor/does-not-exist:0".into();
+    let err = DockerSandbox::create(&d, &s, &task())
+        .await
+        .err()
+        .expect("must fail");
+    assert!(
+        err.to_string().contains("tutor/does-not-exist:0")
+            && err.to_string().contains("make images"),
+        "{err}"
+    );
+}
