@@ -62,10 +62,10 @@ test: build images
 	fi
 
 # Coordinator ingest throughput over loopback, fsync on (bench/README.md). Not part of
-# `make test`; needs no venv (the bench links neither libtorch nor the policy).
+# `make test`. The bench crate links libtorch (other benchmarks use the policy), hence setup.
 # Example: make bench-ingest BENCH_ARGS="--workers 32 --window 16"
 BENCH_ARGS ?=
-bench-ingest:
+bench-ingest: setup
 	cargo build --release -p tutor-bench --bin ingest
 	./target/release/ingest $(BENCH_ARGS)
 

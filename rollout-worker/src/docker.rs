@@ -2,7 +2,7 @@
 //!
 //! The shell is one `docker exec` of bash kept open for the whole episode (not one exec
 //! per command, which costs a round trip through the daemon each time). Each command is
-//! sent base64-encoded to a helper function that runs it in a child bash under
+//! sent as a here-document (delimited by a unique marker) to a helper function that runs it in a child bash under
 //! `timeout -s KILL` (Docker has no API to kill an exec, so the deadline is enforced
 //! inside the container; `timeout` signals the command's whole process group), records
 //! the directory the command ended in, and prints a marker line with the exit code.
@@ -13,7 +13,6 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use base64::Engine;
 use bollard::container::LogOutput;
 use bollard::models::{ContainerCreateBody, ExecConfig, HostConfig};
 use bollard::query_parameters::{
@@ -138,15 +137,19 @@ pub async fn remove_orphans(
 
 /// The bash function every command goes through (see the module comment).
 const SHELL_PRELUDE: &str = r#"
-mkdir -p /tmp/.tutor; [ -s /tmp/.tutor/cwd ] || echo /testbed > /tmp/.tutor/cwd
+mkdir -p /tmp/.tutor; echo /testbed > /tmp/.tutor/cwd; __tutor_cwd=/testbed
 __tutor_run() {
-  printf '%s' "$1" | base64 -d > /tmp/.tutor/cmd.sh
-  cd "$(cat /tmp/.tutor/cwd)" 2>/dev/null || cd /testbed
+  # The command arrives as a here-document (delimited by the unique marker) on the
+  # function's stdin; `read` and `printf` are builtins, so no process is spawned for it.
+  local __cmd; IFS= read -r -d '' __cmd
+  printf '%s' "$__cmd" > /tmp/.tutor/cmd.sh
+  cd "$__tutor_cwd" 2>/dev/null || cd /testbed
   # The subshell takes bash's "Killed" notice (to /dev/null); the command's own stderr
   # is already merged into stdout.
-  ( timeout -s KILL "$2" bash --noprofile --norc -c 'trap "pwd > /tmp/.tutor/cwd" EXIT; . /tmp/.tutor/cmd.sh' </dev/null 2>&1 ) 2>/dev/null
+  ( timeout -s KILL "$1" bash --noprofile --norc -c 'trap "pwd > /tmp/.tutor/cwd" EXIT; . /tmp/.tutor/cmd.sh' </dev/null 2>&1 ) 2>/dev/null
   local rc=$?
-  printf '\n%s %d\n' "$3" "$rc"
+  read -r __tutor_cwd < /tmp/.tutor/cwd
+  printf '\n%s %d %s\n' "$2" "$rc" "$__tutor_cwd"
 }
 "#;
 
@@ -363,10 +366,7 @@ impl DockerSandbox {
         self.counter += 1;
         let marker = format!("__TUTOR_DONE_{}_{}__", self.counter, std::process::id());
         let secs = timeout.as_secs().max(1);
-        let line = format!(
-            "__tutor_run '{}' {secs} {marker}\n",
-            base64::engine::general_purpose::STANDARD.encode(command.as_bytes())
-        );
+        let line = format!("__tutor_run {secs} {marker} <<'{marker}'\n{command}\n{marker}\n");
         let shell = self.shell.as_mut().expect("started above");
         shell
             .input
@@ -388,6 +388,7 @@ impl DockerSandbox {
         let mut head: Vec<u8> = Vec::new();
         let mut tail: Vec<u8> = Vec::new();
         let mut dropped = 0usize;
+        let mut new_cwd = None;
         let exit_code = loop {
             let chunk = match tokio::time::timeout_at(deadline, shell.output.next()).await {
                 Err(_) => {
@@ -403,10 +404,13 @@ impl DockerSandbox {
             if let Some(i) = find(&tail, needle.as_bytes()) {
                 let rest = &tail[i + needle.len()..];
                 if let Some(nl) = rest.iter().position(|&b| b == b'\n') {
-                    let code = String::from_utf8_lossy(&rest[..nl])
-                        .trim()
-                        .parse()
-                        .unwrap_or(-1);
+                    // "<exit code> <directory the command ended in>"
+                    let status = String::from_utf8_lossy(&rest[..nl]).into_owned();
+                    let (code, cwd) = status.split_once(' ').unwrap_or((status.as_str(), ""));
+                    if !cwd.trim().is_empty() {
+                        new_cwd = Some(cwd.trim().to_string());
+                    }
+                    let code = code.trim().parse().unwrap_or(-1);
                     tail.truncate(i);
                     break code;
                 }
@@ -428,15 +432,11 @@ impl DockerSandbox {
             text.push_str(&format!("\n<... {dropped} bytes dropped ...>\n"));
         }
         text.push_str(&String::from_utf8_lossy(&tail));
+        if let Some(cwd) = new_cwd {
+            self.cwd = cwd;
+        }
         // `timeout -s KILL` makes the command end with 137 (128 + SIGKILL).
         let timed_out = exit_code == 137;
-        let cwd = self
-            .exec_capture(&["cat", "/tmp/.tutor/cwd"])
-            .await
-            .unwrap_or_default();
-        if !cwd.trim().is_empty() {
-            self.cwd = cwd.trim().to_string();
-        }
         Ok(CommandOutput {
             output: truncate_head_tail(&text, CAPTURE_BYTES),
             exit_code,

@@ -73,6 +73,18 @@ async fn persistent_shell_keeps_state_and_reports_exit_codes() {
         "{:?}",
         out.output
     );
+    // Quotes, a here-document and backslashes reach bash unchanged.
+    let out = sb
+        .run(
+            "printf '%s|' \"a'b\" 'c\"d' 'e\\f'; cat <<'EOF'\nx $HOME `y`\nEOF",
+            t,
+        )
+        .await;
+    assert_eq!(
+        out.output, "a'b|c\"d|e\\f|x $HOME `y`\n",
+        "{:?}",
+        out.output
+    );
     // Tests run in the container with the image's pytest.
     let out = sb
         .run(

@@ -1,7 +1,7 @@
 //! Prefix-shared DAgger rows vs separate examples: tokens processed and forward+backward
 //! time for one trajectory, at 10 and 30 turns.
 //!
-//! `cargo run -p tutor-learner --example packing [-- --turns 10,30 --reps 3 --student 0.5
+//! `cargo run --release -p tutor-bench --bin packing [-- --turns 10,30 --reps 3 --student 0.5
 //! --threads 1]`
 //!
 //! A seeded synthetic trajectory (prompt ~400 tokens, observations ~200, actions ~60; the
