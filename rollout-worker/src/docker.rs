@@ -137,6 +137,9 @@ pub async fn remove_orphans(
 
 /// The bash function every command goes through (see the module comment).
 const SHELL_PRELUDE: &str = r#"
+# The shell's own stderr carries only its notices ("Killed" when a command times out);
+# every command's stderr is merged into its stdout below.
+exec 2>/dev/null
 mkdir -p /tmp/.tutor; echo /testbed > /tmp/.tutor/cwd; __tutor_cwd=/testbed
 __tutor_run() {
   # The command arrives as a here-document (delimited by the unique marker) on the
@@ -144,8 +147,6 @@ __tutor_run() {
   local __cmd; IFS= read -r -d '' __cmd
   printf '%s' "$__cmd" > /tmp/.tutor/cmd.sh
   cd "$__tutor_cwd" 2>/dev/null || cd /testbed
-  # The subshell takes bash's "Killed" notice (to /dev/null); the command's own stderr
-  # is already merged into stdout.
   ( timeout -s KILL "$1" bash --noprofile --norc -c 'trap "pwd > /tmp/.tutor/cwd" EXIT; . /tmp/.tutor/cmd.sh' </dev/null 2>&1 ) 2>/dev/null
   local rc=$?
   read -r __tutor_cwd < /tmp/.tutor/cwd
