@@ -11,7 +11,7 @@ pub mod service;
 pub mod store;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
@@ -86,7 +86,8 @@ pub async fn serve(
     };
     // Last: the address file tells `tutor run` that everything is up.
     if let Some(f) = &opts.addr_file {
-        write_addr_file(f, local)?;
+        tutor_proto::net::write_addr_file(f, local)
+            .with_context(|| format!("writing {}", f.display()))?;
     }
     tracing::info!(addr = %local, learner = %opts.learner_endpoint, "coordinator listening");
     if !auth.is_enabled() {
@@ -157,15 +158,5 @@ pub async fn serve(
     }
     result?;
     tracing::info!("coordinator stopped");
-    Ok(())
-}
-
-fn write_addr_file(path: &Path, addr: SocketAddr) -> Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, addr.to_string()).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {}", path.display()))?;
     Ok(())
 }

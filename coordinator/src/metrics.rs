@@ -176,7 +176,8 @@ pub async fn start(
         .with_context(|| format!("binding the metrics endpoint to {addr}"))?;
     let bound = listener.local_addr()?;
     if let Some(f) = addr_file {
-        crate::write_addr_file(f, bound)?;
+        tutor_proto::net::write_addr_file(f, bound)
+            .with_context(|| format!("writing {}", f.display()))?;
     }
     tracing::info!(addr = %bound, "metrics at http://{bound}/metrics");
     Ok(tokio::spawn(serve(listener, source)))

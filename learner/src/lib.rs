@@ -11,6 +11,6 @@ pub mod trainer;
 pub mod weights;
 
 pub use config::LearnerConfig;
-pub use service::{serve, write_addr_file, LearnerHandle, ServeOptions};
+pub use service::{serve, LearnerHandle, ServeOptions};
 pub use trainer::{StepReport, Trainer};
 pub use weights::WeightsStore;

@@ -243,7 +243,8 @@ pub async fn serve(
         .with_context(|| format!("binding the learner to {}", opts.listen))?;
     let local = listener.local_addr()?;
     if let Some(f) = &opts.addr_file {
-        write_addr_file(f, local)?;
+        tutor_proto::net::write_addr_file(f, local)
+            .with_context(|| format!("writing {}", f.display()))?;
     }
     tracing::info!(addr = %local, "learner listening");
     let auth = ServerAuth::new(opts.auth_token);
@@ -282,16 +283,5 @@ pub async fn serve(
         .await
         .context("learner server")?;
     tracing::info!("learner stopped");
-    Ok(())
-}
-
-/// Writes `addr` to `path` atomically, so a watcher never reads half an address.
-pub fn write_addr_file(path: &Path, addr: SocketAddr) -> Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, addr.to_string()).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {}", path.display()))?;
     Ok(())
 }

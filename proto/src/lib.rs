@@ -6,6 +6,7 @@ pub mod v1 {
 }
 
 pub mod auth;
+pub mod net;
 
 pub use v1::*;
 
