@@ -15,17 +15,11 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use prost::Message;
 use tokio::sync::{mpsc, oneshot};
-use tutor_proto::{episode_event, EpisodeEvent, TURN_INDEX_OUTCOME};
+use tutor_proto::EpisodeEvent;
 
 use crate::metrics::EventCounters;
 
-/// Idempotency key of an event: (episode id, turn index); outcomes use TURN_INDEX_OUTCOME.
-pub fn event_key(ev: &EpisodeEvent) -> Option<(String, u32)> {
-    match ev.event.as_ref()? {
-        episode_event::Event::Turn(t) => Some((ev.episode_id.clone(), t.turn_index)),
-        episode_event::Event::Outcome(_) => Some((ev.episode_id.clone(), TURN_INDEX_OUTCOME)),
-    }
-}
+pub use tutor_proto::event_key;
 
 /// How the store writes. The default is the only durable setting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -259,7 +253,7 @@ pub fn spawn_writer(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tutor_proto::{EpisodeOutcome, TurnRecord};
+    use tutor_proto::{episode_event, EpisodeOutcome, TurnRecord};
 
     fn turn(ep: &str, i: u32) -> EpisodeEvent {
         EpisodeEvent {

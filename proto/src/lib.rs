@@ -23,3 +23,13 @@ pub const MAX_ROLLOUT_REQUEST_BYTES: usize = 16 * 1024 * 1024;
 
 /// Size of one weights chunk on the Weights stream.
 pub const WEIGHTS_CHUNK_BYTES: usize = 1024 * 1024;
+
+/// Idempotency key of an episode event: (episode id, turn index), with
+/// TURN_INDEX_OUTCOME for the outcome. The worker keeps unacked events by it and the
+/// coordinator's store deduplicates by it. `None` for an event with neither payload.
+pub fn event_key(ev: &EpisodeEvent) -> Option<(String, u32)> {
+    match ev.event.as_ref()? {
+        episode_event::Event::Turn(t) => Some((ev.episode_id.clone(), t.turn_index)),
+        episode_event::Event::Outcome(_) => Some((ev.episode_id.clone(), TURN_INDEX_OUTCOME)),
+    }
+}

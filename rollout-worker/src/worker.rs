@@ -343,7 +343,7 @@ async fn sink_loop(
             tokio::select! {
                 ev = events.recv(), if events_open => match ev {
                     Some(ev) => {
-                        let Some(key) = key_of(&ev) else { continue };
+                        let Some(key) = tutor_proto::event_key(&ev) else { continue };
                         seq_of.insert(key, next_seq);
                         pending.insert(next_seq, ev.clone());
                         next_seq += 1;
@@ -371,14 +371,5 @@ async fn sink_loop(
             }
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
-    }
-}
-
-fn key_of(ev: &EpisodeEvent) -> Option<(String, u32)> {
-    match ev.event.as_ref()? {
-        tutor_proto::episode_event::Event::Turn(t) => Some((ev.episode_id.clone(), t.turn_index)),
-        tutor_proto::episode_event::Event::Outcome(_) => {
-            Some((ev.episode_id.clone(), tutor_proto::TURN_INDEX_OUTCOME))
-        }
     }
 }
