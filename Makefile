@@ -14,12 +14,13 @@ export PATH := $(VENV)/bin:$(PATH)
 export TUTOR_PYTHON := $(VENV)/bin/python
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: setup build release images quickstart test bench-ingest clean-runs help
+.PHONY: setup build release images quickstart test bench-ingest bench-policy clean-runs help
 
 help:
 	@echo "make quickstart   set up, build (release) and run configs/quickstart.toml"
 	@echo "make test         set up, build and run the whole test suite"
 	@echo "make bench-ingest coordinator ingest throughput (release; BENCH_ARGS=... to change)"
+	@echo "make bench-policy generation and training step against transformers/PyTorch (CPU)"
 
 setup: $(VENV)/.ready
 
@@ -68,6 +69,13 @@ BENCH_ARGS ?=
 bench-ingest: setup
 	cargo build --release -p tutor-bench --bin ingest
 	./target/release/ingest $(BENCH_ARGS)
+
+# The policy against transformers' generate and a PyTorch eager training step on the same
+# model, CPU, same thread count (bench/README.md). Starts bench/reference/*.py with the venv.
+# Example: make bench-policy BENCH_ARGS="--threads 1 --batches 1,8,16"
+bench-policy: setup
+	cargo build --release -p tutor-bench --bin policy
+	./target/release/policy $(BENCH_ARGS)
 
 clean-runs:
 	rm -rf runs

@@ -5,11 +5,11 @@
 //! `window` unacknowledged events in flight. Measures turns/s over the whole stream and
 //! the ack latency of every event (handed to the stream → its ack received).
 //!
-//! No learner runs: the coordinator's driver is given an unparsable learner address, so
-//! it fails at once (no connection attempts, no traffic) and marks the run finished.
-//! That only stops leasing; the Rollout service stores and acknowledges events exactly
-//! as in a run (turns of episodes the scheduler never leased are stored and acked, then
-//! dropped by the scheduler instead of being kept for the dataset).
+//! No learner runs: the coordinator's driver is given a learner address where nothing
+//! listens (127.0.0.1:9, refused at once; it retries every 300 ms, negligible beside the
+//! measured traffic) and never starts an iteration. That only stops leasing; the Rollout
+//! service stores and acknowledges events exactly as in a run (the scheduler keeps them
+//! in memory for an iteration that never starts, as a run keeps turns for its dataset).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -33,7 +33,7 @@ use tutor_proto::{
 };
 
 /// The driver cannot parse this, so it ends at once without touching the network.
-const NO_LEARNER: &str = "no learner (ingest benchmark)";
+const NO_LEARNER: &str = "http://127.0.0.1:9";
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -191,6 +191,7 @@ pub async fn run(args: Args) -> Result<Report> {
         metrics_listen: Some("127.0.0.1:0".parse()?),
         metrics_addr_file: Some(metrics_file.clone()),
         store: StoreOptions { fsync: args.fsync },
+        tls: Default::default(),
     };
     let server = tokio::spawn(tutor_coordinator::serve(opts, async move {
         let _ = stopped.await;
@@ -424,6 +425,10 @@ pub fn turn_template(seed: u64, args: &Args) -> TurnRecord {
         timed_out: false,
         policy_version: 1,
         agreement: false,
+        teacher_endpoint_logprobs: Vec::new(),
+        sampling_temperature: 1.0,
+        unbiased_sampling: false,
+        teacher_logprobs_of_student: Vec::new(),
     }
 }
 

@@ -53,17 +53,110 @@ impl BetaSchedule {
     }
 }
 
+/// How rollouts and training interleave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScheduleMode {
+    /// Generate every episode of an iteration, train, publish, wait until the workers
+    /// loaded the new version, repeat: no policy lag.
+    Sync,
+    /// The next iteration's episodes are generated while the learner trains; an episode
+    /// whose policy version lags the version training starts from by more than
+    /// `max_staleness` is not trained on (counted and reported).
+    Async,
+}
+
+/// How a dagger episode's turns are shared between student and teacher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mixing {
+    /// Per turn: the teacher's action is executed with probability β (`beta`).
+    #[default]
+    Turn,
+    /// Per trajectory: the student acts for the first κ turns, the teacher finishes; κ of
+    /// iteration i is `kappa_start + kappa_step × i` (capped at `max_turns`).
+    Trajectory,
+}
+
+/// The training algorithm of a run (DESIGN.md, "Objectives (learner)").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    /// Turn-level DAgger: β from `beta`, cross-entropy on the teacher's label of every
+    /// visited state.
+    #[default]
+    Dagger,
+    /// Behaviour cloning: β = 1 every iteration, cross-entropy on the teacher's turns;
+    /// with `bc_resolved_only`, only on resolved episodes (rejection sampling).
+    Bc,
+    /// Rejection fine-tuning: student-only episodes (β = 0), `samples_per_task` per task,
+    /// cross-entropy on the executed turns of resolved episodes, format errors masked.
+    Rft,
+    /// Multi-turn DAPO: student-only episodes, `group_size` per task, sampled unbiased;
+    /// group-normalised advantages of resolved + turn penalty; groups whose rewards are
+    /// all equal are dropped and refilled; the learner's clipped token-level objective.
+    Dapo,
+    /// On-policy distillation: student-only episodes sampled unbiased; the teacher (an
+    /// endpoint sharing the student's tokenizer) scores every student token, and the
+    /// per-token advantage −(ℓ_student − ℓ_teacher) drives the learner's clipped
+    /// policy-gradient objective (the reverse KL to the teacher goes down).
+    Distill,
+}
+
+impl Algorithm {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Algorithm::Dagger => "dagger",
+            Algorithm::Bc => "bc",
+            Algorithm::Rft => "rft",
+            Algorithm::Dapo => "dapo",
+            Algorithm::Distill => "distill",
+        }
+    }
+}
+
 /// Schedule, episode and batching settings. Defaults suit the single-machine CPU run.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CoordinatorConfig {
-    /// DAgger iterations (rollout → train → publish).
+    /// What the run trains with: "dagger" (the default), "bc", "rft", "dapo" or "distill".
+    pub algorithm: Algorithm,
+    /// Iterations (rollout → train → publish).
     pub iterations: u32,
-    /// Training episodes per iteration, drawn from the training tasks.
+    /// dagger and bc: training episodes per iteration, drawn from the training tasks
+    /// (rft and dapo size their iterations with `tasks_per_iteration` instead).
     pub episodes_per_iteration: u32,
+    /// bc: train only on resolved episodes (rejection sampling).
+    pub bc_resolved_only: bool,
+    /// rft and dapo: distinct tasks per iteration; for dapo, the number of kept groups
+    /// the batch is filled to.
+    pub tasks_per_iteration: u32,
+    /// rft: episodes per task (K).
+    pub samples_per_task: u32,
+    /// dapo: episodes per task (the group size G).
+    pub group_size: u32,
+    /// dapo: after the first round, at most this many rounds of new groups replace the
+    /// groups dynamic sampling dropped.
+    pub max_refill_rounds: u32,
+    /// dapo: L_thr of the turn penalty (0 below L_thr turns, falling linearly to −1 at
+    /// T_max = `max_turns`). Unset: no penalty.
+    pub turn_penalty_start: Option<u32>,
+    /// dapo: δ in Â = (R − mean_G)/(std_G + δ).
+    pub advantage_eps: f64,
+    /// dapo: keep format-error turns out of the policy-gradient loss (in the context
+    /// only), as DESIGN.md asks of every loss. False trains them with the trajectory's
+    /// advantage, so a negative reward pushes malformed replies down.
+    pub mask_format_errors: bool,
     /// Student-only (β = 0) episodes per iteration on held-out tasks; never trained on.
     pub heldout_episodes: u32,
     pub beta: BetaSchedule,
+    /// dagger: turn-level mixing with `beta` (the default) or trajectory-level mixing
+    /// with κ (`kappa_start`, `kappa_step`).
+    pub mixing: Mixing,
+    /// Trajectory-level mixing: the student's turns at iteration 0, and how many more
+    /// each iteration (the teacher finishes every episode).
+    pub kappa_start: u32,
+    pub kappa_step: u32,
     /// Train on the union of all iterations' data (DAgger's D = ∪ D_i) rather than the
     /// newest iteration only.
     pub aggregate: bool,
@@ -75,10 +168,17 @@ pub struct CoordinatorConfig {
     pub temperature: f32,
     /// Temperature of the held-out student evaluation (0 = greedy).
     pub eval_temperature: f32,
+    /// Training episodes sample unbiased (temperature 1, no truncation), as RL objectives
+    /// (DAPO, on-policy distillation) need; recorded per turn.
+    pub unbiased_sampling: bool,
     /// A lease not renewed by heartbeat for this long is given to another worker.
     pub lease_timeout_s: f64,
     /// Padded tokens per training batch (rows × longest row).
     pub batch_tokens: usize,
+    /// Keep every episode's examples in one batch (episodes shuffled, the budget counting
+    /// each episode's longest example plus its label tokens): what `[learner] packing =
+    /// "tree"` needs to compute a trajectory's shared prefix once.
+    pub batch_by_episode: bool,
     /// Longest training example; longer contexts lose their oldest tokens.
     pub max_seq_len: usize,
     pub epochs_per_iteration: u32,
@@ -88,15 +188,33 @@ pub struct CoordinatorConfig {
     /// How long to wait for every live worker to load a new version.
     pub sync_timeout_s: f64,
     pub seed: u64,
+    pub mode: ScheduleMode,
+    /// Async mode: the largest policy lag (versions) of an episode still trained on.
+    pub max_staleness: u64,
+    /// On SIGTERM: how long episodes already leased may keep streaming before the
+    /// coordinator stops (no new leases are handed out meanwhile).
+    pub shutdown_grace_s: f64,
 }
 
 impl Default for CoordinatorConfig {
     fn default() -> Self {
         Self {
+            algorithm: Algorithm::Dagger,
             iterations: 3,
             episodes_per_iteration: 16,
+            bc_resolved_only: false,
+            tasks_per_iteration: 8,
+            samples_per_task: 4,
+            group_size: 4,
+            max_refill_rounds: 2,
+            turn_penalty_start: None,
+            advantage_eps: 1e-6,
+            mask_format_errors: true,
             heldout_episodes: 8,
             beta: BetaSchedule::default(),
+            mixing: Mixing::Turn,
+            kappa_start: 0,
+            kappa_step: 1,
             aggregate: true,
             max_turns: 6,
             command_timeout_s: 20.0,
@@ -104,14 +222,19 @@ impl Default for CoordinatorConfig {
             max_new_tokens: 96,
             temperature: 1.0,
             eval_temperature: 0.0,
+            unbiased_sampling: false,
             lease_timeout_s: 300.0,
             batch_tokens: 12288,
+            batch_by_episode: false,
             max_seq_len: 2048,
             epochs_per_iteration: 2,
             max_steps_per_iteration: 60,
             train_timeout_s: 3600.0,
             sync_timeout_s: 120.0,
             seed: 0,
+            mode: ScheduleMode::Sync,
+            max_staleness: 1,
+            shutdown_grace_s: 30.0,
         }
     }
 }

@@ -1,6 +1,9 @@
 //! The DAgger schedule: for each iteration, roll out with β_i, train on the aggregated
-//! dataset, publish the new version and wait until the workers have loaded it.
+//! dataset, publish the new version and wait until the workers have loaded it (sync
+//! mode), or roll out the next iteration while training on this one (async mode). Each
+//! step is recorded in the run state, so a restarted coordinator resumes where it was.
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -15,10 +18,11 @@ use tutor_proto::{
     RolloutProgress, RunEvent, RunFinished, SaveCheckpointRequest, TrainingProgress,
 };
 
-use crate::config::CoordinatorConfig;
-use crate::dataset::make_batches;
-use crate::scheduler::SchedulerHandle;
+use crate::config::{CoordinatorConfig, ScheduleMode};
+use crate::dataset::{make_batches, make_episode_batches};
+use crate::scheduler::{IterationRollouts, SchedulerHandle};
 use crate::service::EventLog;
+use crate::state::{state_path, Phase, RunState};
 
 pub struct Driver {
     pub config: CoordinatorConfig,
@@ -28,12 +32,18 @@ pub struct Driver {
     /// Adds the deployment's token to every call to the learner.
     pub learner_auth: ClientAuth,
     pub run_dir: PathBuf,
+    /// Where the run stands (saved on disk; `resumed`: loaded from a previous start).
+    pub state: RunState,
+    pub resumed: bool,
 }
 
 type Learner = LearnerClient<AuthChannel>;
 
+/// Train streams tried per iteration before the run fails (each after reconnecting).
+const TRAIN_ATTEMPTS: u32 = 10;
+
 impl Driver {
-    pub async fn run(self) -> Result<()> {
+    pub async fn run(mut self) -> Result<()> {
         let result = self.run_inner().await;
         if let Err(e) = &result {
             tracing::error!(error = %format!("{e:#}"), "run failed");
@@ -51,9 +61,10 @@ impl Driver {
     async fn connect_learner(&self) -> Result<Learner> {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let endpoint =
-                tonic::transport::Endpoint::from_shared(self.learner_endpoint.clone())
-                    .with_context(|| format!("bad learner address {:?}", self.learner_endpoint))?;
+            let endpoint = self
+                .learner_auth
+                .endpoint(&self.learner_endpoint)
+                .context("the learner endpoint")?;
             match endpoint.connect().await {
                 Ok(channel) => {
                     return Ok(LearnerClient::new(self.learner_auth.channel(channel))
@@ -73,7 +84,11 @@ impl Driver {
         }
     }
 
-    async fn run_inner(&self) -> Result<()> {
+    fn save_state(&self) -> Result<()> {
+        self.state.save(&state_path(&self.run_dir))
+    }
+
+    async fn run_inner(&mut self) -> Result<()> {
         let mut learner = self.connect_learner().await?;
         let mut req = Request::new(LearnerStatusRequest {});
         req.set_timeout(Duration::from_secs(30));
@@ -82,52 +97,136 @@ impl Driver {
             .await
             .context("asking the learner for its status")?
             .into_inner();
+        if status.latest_version < self.state.policy_version {
+            bail!(
+                "the learner at {} serves policy version {} but this run published version {}: \
+                 it was started without the run's learner directory (its --out-dir holds the \
+                 checkpoint it resumes from); start it on that directory",
+                self.learner_endpoint,
+                status.latest_version,
+                self.state.policy_version
+            );
+        }
         let mut policy = PolicyVersion {
             version: status.latest_version,
             weights_endpoint: self.learner_endpoint.clone(),
             sha256: status.latest_sha256,
         };
         self.scheduler.set_policy(policy.clone()).await;
+        // The staleness filter of the iterations trained before a restart.
+        for (&k, &base) in &self.state.train_bases {
+            self.scheduler.seal(k, base).await;
+        }
         let metrics_path = self.run_dir.join("metrics.jsonl");
-        let mut teacher_labels_total = 0u64;
         let n = self.config.iterations;
-        for iteration in 0..n {
-            let beta = self.config.beta.at(iteration, n);
+        let resume_at = self
+            .resumed
+            .then_some((self.state.iteration, self.state.phase));
+        let first = if self.state.phase == Phase::Finished {
+            n
+        } else {
+            self.state.iteration
+        };
+        // Async mode: the next iteration's rollouts, started before this one's training.
+        let mut next_rollouts: Option<tokio::task::JoinHandle<Option<IterationRollouts>>> = None;
+        for iteration in first..n {
+            let beta = self.config.beta_at(iteration, n);
+            let resuming = resume_at.filter(|(i, _)| *i == iteration).map(|(_, p)| p);
+            if resuming.is_none() {
+                self.state.iteration = iteration;
+                self.state.phase = Phase::Rollout;
+                self.save_state()?;
+            }
             // Rollouts, with progress ticks for watchers.
             let t0 = Instant::now();
             let ticker = self.spawn_rollout_ticker(iteration);
-            let rollouts = self
-                .scheduler
-                .run_iteration(iteration, beta)
-                .await
-                .context("the scheduler stopped during rollouts")?;
+            let rollouts = match next_rollouts.take() {
+                Some(started) => started.await.ok().flatten(),
+                None => self.scheduler.run_iteration(iteration, beta).await,
+            }
+            .context("the scheduler stopped during rollouts")?;
             ticker.abort();
             let rollout_seconds = t0.elapsed().as_secs_f64();
-            teacher_labels_total += rollouts.teacher_labels;
+            if self.config.mode == ScheduleMode::Async && iteration + 1 < n {
+                let scheduler = self.scheduler.clone();
+                let beta_next = self.config.beta_at(iteration + 1, n);
+                next_rollouts = Some(tokio::spawn(async move {
+                    scheduler.run_iteration(iteration + 1, beta_next).await
+                }));
+            }
 
-            // Training on the (aggregated) DAgger dataset.
+            // Training on the (aggregated) DAgger dataset, unless the learner already
+            // published this iteration's version before a restart.
             let t1 = Instant::now();
-            let examples = self.scheduler.examples(self.config.aggregate).await;
-            let batches = make_batches(
-                &examples,
-                iteration,
-                self.config.batch_tokens,
-                self.config.epochs_per_iteration,
-                self.config.max_steps_per_iteration,
-                self.config.seed,
-            );
-            let (losses, published) = self.train(&mut learner, iteration, batches).await?;
+            let trained_before = match resuming {
+                Some(Phase::Published) => true,
+                Some(Phase::Train) => self
+                    .state
+                    .train_bases
+                    .get(&iteration)
+                    .is_some_and(|base| policy.version > *base),
+                _ => false,
+            };
+            let (losses, stale_episodes, train_examples) = if trained_before {
+                tracing::info!(
+                    iteration,
+                    version = policy.version,
+                    "the learner published this iteration's version before the restart: not \
+                     training again"
+                );
+                let base = self.state.train_bases.get(&iteration).copied().unwrap_or(0);
+                let stale = self.scheduler.seal(iteration, base).await;
+                let examples = self
+                    .scheduler
+                    .examples(iteration, self.config.aggregates())
+                    .await;
+                (Vec::new(), stale, examples.len() as u64)
+            } else {
+                let base = policy.version;
+                self.state.train_bases.insert(iteration, base);
+                self.state.phase = Phase::Train;
+                self.save_state()?;
+                let stale = self.scheduler.seal(iteration, base).await;
+                let examples = self
+                    .scheduler
+                    .examples(iteration, self.config.aggregates())
+                    .await;
+                let batcher = if self.config.batch_by_episode {
+                    make_episode_batches
+                } else {
+                    make_batches
+                };
+                let mut batches = batcher(
+                    &examples,
+                    iteration,
+                    self.config.batch_tokens,
+                    self.config.epochs_per_iteration,
+                    self.config.max_steps_per_iteration,
+                    self.config.seed,
+                );
+                for b in &mut batches {
+                    b.run_id = self.state.run_id.clone();
+                }
+                let (losses, published) = self.train(&mut learner, iteration, batches).await?;
+                policy = PolicyVersion {
+                    version: published.0,
+                    weights_endpoint: self.learner_endpoint.clone(),
+                    sha256: published.1,
+                };
+                (losses, stale, examples.len() as u64)
+            };
+            self.state.phase = Phase::Published;
+            self.state.policy_version = policy.version;
+            self.save_state()?;
             let train_seconds = t1.elapsed().as_secs_f64();
 
-            // Weight sync: every live worker loads the new version before more rollouts.
+            // Weight sync: in sync mode every live worker loads the new version before
+            // more rollouts; in async mode they load it while they keep generating.
             let t2 = Instant::now();
-            policy = PolicyVersion {
-                version: published.0,
-                weights_endpoint: self.learner_endpoint.clone(),
-                sha256: published.1,
-            };
             self.scheduler.set_policy(policy.clone()).await;
-            self.wait_for_sync(policy.version).await;
+            if self.config.mode == ScheduleMode::Sync {
+                self.wait_for_sync(policy.version).await;
+            }
             let sync_seconds = t2.elapsed().as_secs_f64();
 
             let solved = |o: &[tutor_proto::EpisodeOutcome]| {
@@ -144,7 +243,7 @@ impl Driver {
                 iteration,
                 beta,
                 episodes: rollouts.train.len() as u32,
-                teacher_labels_total,
+                teacher_labels_total: self.scheduler.teacher_labels_through(iteration).await,
                 // Mean over the steps that had label tokens (the learner skips empty ones).
                 train_loss: if losses.is_empty() {
                     0.0
@@ -160,29 +259,42 @@ impl Driver {
                 train_solve_rate: solved(&rollouts.train),
                 first_step_loss: losses.first().copied().unwrap_or(0.0),
                 last_step_loss: losses.last().copied().unwrap_or(0.0),
-                train_examples: examples.len() as u64,
+                train_examples,
                 agreement_rate: ratio(rollouts.agreements, rollouts.student_turns),
                 student_format_error_rate: ratio(
                     rollouts.student_format_errors,
                     rollouts.student_turns,
                 ),
+                stale_episodes,
             };
             tracing::info!(?summary, "iteration done");
-            append_metrics(&metrics_path, &summary, &losses)?;
+            // A restart between the row and the next state save must not add it twice.
+            if !metrics_has_iteration(&metrics_path, iteration) {
+                append_metrics(
+                    &metrics_path,
+                    &summary,
+                    &losses,
+                    self.config.metrics_fields(&rollouts),
+                )?;
+            }
             self.events.publish(RunEvent {
                 event: Some(run_event::Event::Iteration(summary)),
             });
         }
 
         let checkpoint_dir = self.run_dir.join("checkpoint");
-        let mut req = Request::new(SaveCheckpointRequest {
-            dir: checkpoint_dir.display().to_string(),
-        });
-        req.set_timeout(Duration::from_secs(120));
-        learner
-            .save_checkpoint(req)
-            .await
-            .context("asking the learner to save the final checkpoint")?;
+        if self.state.phase != Phase::Finished {
+            let mut req = Request::new(SaveCheckpointRequest {
+                dir: checkpoint_dir.display().to_string(),
+            });
+            req.set_timeout(Duration::from_secs(120));
+            learner
+                .save_checkpoint(req)
+                .await
+                .context("asking the learner to save the final checkpoint")?;
+            self.state.phase = Phase::Finished;
+            self.save_state()?;
+        }
         let worker_versions = self.scheduler.worker_versions().await;
         self.scheduler.finish().await;
         self.events.publish(RunEvent {
@@ -217,13 +329,68 @@ impl Driver {
     }
 
     /// Streams the batches to the learner (bounded: the learner's pace sets ours) and
-    /// collects the per-step losses and the published version.
+    /// collects the per-step losses and the published version. If the stream breaks (the
+    /// learner was killed or restarted), reconnects and sends every batch of the
+    /// iteration again: the learner trains only the ones it has not applied (see
+    /// `tutor_learner::service`), so each batch is trained exactly once.
     async fn train(
         &self,
         learner: &mut Learner,
         iteration: u32,
         batches: Vec<tutor_proto::TrainBatch>,
     ) -> Result<(Vec<f64>, (u64, String))> {
+        let mut losses = BTreeMap::new();
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            match self
+                .train_once(learner, iteration, batches.clone(), &mut losses)
+                .await
+            {
+                Ok(published) => return Ok((losses.into_values().collect(), published)),
+                // The learner belongs to another run: sending again will not change that.
+                Err(e)
+                    if e.chain().any(|c| {
+                        c.downcast_ref::<tonic::Status>()
+                            .is_some_and(|s| s.code() == tonic::Code::FailedPrecondition)
+                    }) =>
+                {
+                    return Err(e).with_context(|| {
+                        format!(
+                            "training iteration {iteration}: the learner at {} refuses this run",
+                            self.learner_endpoint
+                        )
+                    })
+                }
+                Err(e) if attempt < TRAIN_ATTEMPTS => {
+                    tracing::warn!(
+                        iteration,
+                        attempt,
+                        error = %format!("{e:#}"),
+                        "the train stream to the learner broke: reconnecting and sending the \
+                         iteration's batches again (the learner skips the ones it applied)"
+                    );
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    *learner = self.connect_learner().await?;
+                }
+                Err(e) => {
+                    return Err(e).with_context(|| {
+                        format!("training iteration {iteration} ({attempt} attempts)")
+                    })
+                }
+            }
+        }
+    }
+
+    /// One Train stream: sends `batches`, records the loss of every step trained now
+    /// (by step, so a second attempt does not count a step twice).
+    async fn train_once(
+        &self,
+        learner: &mut Learner,
+        iteration: u32,
+        batches: Vec<tutor_proto::TrainBatch>,
+        losses: &mut BTreeMap<u32, f64>,
+    ) -> Result<(u64, String)> {
         let total = batches.len() as u32;
         let (tx, rx) = mpsc::channel(2);
         tokio::spawn(async move {
@@ -240,15 +407,14 @@ impl Driver {
             .await
             .context("starting the train stream")?
             .into_inner();
-        let mut losses = Vec::new();
         let mut published = None;
         while let Some(p) = progress
             .message()
             .await
             .context("train stream from the learner")?
         {
-            if p.label_tokens > 0 {
-                losses.push(p.loss);
+            if p.label_tokens > 0 && !p.already_applied {
+                losses.insert(p.step, p.loss);
             }
             self.events.publish(RunEvent {
                 event: Some(run_event::Event::Training(TrainingProgress {
@@ -263,7 +429,7 @@ impl Driver {
             }
         }
         match published {
-            Some(p) => Ok((losses, p)),
+            Some(p) => Ok(p),
             None => bail!("the learner ended the train stream without publishing a version"),
         }
     }
@@ -296,8 +462,81 @@ fn ratio(a: u64, b: u64) -> f64 {
     }
 }
 
-fn append_metrics(path: &std::path::Path, s: &IterationSummary, losses: &[f64]) -> Result<()> {
-    let row = serde_json::json!({
+/// The iteration summary a metrics.jsonl row records (the inverse of `append_metrics`).
+pub fn summary_from_row(v: &serde_json::Value) -> IterationSummary {
+    let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
+    let n = |k: &str| v[k].as_u64().unwrap_or(0);
+    let losses: Vec<f64> = v["step_losses"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
+        .unwrap_or_default();
+    IterationSummary {
+        iteration: n("iteration") as u32,
+        beta: f("beta"),
+        episodes: n("episodes") as u32,
+        teacher_labels_total: n("teacher_labels_total"),
+        train_loss: f("train_loss"),
+        heldout_solve_rate: f("heldout_solve_rate"),
+        heldout_episodes: n("heldout_episodes") as u32,
+        rollout_seconds: f("rollout_seconds"),
+        train_seconds: f("train_seconds"),
+        sync_seconds: f("sync_seconds"),
+        policy_version: n("policy_version"),
+        train_solve_rate: f("train_solve_rate"),
+        first_step_loss: losses.first().copied().unwrap_or(0.0),
+        last_step_loss: losses.last().copied().unwrap_or(0.0),
+        train_examples: n("train_examples"),
+        agreement_rate: f("agreement_rate"),
+        student_format_error_rate: f("student_format_error_rate"),
+        stale_episodes: n("stale_episodes"),
+    }
+}
+
+/// The summaries of the iterations metrics.jsonl records, one per iteration (the last
+/// row of a repeated one), in order. A line that is not a row (a write torn by a crash)
+/// is skipped with a warning naming the file and line; no file: none.
+pub fn read_summaries(path: &std::path::Path) -> Result<Vec<IterationSummary>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let mut rows = std::collections::BTreeMap::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str::<serde_json::Value>(line) {
+            Ok(v) if v["iteration"].is_u64() => {
+                let s = summary_from_row(&v);
+                rows.insert(s.iteration, s);
+            }
+            _ => tracing::warn!(
+                file = %path.display(),
+                line = i + 1,
+                "not a metrics row (torn by a crash?): skipped"
+            ),
+        }
+    }
+    Ok(rows.into_values().collect())
+}
+
+/// Whether metrics.jsonl already has the row of `iteration`.
+fn metrics_has_iteration(path: &std::path::Path, iteration: u32) -> bool {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .any(|row| row["iteration"].as_u64() == Some(u64::from(iteration)))
+}
+
+fn append_metrics(
+    path: &std::path::Path,
+    s: &IterationSummary,
+    losses: &[f64],
+    algorithm_fields: serde_json::Map<String, serde_json::Value>,
+) -> Result<()> {
+    let mut row = serde_json::json!({
         "iteration": s.iteration,
         "beta": s.beta,
         "episodes": s.episodes,
@@ -314,7 +553,11 @@ fn append_metrics(path: &std::path::Path, s: &IterationSummary, losses: &[f64]) 
         "train_seconds": s.train_seconds,
         "sync_seconds": s.sync_seconds,
         "policy_version": s.policy_version,
+        "stale_episodes": s.stale_episodes,
     });
+    if let Some(obj) = row.as_object_mut() {
+        obj.extend(algorithm_fields);
+    }
     let mut f = std::fs::OpenOptions::new()
         .create(true)
         .append(true)

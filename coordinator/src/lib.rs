@@ -2,17 +2,21 @@
 //! their turns durably, builds the DAgger dataset, drives the learner and the policy
 //! versions.
 
+pub mod algorithms;
 pub mod config;
 pub mod dataset;
 pub mod driver;
 pub mod metrics;
+pub mod rewards;
 pub mod scheduler;
 pub mod service;
+pub mod state;
 pub mod store;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use tokio::sync::Notify;
@@ -21,7 +25,7 @@ use tutor_proto::control_server::ControlServer;
 use tutor_proto::rollout_server::RolloutServer;
 use tutor_proto::Task;
 
-pub use config::{BetaSchedule, BetaScheduleKind, CoordinatorConfig};
+pub use config::{Algorithm, BetaSchedule, BetaScheduleKind, CoordinatorConfig, ScheduleMode};
 
 /// Everything `tutor coordinator` needs to start.
 pub struct ServeOptions {
@@ -42,26 +46,99 @@ pub struct ServeOptions {
     pub metrics_addr_file: Option<PathBuf>,
     /// How the trajectory store writes; the default (fsync on) is the durable one.
     pub store: store::StoreOptions,
+    /// TLS: the server side for workers (client certificates required when `ca` is
+    /// given) and, with `ca`, the client side towards an `https://` learner. Empty:
+    /// plaintext.
+    pub tls: tutor_proto::tls::TlsFiles,
 }
 
-/// Runs the coordinator until `shutdown` resolves or a Control.Shutdown call arrives.
+/// How long tonic may take to close its connections once the drain is over; after it,
+/// they are dropped (a worker's event stream never ends by itself).
+const SERVER_CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the last store batch may take to be written at exit.
+const STORE_CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Runs the coordinator until `shutdown` resolves or a Control.Shutdown call arrives,
+/// then shuts down gracefully: no new leases; the leased episodes may keep streaming
+/// for `shutdown_grace_s` (or until none is left); the server stops; the store's last
+/// batch is written. On a run directory that holds a previous coordinator's state, it
+/// recovers the iteration, the phase, the datasets and the episodes in progress and
+/// carries on from there.
 pub async fn serve(
     opts: ServeOptions,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<()> {
-    let store = store::TrajectoryStore::open_with(&opts.run_dir.join("trajectories"), opts.store)?;
+    // TLS files are checked first: a typo fails before anything is written.
+    let server_tls = opts.tls.server()?;
+    let mut server_builder = tutor_proto::tls::server_builder(server_tls.as_ref())?;
+    let learner_auth = ClientAuth::new(opts.auth_token.as_ref()).with_tls(match opts.tls.ca {
+        Some(_) => opts.tls.client()?,
+        None => None,
+    });
+    learner_auth
+        .endpoint(&opts.learner_endpoint)
+        .context("the --learner endpoint")?;
+    std::fs::create_dir_all(&opts.run_dir)
+        .with_context(|| format!("creating {}", opts.run_dir.display()))?;
+    let state_path = state::state_path(&opts.run_dir);
+    let (run_state, resumed) = match state::RunState::load(&state_path)? {
+        Some(s) => (s, true),
+        None => (state::RunState::default(), false),
+    };
+    let (store, history) =
+        store::TrajectoryStore::open_recovering(&opts.run_dir.join("trajectories"), opts.store)?;
     tracing::info!(path = %store.path().display(), events = store.len(), fsync = opts.store.fsync, "trajectory store open");
     if !opts.store.fsync {
         tracing::warn!("trajectory store fsync is off: acknowledged events can be lost in a crash");
     }
+    if !resumed && !history.is_empty() {
+        anyhow::bail!(
+            "{} holds {} stored events but {} is missing: this run directory was not written \
+             by a coordinator that can resume it; use a fresh --run-dir",
+            store.path().display(),
+            history.len(),
+            state_path.display()
+        );
+    }
+    // Saved before anything is leased: ids of this generation are new for good.
+    let run_id = if run_state.run_id.is_empty() {
+        state::new_run_id(&opts.run_dir)
+    } else {
+        run_state.run_id.clone()
+    };
+    let run_state = state::RunState {
+        generation: if resumed { run_state.generation + 1 } else { 0 },
+        run_id,
+        ..run_state
+    };
+    run_state.save(&state_path)?;
+    if resumed {
+        tracing::info!(
+            run_id = %run_state.run_id,
+            generation = run_state.generation,
+            iteration = run_state.iteration,
+            phase = ?run_state.phase,
+            events = history.len(),
+            "resuming the run from its state and store"
+        );
+    }
     let counters = Arc::new(metrics::EventCounters::default());
-    let store_tx = store::spawn_writer(store, counters.clone());
-    let scheduler = scheduler::SchedulerHandle::spawn(
+    let (store_tx, store_thread) = store::spawn_writer(store, counters.clone());
+    let scheduler = scheduler::SchedulerHandle::spawn_recovered(
         opts.config.clone(),
         opts.train_tasks,
         opts.heldout_tasks,
+        scheduler::Recovery {
+            generation: run_state.generation,
+            history,
+        },
     );
-    let events = service::EventLog::default();
+    // A restarted coordinator's watchers still get the earlier iterations' summaries.
+    let events = service::EventLog::with_history(if resumed {
+        driver::read_summaries(&opts.run_dir.join("metrics.jsonl"))?
+    } else {
+        Vec::new()
+    });
     let stop = Arc::new(Notify::new());
     let auth = ServerAuth::new(opts.auth_token.clone());
 
@@ -78,6 +155,7 @@ pub async fn serve(
                     scheduler: scheduler.clone(),
                     events: counters.clone(),
                     auth: auth.clone(),
+                    run_events: events.clone(),
                 },
             )
             .await?,
@@ -89,7 +167,13 @@ pub async fn serve(
         tutor_proto::net::write_addr_file(f, local)
             .with_context(|| format!("writing {}", f.display()))?;
     }
-    tracing::info!(addr = %local, learner = %opts.learner_endpoint, "coordinator listening");
+    tracing::info!(
+        addr = %local,
+        learner = %opts.learner_endpoint,
+        tls = server_tls.is_some(),
+        client_certificates = server_tls.as_ref().is_some_and(|t| t.is_mutual()),
+        "coordinator listening"
+    );
     if !auth.is_enabled() {
         tracing::warn!(
             addr = %local,
@@ -98,21 +182,26 @@ pub async fn serve(
         );
     }
 
+    let grace = Duration::from_secs_f64(opts.config.shutdown_grace_s.max(0.0));
     let driver = driver::Driver {
         config: opts.config,
         scheduler: scheduler.clone(),
         events: events.clone(),
         learner_endpoint: opts.learner_endpoint,
-        learner_auth: ClientAuth::new(opts.auth_token.as_ref()),
+        learner_auth,
         run_dir: opts.run_dir,
+        state: run_state,
+        resumed,
     };
-    tokio::spawn(driver.run());
+    let driver_task = tokio::spawn(driver.run());
+    let draining = scheduler.clone();
 
     let rollout = service::RolloutService {
         scheduler,
         store: store_tx,
         counters,
     };
+    let (close_tx, close_rx) = tokio::sync::oneshot::channel::<()>();
     let control = service::ControlService {
         events,
         shutdown: stop.clone(),
@@ -126,7 +215,7 @@ pub async fn serve(
     health
         .set_serving::<ControlServer<service::ControlService>>()
         .await;
-    let result = tonic::transport::Server::builder()
+    let server = server_builder
         .add_service(health_service)
         .add_service(
             auth.intercept(
@@ -142,21 +231,79 @@ pub async fn serve(
         .serve_with_incoming_shutdown(
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
             async move {
-                tokio::select! {
-                    _ = shutdown => {}
-                    _ = stop_wait.notified() => {}
-                }
+                let _ = close_rx.await;
                 health
                     .set_service_status("", tonic_health::ServingStatus::NotServing)
                     .await;
             },
-        )
-        .await
-        .context("coordinator server");
+        );
+    let mut server = Box::pin(server);
+    let stop_requested = async {
+        tokio::select! {
+            _ = shutdown => {}
+            _ = stop_wait.notified() => {}
+        }
+    };
+    let result = tokio::select! {
+        r = &mut server => r.context("coordinator server"),
+        _ = stop_requested => {
+            drain(&draining, grace).await;
+            // The driver holds no state that is not on disk: a restart carries on.
+            driver_task.abort();
+            let _ = close_tx.send(());
+            match tokio::time::timeout(SERVER_CLOSE_TIMEOUT, &mut server).await {
+                Ok(r) => r.context("coordinator server"),
+                Err(_) => {
+                    tracing::info!("closing the connections still open");
+                    Ok(())
+                }
+            }
+        }
+    };
+    // Dropping the server drops its store senders; the event streams' tasks drop theirs
+    // once their connections close. The writer then writes what it has and ends.
+    drop(server);
+    let joined = tokio::time::timeout(
+        STORE_CLOSE_TIMEOUT,
+        tokio::task::spawn_blocking(move || store_thread.join()),
+    )
+    .await;
+    if !matches!(joined, Ok(Ok(Ok(())))) {
+        tracing::warn!(
+            "the trajectory store did not close in time; acknowledged events are on disk"
+        );
+    }
     if let Some(t) = metrics_task {
         t.abort();
     }
     result?;
     tracing::info!("coordinator stopped");
     Ok(())
+}
+
+/// Stops leasing and waits until no live worker holds a lease or `grace` has passed, so
+/// that episodes in flight can stream their last turns and outcomes. (A lease of a worker
+/// that stopped heartbeating will not finish: waiting for it only delays the exit.)
+async fn drain(scheduler: &scheduler::SchedulerHandle, grace: Duration) {
+    scheduler.drain().await;
+    let deadline = Instant::now() + grace;
+    loop {
+        let outstanding = match scheduler.snapshot().await {
+            Some(s) if !s.run_finished => s.outstanding_live_leases,
+            _ => 0,
+        };
+        if outstanding == 0 {
+            tracing::info!("no lease outstanding: stopping");
+            return;
+        }
+        if Instant::now() >= deadline {
+            tracing::warn!(
+                outstanding,
+                "shutdown grace period over: stopping with leases outstanding (a restarted \
+                 coordinator keeps them leased or hands them out again)"
+            );
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

@@ -43,12 +43,18 @@ pub struct MetricsSource {
     pub scheduler: SchedulerHandle,
     pub events: Arc<EventCounters>,
     pub auth: ServerAuth,
+    /// Iteration summaries (solve rates, training throughput, phase times).
+    pub run_events: crate::service::EventLog,
 }
 
 impl MetricsSource {
     async fn render(&self) -> String {
         let snapshot = self.scheduler.snapshot().await;
-        render(snapshot.as_ref(), &self.events, self.auth.rejected_count())
+        let mut text = render(snapshot.as_ref(), &self.events, self.auth.rejected_count());
+        if let Some(s) = self.run_events.last_iteration() {
+            text.push_str(&render_iteration(&s));
+        }
+        text
     }
 }
 
@@ -123,6 +129,19 @@ pub fn render(
         &[("", s.lease_expiries_total)],
     );
     metric(
+        "tutor_coordinator_stale_episodes_total",
+        "counter",
+        "Training episodes not trained on: their policy version lagged the learner by more \
+         than max_staleness (async mode).",
+        &[("", s.stale_episodes_total)],
+    );
+    metric(
+        "tutor_coordinator_draining",
+        "gauge",
+        "1 while the coordinator shuts down: no new leases.",
+        &[("", s.draining as u64)],
+    );
+    metric(
         "tutor_coordinator_policy_version",
         "gauge",
         "The current policy version leased to workers.",
@@ -163,6 +182,53 @@ pub fn render(
 
 /// Largest request head read; a scrape is one short line plus a few headers.
 const MAX_REQUEST_HEAD: usize = 8 * 1024;
+
+/// Gauges of the newest finished iteration: solve rates, training throughput, policy
+/// lag behind the learner, and how long each phase took.
+pub fn render_iteration(s: &tutor_proto::IterationSummary) -> String {
+    let mut out = String::new();
+    let mut gauge = |name: &str, help: &str, samples: &[(&str, f64)]| {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        for (labels, v) in samples {
+            let _ = writeln!(out, "{name}{labels} {v}");
+        }
+    };
+    gauge(
+        "tutor_coordinator_solve_rate",
+        "Resolved fraction of the newest finished iteration, by purpose (eval: student alone on held-out tasks).",
+        &[
+            ("{purpose=\"train\"}", s.train_solve_rate),
+            ("{purpose=\"eval\"}", s.heldout_solve_rate),
+        ],
+    );
+    let per_s = |n: f64, secs: f64| if secs > 0.0 { n / secs } else { 0.0 };
+    gauge(
+        "tutor_coordinator_train_examples_per_second",
+        "Training examples per second of the newest training phase.",
+        &[("", per_s(s.train_examples as f64, s.train_seconds))],
+    );
+    gauge(
+        "tutor_coordinator_train_loss",
+        "Mean training loss of the newest training phase.",
+        &[("", s.train_loss)],
+    );
+    gauge(
+        "tutor_coordinator_phase_seconds",
+        "Duration of the newest iteration's phases.",
+        &[
+            ("{phase=\"rollout\"}", s.rollout_seconds),
+            ("{phase=\"train\"}", s.train_seconds),
+            ("{phase=\"sync\"}", s.sync_seconds),
+        ],
+    );
+    gauge(
+        "tutor_coordinator_episodes_per_second",
+        "Training episodes per second of rollout in the newest iteration.",
+        &[("", per_s(s.episodes as f64, s.rollout_seconds))],
+    );
+    out
+}
 
 /// Binds `addr`, writes the bound address to `addr_file`, and serves `/metrics` on a
 /// task of its own (abort it to stop).
@@ -278,6 +344,7 @@ mod tests {
             scheduler: SchedulerHandle::spawn(Default::default(), vec![], vec![]),
             events: Default::default(),
             auth: ServerAuth::new(None),
+            run_events: Default::default(),
         };
         let task = start("127.0.0.1:0".parse().unwrap(), Some(&addr_file), source)
             .await
@@ -319,7 +386,9 @@ mod tests {
             train_episodes_completed_total: 11,
             eval_episodes_completed_total: 6,
             lease_expiries_total: 1,
+            stale_episodes_total: 7,
             run_finished: false,
+            ..Default::default()
         };
         let text = render(Some(&snap), &events, 9);
         for (series, want) in [
@@ -338,6 +407,8 @@ mod tests {
                 6,
             ),
             ("tutor_coordinator_lease_expiries_total", 1),
+            ("tutor_coordinator_stale_episodes_total", 7),
+            ("tutor_coordinator_draining", 0),
             ("tutor_coordinator_policy_version", 3),
             ("tutor_coordinator_iteration", 2),
             ("tutor_coordinator_queue_depth", 5),
@@ -359,5 +430,43 @@ mod tests {
             Some(2)
         );
         assert!(!text.contains("policy_version"));
+    }
+}
+
+#[cfg(test)]
+mod iteration_tests {
+    use super::*;
+
+    #[test]
+    fn iteration_gauges_come_from_the_newest_summary() {
+        let s = tutor_proto::IterationSummary {
+            train_solve_rate: 0.5,
+            heldout_solve_rate: 0.25,
+            train_examples: 300,
+            train_seconds: 3.0,
+            train_loss: 1.5,
+            rollout_seconds: 4.0,
+            episodes: 8,
+            ..Default::default()
+        };
+        let text = render_iteration(&s);
+        for (series, want) in [
+            ("tutor_coordinator_solve_rate{purpose=\"train\"} ", 0.5),
+            ("tutor_coordinator_solve_rate{purpose=\"eval\"} ", 0.25),
+            ("tutor_coordinator_train_examples_per_second ", 100.0),
+            ("tutor_coordinator_train_loss ", 1.5),
+            ("tutor_coordinator_episodes_per_second ", 2.0),
+            ("tutor_coordinator_phase_seconds{phase=\"rollout\"} ", 4.0),
+        ] {
+            let line = text
+                .lines()
+                .find(|l| l.starts_with(series))
+                .unwrap_or_else(|| panic!("{series} missing in\n{text}"));
+            let v: f64 = line[series.len()..].parse().unwrap();
+            assert_eq!(v, want, "{line}");
+        }
+        // A phase of zero seconds gives zero, not NaN or inf.
+        let text = render_iteration(&tutor_proto::IterationSummary::default());
+        assert!(!text.contains("NaN") && !text.contains("inf"), "{text}");
     }
 }

@@ -36,15 +36,47 @@ impl Default for EventLog {
 }
 
 impl EventLog {
+    /// Sends `ev` to every watcher. Iteration summaries and the end of the run are kept
+    /// for later watchers; an iteration's summary is published once (a coordinator
+    /// restarted between its metrics row and its state save finishes the iteration
+    /// again, and the reloaded summary already stands for it).
     pub fn publish(&self, ev: RunEvent) {
         let mut kept = self.kept.lock().expect("event log lock");
-        if matches!(
-            ev.event,
-            Some(run_event::Event::Iteration(_)) | Some(run_event::Event::Finished(_))
-        ) {
-            kept.push(ev.clone());
+        match &ev.event {
+            Some(run_event::Event::Iteration(s)) => {
+                let seen = kept.iter().any(|k| {
+                    matches!(&k.event, Some(run_event::Event::Iteration(o)) if o.iteration == s.iteration)
+                });
+                if seen {
+                    return;
+                }
+                kept.push(ev.clone());
+            }
+            Some(run_event::Event::Finished(_)) => kept.push(ev.clone()),
+            _ => {}
         }
         let _ = self.tx.send(ev);
+    }
+
+    /// An event log holding the summaries of iterations finished before a restart
+    /// (from metrics.jsonl), so a watcher sees the whole run.
+    pub fn with_history(summaries: Vec<tutor_proto::IterationSummary>) -> Self {
+        let log = Self::default();
+        for s in summaries {
+            log.publish(RunEvent {
+                event: Some(run_event::Event::Iteration(s)),
+            });
+        }
+        log
+    }
+
+    /// The newest iteration summary, if an iteration has finished.
+    pub fn last_iteration(&self) -> Option<tutor_proto::IterationSummary> {
+        let kept = self.kept.lock().expect("event log lock");
+        kept.iter().rev().find_map(|e| match &e.event {
+            Some(run_event::Event::Iteration(s)) => Some(*s),
+            _ => None,
+        })
     }
 
     fn subscribe(&self) -> (Vec<RunEvent>, broadcast::Receiver<RunEvent>) {
@@ -129,6 +161,7 @@ impl Rollout for RolloutService {
         let (tx, rx) = mpsc::channel(256);
         // Events handed to the store, in stream order, waiting for their commit.
         let (waiting_tx, mut waiting_rx) = mpsc::channel::<Waiting>(STREAM_PIPELINE);
+        let claims = scheduler.clone();
         tokio::spawn(async move {
             while let Some(ev) = events.next().await {
                 let ev = match ev {
@@ -147,7 +180,19 @@ impl Rollout for RolloutService {
                     return;
                 };
                 let (reply, stored) = oneshot::channel();
-                if store.send(StoreRequest { event: ev, reply }).await.is_err() {
+                // An outcome of an attempt whose slot another attempt completed (a lease
+                // that expired, or was handed out again after a coordinator restart,
+                // while its worker kept going) is acknowledged and dropped: every slot is
+                // completed exactly once in the store.
+                if turn_index == tutor_proto::TURN_INDEX_OUTCOME
+                    && !claims.claim_outcome(ev.clone()).await
+                {
+                    tracing::info!(episode = %episode_id, "outcome of a superseded attempt: acknowledged, not stored");
+                    let _ = reply.send(StoreReply {
+                        event: ev,
+                        result: Ok(true),
+                    });
+                } else if store.send(StoreRequest { event: ev, reply }).await.is_err() {
                     let _ = waiting_tx
                         .send(Err(Status::unavailable("trajectory store stopped")))
                         .await;
@@ -320,7 +365,8 @@ mod tests {
             ServeOptions {
                 listen: "127.0.0.1:0".parse().unwrap(),
                 run_dir: dir.path().join("run"),
-                learner_endpoint: "no learner in this test".into(),
+                // No learner listens there: the driver never reaches it in this test.
+                learner_endpoint: "http://127.0.0.1:9".into(),
                 config: Default::default(),
                 train_tasks: Vec::new(),
                 heldout_tasks: Vec::new(),
@@ -329,6 +375,7 @@ mod tests {
                 metrics_listen: None,
                 metrics_addr_file: None,
                 store: Default::default(),
+                tls: Default::default(),
             },
             async move {
                 let _ = stopped.await;

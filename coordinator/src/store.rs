@@ -55,6 +55,12 @@ impl TrajectoryStore {
 
     /// `open` with explicit options.
     pub fn open_with(dir: &Path, options: StoreOptions) -> Result<Self> {
+        Ok(Self::open_recovering(dir, options)?.0)
+    }
+
+    /// `open_with` that also returns every intact stored event, in store order: what a
+    /// restarted coordinator rebuilds its iteration and datasets from.
+    pub fn open_recovering(dir: &Path, options: StoreOptions) -> Result<(Self, Vec<EpisodeEvent>)> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let path = dir.join("events.log");
         let (events, valid_len) = scan(&path)?;
@@ -73,7 +79,7 @@ impl TrajectoryStore {
         }
         file.seek(SeekFrom::End(0))?;
         let seen = events.iter().filter_map(event_key).collect();
-        Ok(Self {
+        let store = Self {
             path,
             file: BufWriter::with_capacity(256 * 1024, file),
             seen,
@@ -81,7 +87,8 @@ impl TrajectoryStore {
             commits: 0,
             bytes: 0,
             scratch: Vec::new(),
-        })
+        };
+        Ok((store, events))
     }
 
     /// Batches written since open (each fsynced once when fsync is on).
@@ -201,12 +208,14 @@ const MAX_BATCH: usize = 1024;
 /// Runs the store on its own thread: drains whatever requests are waiting, writes them
 /// with one fsync, then answers each. The bounded channel is the backpressure.
 /// `counters` gets the store's commits and bytes.
+/// The thread ends, after answering every request it received, once every sender is
+/// dropped: join the handle to know the last batch is written.
 pub fn spawn_writer(
     mut store: TrajectoryStore,
     counters: Arc<EventCounters>,
-) -> mpsc::Sender<StoreRequest> {
+) -> (mpsc::Sender<StoreRequest>, std::thread::JoinHandle<()>) {
     let (tx, mut rx) = mpsc::channel::<StoreRequest>(MAX_BATCH);
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("trajectory-store".into())
         .spawn(move || {
             let mut batch = Vec::with_capacity(MAX_BATCH);
@@ -247,7 +256,7 @@ pub fn spawn_writer(
             }
         })
         .expect("starting the trajectory store thread");
-    tx
+    (tx, thread)
 }
 
 #[cfg(test)]

@@ -28,6 +28,36 @@ pub struct LearnerConfig {
     pub grad_clip: f64,
     /// Seed for the initial weights of version 0.
     pub seed: u64,
+    /// Gradient accumulation: a step's examples are run in micro-batches of at most this
+    /// many padded tokens (examples × longest example) each, gradients summed, one
+    /// optimizer step. An example longer than the budget runs alone. 0: one pass.
+    pub micro_batch_tokens: usize,
+    /// `tutor learner` writes its checkpoint (`out_dir/checkpoint`) after this many
+    /// applied batches, and always after publishing a version; a `kill -9` loses at most
+    /// the batches since (the coordinator sends them again). 1: after every batch;
+    /// 0: only at publishes.
+    pub checkpoint_every_steps: u64,
+    /// DAPO's clip range of the importance ratio: [1 − clip_eps_low, 1 + clip_eps_high]
+    /// (clip-higher: ε_high > ε_low keeps low-probability tokens explorable).
+    pub clip_eps_low: f64,
+    pub clip_eps_high: f64,
+    /// Cross-entropy steps: `"none"` runs every example as its own padded sequence;
+    /// `"tree"` packs them into rows where shared prefixes are computed once (a DAgger
+    /// trajectory's labels branch off it) and several examples share a row (attention
+    /// kept inside each, positions restarting). Same loss and gradients, fewer tokens.
+    pub packing: Packing,
+    /// `"tree"`: the most slots in one packed row (a prefix tree larger than this gets a
+    /// row of its own). Attention in a row is dense [L, L].
+    pub pack_row_tokens: usize,
+}
+
+/// How a cross-entropy step lays its examples out (see `LearnerConfig::packing`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Packing {
+    #[default]
+    None,
+    Tree,
 }
 
 impl Default for LearnerConfig {
@@ -44,6 +74,12 @@ impl Default for LearnerConfig {
             eps: 1e-8,
             grad_clip: 1.0,
             seed: 0,
+            micro_batch_tokens: 0,
+            checkpoint_every_steps: 1,
+            clip_eps_low: 0.2,
+            clip_eps_high: 0.28,
+            packing: Packing::None,
+            pack_row_tokens: 4096,
         }
     }
 }
@@ -72,6 +108,16 @@ impl LearnerConfig {
             return Err(format!(
                 "learner.min_lr_ratio must be in [0, 1], got {}",
                 self.min_lr_ratio
+            ));
+        }
+        if !(0.0..1.0).contains(&self.clip_eps_low)
+            || self.clip_eps_high.is_nan()
+            || self.clip_eps_high < 0.0
+        {
+            return Err(format!(
+                "learner.clip_eps_low must be in [0, 1) and learner.clip_eps_high at least 0, \
+                 got {} and {}",
+                self.clip_eps_low, self.clip_eps_high
             ));
         }
         if self.schedule == ScheduleKind::Cosine && self.total_steps <= self.warmup_steps as u64 {

@@ -51,9 +51,22 @@ impl PaddedBatch {
 /// Mean next-token cross-entropy over label tokens (token-level mean over the batch).
 /// `logits` is [B, T, V] from the full sequence; position j predicts token j + 1.
 pub fn masked_cross_entropy(logits: &Tensor, input_ids: &Tensor, loss_mask: &Tensor) -> Tensor {
+    let (sum, count) = masked_nll(logits, input_ids, loss_mask);
+    sum / count.clamp_min(1.0)
+}
+
+/// Sum (not mean) of the label tokens' negative log-likelihoods. Gradients of sums add up
+/// across micro-batches and ranks; dividing once by the total label count gives the
+/// gradient of the token-level mean over the whole step.
+pub fn masked_nll_sum(logits: &Tensor, input_ids: &Tensor, loss_mask: &Tensor) -> Tensor {
+    masked_nll(logits, input_ids, loss_mask).0
+}
+
+fn masked_nll(logits: &Tensor, input_ids: &Tensor, loss_mask: &Tensor) -> (Tensor, Tensor) {
     let (b, t, v) = logits.size3().expect("logits must be [B, T, V]");
     if t < 2 {
-        return Tensor::zeros([], (Kind::Float, logits.device())).set_requires_grad(false);
+        let zero = Tensor::zeros([], (Kind::Float, logits.device()));
+        return (zero.shallow_clone(), zero);
     }
     let pred = logits.narrow(1, 0, t - 1).reshape([b * (t - 1), v]);
     let target = input_ids.narrow(1, 1, t - 1).reshape([b * (t - 1)]);
@@ -62,8 +75,7 @@ pub fn masked_cross_entropy(logits: &Tensor, input_ids: &Tensor, loss_mask: &Ten
         .log_softmax(-1, Kind::Float)
         .gather(1, &target.unsqueeze(1), false)
         .squeeze_dim(1);
-    let denom = mask.sum(Kind::Float).clamp_min(1.0);
-    (nll * &mask).sum(Kind::Float) / denom
+    ((nll * &mask).sum(Kind::Float), mask.sum(Kind::Float))
 }
 
 #[cfg(test)]

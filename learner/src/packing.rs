@@ -254,6 +254,105 @@ impl PackedRow {
     }
 }
 
+/// Packs plain examples (tokens, loss mask) into tree rows for `Policy::forward_tree`:
+/// examples that share a prefix share its slots (a trie), so the DAgger examples of one
+/// trajectory cost about its tokens plus the labels that branch off, whatever the batch
+/// order; examples that share nothing sit side by side in a row with attention kept
+/// inside each and positions restarting at 0 (sequence packing). Every label token of
+/// every example keeps its own slot with exactly its own prefix as ancestors, so the
+/// summed loss (and its gradient) equals that of the examples run separately; a label
+/// token that would land on a slot already carrying a label (a duplicate example) gets a
+/// slot of its own rather than being counted once.
+///
+/// Rows hold at most `row_tokens` slots, except a tree that is larger on its own (it gets
+/// a row to itself). Tree order follows the first example of each tree.
+pub fn pack_examples(examples: &[(Vec<u32>, Vec<bool>)], row_tokens: usize) -> Vec<PackedRow> {
+    // The trie: node = (token, depth, parent, is label); children by token, with the
+    // child that is still free of a label looked up first.
+    struct Node {
+        token: u32,
+        depth: u32,
+        parent: Option<usize>,
+        label: bool,
+        children: Vec<usize>,
+    }
+    let mut nodes: Vec<Node> = Vec::new();
+    let mut roots: Vec<usize> = Vec::new();
+    for (tokens, mask) in examples {
+        let mut cur: Option<usize> = None;
+        for (j, &t) in tokens.iter().enumerate() {
+            // As `PaddedBatch`: the first token is never a label (nothing predicts it).
+            let label = j > 0 && mask.get(j).copied().unwrap_or(false);
+            let siblings = match cur {
+                Some(c) => &nodes[c].children,
+                None => &roots,
+            };
+            let found = siblings
+                .iter()
+                .copied()
+                .find(|&n| nodes[n].token == t && !(label && nodes[n].label));
+            let n = match found {
+                Some(n) => {
+                    nodes[n].label |= label;
+                    n
+                }
+                None => {
+                    let n = nodes.len();
+                    nodes.push(Node {
+                        token: t,
+                        depth: j as u32,
+                        parent: cur,
+                        label,
+                        children: Vec::new(),
+                    });
+                    match cur {
+                        Some(c) => nodes[c].children.push(n),
+                        None => roots.push(n),
+                    }
+                    n
+                }
+            };
+            cur = Some(n);
+        }
+    }
+    // Each root's tree in depth-first order (a parent before its children).
+    let trees: Vec<Vec<usize>> = roots
+        .iter()
+        .map(|&r| {
+            let mut order = Vec::new();
+            let mut stack = vec![r];
+            while let Some(n) = stack.pop() {
+                order.push(n);
+                stack.extend(nodes[n].children.iter().rev());
+            }
+            order
+        })
+        .collect();
+    // First fit, in tree order.
+    let mut rows: Vec<PackedRow> = Vec::new();
+    let mut slot_of = vec![0u32; nodes.len()];
+    for tree in trees {
+        let fits = |r: &PackedRow| r.len() + tree.len() <= row_tokens;
+        let row = match rows.iter().position(fits) {
+            Some(i) => &mut rows[i],
+            None => {
+                rows.push(PackedRow::default());
+                rows.last_mut().expect("just pushed")
+            }
+        };
+        for &n in &tree {
+            let node = &nodes[n];
+            slot_of[n] = row.tokens.len() as u32;
+            row.tokens.push(node.token);
+            row.positions.push(node.depth);
+            row.parent.push(node.parent.map(|p| slot_of[p]));
+            row.loss_mask.push(node.label);
+        }
+        row.separate_tokens += tree.len();
+    }
+    rows
+}
+
 /// Packed rows ready for `Policy::forward_tree`: right-padded ids and positions, the
 /// `[B, L, L]` attention structure, and the (slot to predict from, target) pairs of the
 /// label tokens.

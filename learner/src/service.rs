@@ -1,12 +1,34 @@
 //! The learner's gRPC face: the Learner service (train stream, status, checkpoint) and
 //! the Weights service, both on one socket. The trainer lives on its own thread and is
 //! reached through `LearnerHandle`, so no tensor is shared across tasks.
+//!
+//! Restarts. The learner keeps its own checkpoint in `out_dir/checkpoint` and resumes
+//! from it when started again on the same `out_dir`. The rule:
+//! - every batch carries (iteration, step); the checkpoint's data cursor is the last
+//!   batch applied and, per iteration, the version published after it;
+//! - the checkpoint is written after every `checkpoint_every_steps` applied batches and
+//!   always after a publish, *before* the reply: a version the coordinator hears of is
+//!   on disk with the optimizer state that produced it, so a `kill -9` loses at most the
+//!   steps since the last checkpoint (with the default of 1: the step in flight);
+//! - a batch at or before the cursor is not trained again: the reply says
+//!   `already_applied` (and repeats the published version of a `publish` batch);
+//! - so the coordinator's recovery is one rule too: when a train stream breaks, it
+//!   reconnects and sends the iteration's batches again from the first; the learner
+//!   trains exactly the ones it lacks, and every batch is applied once.
+//!
+//! An `out_dir` belongs to one run: the first batch binds the learner to its `run_id`
+//! (kept in the checkpoint's cursor at once), and a batch of any other run is refused
+//! with FAILED_PRECONDITION, before and after a restart, so a second coordinator pointed
+//! at it by mistake can neither train it nor have its batches taken as applied.
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 
 use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
@@ -18,15 +40,96 @@ use tutor_proto::{
     TrainProgress,
 };
 
+use crate::checkpoint;
+use crate::collective::CpuCollective;
 use crate::config::LearnerConfig;
+use crate::rl::StepExamples;
 use crate::trainer::{StepReport, Trainer};
 use crate::weights::{PublishedVersion, WeightsStore};
 
+/// The learner's checkpoint inside its `out_dir`.
+pub const CHECKPOINT_DIR: &str = "checkpoint";
+/// One JSON line per applied batch, in `out_dir`: what was trained when.
+pub const TRAIN_LOG: &str = "train-log.jsonl";
+
+/// Where the learner stands in the coordinator's batch stream: the data cursor of its
+/// checkpoints.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainCursor {
+    /// The last batch applied: (iteration, step).
+    pub last: Option<(u32, u32)>,
+    /// Per iteration, the version published after its `publish` batch.
+    pub published: BTreeMap<u32, u64>,
+    /// The run this learner trains for: the `run_id` of the first batch it took.
+    #[serde(default)]
+    pub run_id: Option<String>,
+}
+
+impl TrainCursor {
+    /// Whether batch (iteration, step) is already in the weights.
+    pub fn has_applied(&self, iteration: u32, step: u32) -> bool {
+        self.last.is_some_and(|last| (iteration, step) <= last)
+    }
+}
+
+/// One line of `train-log.jsonl`. A line is written before the checkpoint that covers it,
+/// so after a crash the same (iteration, step) may appear twice, with the same batch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainLogEntry {
+    pub iteration: u32,
+    pub step: u32,
+    /// Optimizer steps taken after this batch (the schedule position).
+    pub optimizer_steps: u64,
+    pub examples: u64,
+    pub label_tokens: u64,
+    pub loss: f64,
+    /// The distinct episodes the batch's examples came from.
+    pub episodes: Vec<String>,
+    /// The version published after this batch (0: none).
+    pub published_version: u64,
+}
+
+/// Reads `out_dir/train-log.jsonl`: one entry per (iteration, step), the last line of a
+/// repeated one kept.
+pub fn read_train_log(out_dir: &Path) -> Result<BTreeMap<(u32, u32), TrainLogEntry>> {
+    let path = out_dir.join(TRAIN_LOG);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let mut out = BTreeMap::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let e: TrainLogEntry = serde_json::from_str(line)
+            .with_context(|| format!("{}:{}: not a train log entry", path.display(), i + 1))?;
+        out.insert((e.iteration, e.step), e);
+    }
+    Ok(out)
+}
+
+struct StepRequest {
+    run_id: String,
+    iteration: u32,
+    step: u32,
+    examples: StepExamples,
+    episodes: Vec<String>,
+    publish: bool,
+}
+
+struct StepDone {
+    report: StepReport,
+    published: Option<PublishedVersion>,
+    already_applied: bool,
+}
+
 enum Command {
     Step {
-        examples: Vec<(Vec<u32>, Vec<bool>)>,
-        publish: bool,
-        reply: oneshot::Sender<Result<(StepReport, Option<PublishedVersion>), String>>,
+        request: StepRequest,
+        reply: oneshot::Sender<Result<StepDone, Status>>,
     },
     Checkpoint {
         dir: PathBuf,
@@ -43,47 +146,99 @@ pub struct LearnerHandle {
     tx: mpsc::Sender<Command>,
 }
 
+/// The trainer thread's state beside the trainer: versions, cursor, checkpoint policy.
+struct TrainerHost {
+    trainer: Trainer,
+    store: WeightsStore,
+    model_dir: PathBuf,
+    out_dir: PathBuf,
+    cursor: TrainCursor,
+    checkpoint_every: u64,
+    since_checkpoint: u64,
+}
+
 impl LearnerHandle {
-    /// Starts the trainer thread and publishes the initial weights as version 0.
-    pub fn spawn(trainer: Trainer, store: WeightsStore, model_dir: PathBuf) -> Result<Self> {
-        let path0 = store.path_for(0);
-        trainer.save_weights(&path0)?;
-        let v0 = store.register(0)?;
-        tracing::info!(sha256 = %v0.sha256, bytes = v0.bytes, "published initial policy version 0");
+    /// Starts the trainer thread on `out_dir`: resumes from `out_dir/checkpoint` when it
+    /// holds one (weights, optimizer, schedule, cursor; the versions it lists are served
+    /// again), else starts from `model_dir`, publishes version 0 and writes the first
+    /// checkpoint.
+    pub fn start(
+        model_dir: &Path,
+        out_dir: &Path,
+        config: LearnerConfig,
+        store: WeightsStore,
+    ) -> Result<Self> {
+        let ckpt = out_dir.join(CHECKPOINT_DIR);
+        let checkpoint_every = config.checkpoint_every_steps;
+        let host = if checkpoint::exists(&ckpt) {
+            let (trainer, cursor) = Trainer::resume(&ckpt, Box::new(CpuCollective::solo()))
+                .with_context(|| format!("resuming from {}", ckpt.display()))?;
+            let cursor: TrainCursor = serde_json::from_value(cursor).with_context(|| {
+                format!(
+                    "{}: data_cursor is not a learner train cursor (was the checkpoint written                      by `tutor learner`?)",
+                    ckpt.join(checkpoint::STATE_FILE).display()
+                )
+            })?;
+            for v in std::iter::once(0).chain(cursor.published.values().copied()) {
+                store.register(v).with_context(|| {
+                    format!("re-registering published version {v} of the checkpoint")
+                })?;
+            }
+            tracing::info!(
+                steps = trainer.steps(),
+                last_batch = ?cursor.last,
+                versions = cursor.published.len() + 1,
+                "learner resumed from its checkpoint"
+            );
+            TrainerHost {
+                trainer,
+                store,
+                model_dir: model_dir.to_path_buf(),
+                out_dir: out_dir.to_path_buf(),
+                cursor,
+                checkpoint_every,
+                since_checkpoint: 0,
+            }
+        } else {
+            let trainer = Trainer::from_model_dir(model_dir, config)?;
+            write_version(&trainer, &store, 0)?;
+            let v0 = store.register(0)?;
+            tracing::info!(sha256 = %v0.sha256, bytes = v0.bytes, "published initial policy version 0");
+            let host = TrainerHost {
+                trainer,
+                store,
+                model_dir: model_dir.to_path_buf(),
+                out_dir: out_dir.to_path_buf(),
+                cursor: TrainCursor::default(),
+                checkpoint_every,
+                since_checkpoint: 0,
+            };
+            host.save_checkpoint(&ckpt)?;
+            host
+        };
+        tracing::info!(
+            parameters = host.trainer.policy().config().num_parameters(),
+            "learner model ready"
+        );
         let (tx, mut rx) = mpsc::channel::<Command>(8);
         std::thread::Builder::new()
             .name("trainer".into())
             .spawn(move || {
-                let mut trainer = trainer;
+                let mut host = host;
                 while let Some(cmd) = rx.blocking_recv() {
                     match cmd {
-                        Command::Step {
-                            examples,
-                            publish,
-                            reply,
-                        } => {
-                            let report = trainer.step(&examples);
-                            let published = if publish {
-                                match publish_next(&trainer, &store) {
-                                    Ok(pv) => Some(pv),
-                                    Err(e) => {
-                                        let _ =
-                                            reply.send(Err(format!("publishing weights: {e:#}")));
-                                        continue;
-                                    }
-                                }
-                            } else {
-                                None
-                            };
-                            let _ = reply.send(Ok((report, published)));
+                        Command::Step { request, reply } => {
+                            let _ = reply.send(host.step(request));
                         }
                         Command::Checkpoint { dir, reply } => {
-                            let result = save_checkpoint(&trainer, &store, &model_dir, &dir)
+                            let result = host
+                                .save_checkpoint(&dir)
+                                .map(|_| host.store.latest().map(|v| v.version).unwrap_or(0))
                                 .map_err(|e| format!("{e:#}"));
                             let _ = reply.send(result);
                         }
                         Command::Status { reply } => {
-                            let _ = reply.send((trainer.steps(), store.latest()));
+                            let _ = reply.send((host.trainer.steps(), host.store.latest()));
                         }
                     }
                 }
@@ -103,27 +258,160 @@ impl LearnerHandle {
     }
 }
 
+impl TrainerHost {
+    /// Trains one batch of this learner's run (binding it to the run of its first
+    /// batch); a batch of another run is refused with FAILED_PRECONDITION.
+    fn step(&mut self, r: StepRequest) -> Result<StepDone, Status> {
+        if r.run_id.is_empty() {
+            return Err(Status::invalid_argument(
+                "TrainBatch.run_id is empty: the coordinator must send its run id",
+            ));
+        }
+        match &self.cursor.run_id {
+            Some(mine) if *mine != r.run_id => {
+                return Err(Status::failed_precondition(format!(
+                    "this learner trains run {mine:?} (its checkpoint in {} says so) and refuses                      batches of run {:?}: point each coordinator at its own learner (its own                      --out-dir)",
+                    self.out_dir.display(),
+                    r.run_id
+                )))
+            }
+            Some(_) => {}
+            None => {
+                self.cursor.run_id = Some(r.run_id.clone());
+                // On disk before the first batch is trained: a restarted learner keeps
+                // refusing other runs.
+                self.save_checkpoint(&self.out_dir.join(CHECKPOINT_DIR))
+                    .map_err(|e| Status::internal(format!("{e:#}")))?;
+                tracing::info!(run_id = %r.run_id, "learner bound to its run");
+            }
+        }
+        self.apply(r)
+            .map_err(|e| Status::internal(format!("{e:#}")))
+    }
+
+    fn apply(&mut self, r: StepRequest) -> Result<StepDone> {
+        if self.cursor.has_applied(r.iteration, r.step) {
+            let published = if r.publish {
+                let v = self.cursor.published.get(&r.iteration).with_context(|| {
+                    format!(
+                        "batch {}/{} asks to publish, was applied before, but no version was                          published for iteration {}",
+                        r.iteration, r.step, r.iteration
+                    )
+                })?;
+                Some(
+                    self.store
+                        .get(*v)
+                        .with_context(|| format!("version {v} is not registered"))?,
+                )
+            } else {
+                None
+            };
+            tracing::info!(
+                iteration = r.iteration,
+                step = r.step,
+                "batch already applied: not training it again"
+            );
+            return Ok(StepDone {
+                report: StepReport {
+                    loss: 0.0,
+                    grad_norm: 0.0,
+                    label_tokens: 0,
+                    learning_rate: 0.0,
+                    seconds: 0.0,
+                    micro_batches: 0,
+                },
+                published,
+                already_applied: true,
+            });
+        }
+        let report = self
+            .trainer
+            .train_step(&r.examples)
+            .context("training step")?;
+        self.cursor.last = Some((r.iteration, r.step));
+        let published = if r.publish {
+            let pv = publish_next(&self.trainer, &self.store).context("publishing weights")?;
+            self.cursor.published.insert(r.iteration, pv.version);
+            Some(pv)
+        } else {
+            None
+        };
+        self.append_log(&r, &report, published.as_ref())?;
+        self.since_checkpoint += 1;
+        if published.is_some()
+            || (self.checkpoint_every > 0 && self.since_checkpoint >= self.checkpoint_every)
+        {
+            self.save_checkpoint(&self.out_dir.join(CHECKPOINT_DIR))?;
+            self.since_checkpoint = 0;
+        }
+        Ok(StepDone {
+            report,
+            published,
+            already_applied: false,
+        })
+    }
+
+    fn append_log(
+        &self,
+        r: &StepRequest,
+        report: &StepReport,
+        published: Option<&PublishedVersion>,
+    ) -> Result<()> {
+        let entry = TrainLogEntry {
+            iteration: r.iteration,
+            step: r.step,
+            optimizer_steps: self.trainer.steps(),
+            examples: r.examples.len() as u64,
+            label_tokens: report.label_tokens,
+            loss: report.loss,
+            episodes: r.episodes.clone(),
+            published_version: published.map(|p| p.version).unwrap_or(0),
+        };
+        let path = self.out_dir.join(TRAIN_LOG);
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        writeln!(f, "{}", serde_json::to_string(&entry)?)
+            .and_then(|_| f.sync_data())
+            .with_context(|| format!("writing {}", path.display()))
+    }
+
+    /// A full training checkpoint (model in Hugging Face layout, optimizer state,
+    /// schedule, RNG; see `Trainer::save_checkpoint`) with the tokenizer beside it and
+    /// the train cursor as its data cursor.
+    fn save_checkpoint(&self, dir: &Path) -> Result<()> {
+        let tok = self.model_dir.join("tokenizer.json");
+        let extra: Vec<&Path> = if tok.exists() {
+            vec![tok.as_path()]
+        } else {
+            vec![]
+        };
+        self.trainer
+            .save_checkpoint(dir, &serde_json::to_value(&self.cursor)?, &extra)
+    }
+}
+
+/// Writes version `v`'s weights to a temporary file and renames it into place, so a
+/// crash never leaves a torn version file under the final name.
+fn write_version(trainer: &Trainer, store: &WeightsStore, v: u64) -> Result<()> {
+    let path = store.path_for(v);
+    let tmp = path.with_extension("safetensors.tmp");
+    trainer.save_weights(&tmp)?;
+    std::fs::File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("flushing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &path)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+}
+
 fn publish_next(trainer: &Trainer, store: &WeightsStore) -> Result<PublishedVersion> {
     let next = store.latest().map(|v| v.version + 1).unwrap_or(0);
-    trainer.save_weights(&store.path_for(next))?;
+    write_version(trainer, store, next)?;
     let pv = store.register(next)?;
     tracing::info!(version = next, sha256 = %pv.sha256, "published policy version");
     Ok(pv)
-}
-
-fn save_checkpoint(
-    trainer: &Trainer,
-    store: &WeightsStore,
-    model_dir: &Path,
-    dir: &Path,
-) -> Result<u64> {
-    trainer.save_dir(dir)?;
-    let tok = model_dir.join("tokenizer.json");
-    if tok.exists() {
-        std::fs::copy(&tok, dir.join("tokenizer.json"))
-            .with_context(|| format!("copying {} into the checkpoint", tok.display()))?;
-    }
-    Ok(store.latest().map(|v| v.version).unwrap_or(0))
 }
 
 type ProgressStream = Pin<Box<dyn Stream<Item = Result<TrainProgress, Status>> + Send>>;
@@ -148,33 +436,52 @@ impl Learner for LearnerHandle {
                         return;
                     }
                 };
-                let examples: Vec<(Vec<u32>, Vec<bool>)> = batch
+                let episodes: BTreeSet<String> = batch
                     .examples
-                    .into_iter()
-                    .map(|e| (e.tokens, e.loss_mask))
+                    .iter()
+                    .map(|e| e.episode_id.clone())
                     .collect();
-                let publish = batch.publish;
-                let result = handle
-                    .call(|reply| Command::Step {
-                        examples,
-                        publish,
-                        reply,
-                    })
-                    .await
-                    .and_then(|r| r.map_err(Status::internal));
-                let msg = result.map(|(report, published)| TrainProgress {
+                let examples = match StepExamples::from_proto(batch.examples) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        let _ = tx.send(Err(Status::invalid_argument(e))).await;
+                        return;
+                    }
+                };
+                let request = StepRequest {
+                    run_id: batch.run_id.clone(),
                     iteration: batch.iteration,
                     step: batch.step,
-                    loss: report.loss,
-                    label_tokens: report.label_tokens,
-                    grad_norm: report.grad_norm,
-                    step_seconds: report.seconds,
-                    published_version: published.as_ref().map(|p| p.version).unwrap_or(0),
-                    published_sha256: published.map(|p| p.sha256).unwrap_or_default(),
-                    learning_rate: report.learning_rate,
+                    examples,
+                    episodes: episodes.into_iter().collect(),
+                    publish: batch.publish,
+                };
+                let result = handle
+                    .call(|reply| Command::Step { request, reply })
+                    .await
+                    .and_then(|r| r);
+                let failed = result.is_err();
+                let msg = result.map(|done| {
+                    let StepDone {
+                        report,
+                        published,
+                        already_applied,
+                    } = done;
+                    TrainProgress {
+                        iteration: batch.iteration,
+                        step: batch.step,
+                        loss: report.loss,
+                        label_tokens: report.label_tokens,
+                        grad_norm: report.grad_norm,
+                        step_seconds: report.seconds,
+                        published_version: published.as_ref().map(|p| p.version).unwrap_or(0),
+                        published_sha256: published.map(|p| p.sha256).unwrap_or_default(),
+                        learning_rate: report.learning_rate,
+                        already_applied,
+                    }
                 });
-                if tx.send(msg).await.is_err() {
-                    return; // the coordinator went away
+                if tx.send(msg).await.is_err() || failed {
+                    return; // the coordinator went away, or the stream ends with the error
                 }
             }
         });
@@ -216,6 +523,8 @@ impl Learner for LearnerHandle {
 pub struct ServeOptions {
     pub listen: SocketAddr,
     pub model_dir: PathBuf,
+    /// Versions, `checkpoint/` and `train-log.jsonl`; resumed from when it holds a
+    /// checkpoint.
     pub out_dir: PathBuf,
     pub config: LearnerConfig,
     /// Written with the bound address once the socket listens (useful with port 0).
@@ -223,6 +532,9 @@ pub struct ServeOptions {
     /// Required on every Learner and Weights call; `None`: no authentication, with a
     /// warning at start.
     pub auth_token: Option<AuthToken>,
+    /// TLS: `cert`/`key` serve over TLS, `ca` requires client certificates signed by it
+    /// (the coordinator's and the workers'). Empty: plaintext.
+    pub tls: tutor_proto::tls::TlsFiles,
 }
 
 /// Runs the learner until `shutdown` resolves.
@@ -230,14 +542,16 @@ pub async fn serve(
     opts: ServeOptions,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<()> {
-    let trainer = Trainer::from_model_dir(&opts.model_dir, opts.config.clone())?;
-    tracing::info!(
-        parameters = trainer.policy().config().num_parameters(),
-        model_dir = %opts.model_dir.display(),
-        "learner model ready"
-    );
+    // TLS files are checked first: a typo fails before the model is loaded.
+    let server_tls = opts.tls.server()?;
+    let mut server_builder = tutor_proto::tls::server_builder(server_tls.as_ref())?;
     let store = WeightsStore::new(&opts.out_dir.join("versions"))?;
-    let handle = LearnerHandle::spawn(trainer, store.clone(), opts.model_dir.clone())?;
+    let handle = LearnerHandle::start(
+        &opts.model_dir,
+        &opts.out_dir,
+        opts.config.clone(),
+        store.clone(),
+    )?;
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .with_context(|| format!("binding the learner to {}", opts.listen))?;
@@ -246,7 +560,12 @@ pub async fn serve(
         tutor_proto::net::write_addr_file(f, local)
             .with_context(|| format!("writing {}", f.display()))?;
     }
-    tracing::info!(addr = %local, "learner listening");
+    tracing::info!(
+        addr = %local,
+        tls = server_tls.is_some(),
+        client_certificates = server_tls.as_ref().is_some_and(|t| t.is_mutual()),
+        "learner listening"
+    );
     let auth = ServerAuth::new(opts.auth_token);
     if !auth.is_enabled() {
         tracing::warn!(
@@ -259,7 +578,7 @@ pub async fn serve(
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<LearnerServer<LearnerHandle>>().await;
     health.set_serving::<WeightsServer<WeightsStore>>().await;
-    tonic::transport::Server::builder()
+    server_builder
         .add_service(health_service)
         .add_service(
             auth.intercept(

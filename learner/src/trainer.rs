@@ -1,19 +1,24 @@
-//! The training state: the student's weights and its AdamW optimizer. Owned by one
-//! thread (tch tensors are not shared across tasks); the gRPC service talks to it
-//! through `LearnerHandle`.
+//! The training state: the student's weights, their AdamW state and this rank's link to
+//! the other data-parallel ranks. Owned by one thread (tch tensors are not shared across
+//! tasks); the gRPC service talks to it through `LearnerHandle`.
 
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
-use tch::nn::OptimizerConfig;
-use tch::{nn, Device};
+use anyhow::{bail, Context, Result};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use tch::{Device, Tensor};
 use tutor_policy::{ModelConfig, Policy};
 
-use crate::config::LearnerConfig;
-use crate::loss::{masked_cross_entropy, PaddedBatch};
+use crate::checkpoint::{self, RngState, TrainerState};
+use crate::collective::{Collective, CpuCollective};
+use crate::config::{LearnerConfig, Packing};
+use crate::loss::{masked_cross_entropy, masked_nll_sum, PaddedBatch};
+use crate::optim::{AdamW, AdamWConfig};
+use crate::packing::{pack_examples, packed_nll_sum, PackedBatch};
 
-/// What one optimizer step did.
+/// What one optimizer step did (over all ranks).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepReport {
     pub loss: f64,
@@ -21,13 +26,23 @@ pub struct StepReport {
     pub label_tokens: u64,
     pub learning_rate: f64,
     pub seconds: f64,
+    /// Forward/backward passes this rank ran for the step (gradient accumulation).
+    pub micro_batches: usize,
 }
 
 pub struct Trainer {
     policy: Policy,
-    optimizer: nn::Optimizer,
+    /// The policy's parameters in name order (handles sharing the VarStore's storage), so
+    /// the optimizer state and collectives line up across ranks and checkpoints.
+    param_names: Vec<String>,
+    params: Vec<Tensor>,
+    optimizer: AdamW,
     config: LearnerConfig,
     steps: u64,
+    collective: Box<dyn Collective>,
+    /// The trainer's own random stream (seeded by `config.seed`), saved in checkpoints so
+    /// a resumed run draws the same numbers. The cross-entropy step draws none.
+    rng: ChaCha8Rng,
 }
 
 impl Trainer {
@@ -48,30 +63,174 @@ impl Trainer {
         Self::new(policy, config)
     }
 
+    /// A single-rank trainer.
     pub fn new(policy: Policy, config: LearnerConfig) -> Result<Self> {
-        let optimizer = nn::AdamW {
-            beta1: config.beta1,
-            beta2: config.beta2,
-            wd: config.weight_decay,
-            eps: config.eps,
-            amsgrad: false,
+        Self::with_collective(policy, config, Box::new(CpuCollective::solo()))
+    }
+
+    /// One rank of a data-parallel group. Every rank must call this (it broadcasts rank
+    /// 0's weights, so all ranks start from the same point) and then `step` in lockstep.
+    pub fn with_collective(
+        policy: Policy,
+        config: LearnerConfig,
+        mut collective: Box<dyn Collective>,
+    ) -> Result<Self> {
+        let mut named: Vec<(String, Tensor)> = policy.var_store().variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let (param_names, mut params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
+        if collective.world_size() > 1 {
+            collective
+                .broadcast(&mut params)
+                .context("broadcasting rank 0's initial weights")?;
         }
-        .build(policy.var_store(), config.lr_at(0))
-        .context("building the AdamW optimizer")?;
+        let optimizer = AdamW::new(adamw_config(&config), &params);
+        let rng = ChaCha8Rng::seed_from_u64(config.seed);
         Ok(Self {
             policy,
+            param_names,
+            params,
             optimizer,
             config,
             steps: 0,
+            collective,
+            rng,
         })
+    }
+
+    /// Continues a run from `Trainer::save_checkpoint`'s directory: weights, AdamW moments
+    /// and step, schedule position, RNG and config as saved. Returns the data cursor the
+    /// run saved with it. In a data-parallel group every rank resumes from the same
+    /// checkpoint.
+    pub fn resume(
+        dir: &Path,
+        collective: Box<dyn Collective>,
+    ) -> Result<(Self, serde_json::Value)> {
+        let dir = checkpoint::resolve(dir)?;
+        let state = checkpoint::read_state(&dir)?;
+        let policy = Policy::load_dir(&dir, Device::Cpu)
+            .with_context(|| format!("loading the model of checkpoint {}", dir.display()))?;
+        let mut trainer = Self::with_collective(policy, state.config.clone(), collective)?;
+        if trainer.param_names != state.parameters {
+            bail!(
+                "{}: the parameters listed in {} do not match the model's",
+                dir.display(),
+                checkpoint::STATE_FILE
+            );
+        }
+        let path = dir.join(checkpoint::OPTIMIZER_FILE);
+        let mut saved: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&path)
+            .with_context(|| format!("reading {}", path.display()))?
+            .into_iter()
+            .collect();
+        let mut take = |key: String, like: &Tensor| -> Result<Tensor> {
+            let t = saved
+                .remove(&key)
+                .with_context(|| format!("{}: no tensor {key}", path.display()))?;
+            if t.size() != like.size() {
+                bail!(
+                    "{}: {key} has shape {:?}, the parameter has {:?}",
+                    path.display(),
+                    t.size(),
+                    like.size()
+                );
+            }
+            Ok(t.to_device(like.device()))
+        };
+        let mut exp_avg = Vec::with_capacity(trainer.params.len());
+        let mut exp_avg_sq = Vec::with_capacity(trainer.params.len());
+        for (name, p) in trainer.param_names.iter().zip(&trainer.params) {
+            exp_avg.push(take(format!("exp_avg.{name}"), p)?);
+            exp_avg_sq.push(take(format!("exp_avg_sq.{name}"), p)?);
+        }
+        trainer.optimizer = AdamW::from_state(
+            adamw_config(&trainer.config),
+            state.optimizer_steps,
+            exp_avg,
+            exp_avg_sq,
+        );
+        trainer.steps = state.steps;
+        trainer.rng = state.rng.restore().with_context(|| {
+            format!("{}: field rng", dir.join(checkpoint::STATE_FILE).display())
+        })?;
+        Ok((trainer, state.data_cursor))
+    }
+
+    /// Writes a checkpoint to `dir` atomically (a temporary sibling renamed into place):
+    /// the model in Hugging Face layout, the optimizer state, the schedule position, the
+    /// RNG and `data_cursor` (the caller's position in its data; returned by `resume`).
+    /// `extra_files` (e.g. the tokenizer) are copied in. In a data-parallel group the
+    /// state is the same on every rank: rank 0 alone needs to write it.
+    pub fn save_checkpoint(
+        &self,
+        dir: &Path,
+        data_cursor: &serde_json::Value,
+        extra_files: &[&Path],
+    ) -> Result<()> {
+        checkpoint::write_atomically(dir, |tmp| {
+            self.policy
+                .save_dir(tmp)
+                .with_context(|| format!("saving the model to {}", tmp.display()))?;
+            let mut moments: Vec<(String, Tensor)> = Vec::with_capacity(2 * self.params.len());
+            for (i, name) in self.param_names.iter().enumerate() {
+                let host = |t: &Tensor| t.to_device(Device::Cpu).contiguous();
+                moments.push((
+                    format!("exp_avg.{name}"),
+                    host(&self.optimizer.exp_avg()[i]),
+                ));
+                moments.push((
+                    format!("exp_avg_sq.{name}"),
+                    host(&self.optimizer.exp_avg_sq()[i]),
+                ));
+            }
+            let opt_path = tmp.join(checkpoint::OPTIMIZER_FILE);
+            Tensor::write_safetensors(&moments, &opt_path)
+                .with_context(|| format!("writing {}", opt_path.display()))?;
+            let state = TrainerState::new(
+                self.steps,
+                self.optimizer.steps_taken(),
+                RngState::of(&self.rng),
+                data_cursor.clone(),
+                self.config.clone(),
+                self.param_names.clone(),
+                self.collective.world_size(),
+            );
+            let state_path = tmp.join(checkpoint::STATE_FILE);
+            std::fs::write(&state_path, serde_json::to_vec_pretty(&state)?)
+                .with_context(|| format!("writing {}", state_path.display()))?;
+            for f in extra_files {
+                if let Some(name) = f.file_name() {
+                    std::fs::copy(f, tmp.join(name))
+                        .with_context(|| format!("copying {} into the checkpoint", f.display()))?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// The trainer's random stream (restored exactly on resume).
+    pub fn rng(&mut self) -> &mut ChaCha8Rng {
+        &mut self.rng
     }
 
     pub fn policy(&self) -> &Policy {
         &self.policy
     }
 
+    pub fn config(&self) -> &LearnerConfig {
+        &self.config
+    }
+
+    /// Optimizer steps taken (the schedule position).
     pub fn steps(&self) -> u64 {
         self.steps
+    }
+
+    pub fn rank(&self) -> usize {
+        self.collective.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.collective.world_size()
     }
 
     /// Mean label-token cross-entropy of a batch under the current weights, no update.
@@ -82,44 +241,173 @@ impl Trainer {
         masked_cross_entropy(&logits, &batch.input_ids, &batch.loss_mask).double_value(&[])
     }
 
-    /// One optimizer step on one batch: masked cross-entropy on label tokens, gradient
-    /// clipping by global norm, AdamW.
-    pub fn step(&mut self, examples: &[(Vec<u32>, Vec<bool>)]) -> StepReport {
-        let start = Instant::now();
-        let lr = self.config.lr_at(self.steps);
-        if examples.is_empty() {
-            // Nothing to learn from (e.g. only format-error labels): no update, no step.
-            return StepReport {
-                loss: 0.0,
-                grad_norm: 0.0,
-                label_tokens: 0,
-                learning_rate: lr,
-                seconds: 0.0,
-            };
+    /// One optimizer step on this rank's share of a batch: summed label-token
+    /// cross-entropy, backward, gradients and label counts summed over the ranks, divided
+    /// by the total label count (so the gradient is that of the token-level mean over the
+    /// union of all ranks' examples), clipping by global norm, AdamW.
+    ///
+    /// In a group every rank must call `step` for every step, with its own examples (which
+    /// may be empty). A step with no label token on any rank changes nothing and does not
+    /// advance the schedule.
+    pub fn step(&mut self, examples: &[(Vec<u32>, Vec<bool>)]) -> Result<StepReport> {
+        let Some(start) = self.begin_step(examples.is_empty()) else {
+            return Ok(self.idle_report());
+        };
+        if self.config.packing == Packing::Tree {
+            return self.packed_step(start, examples);
         }
-        self.optimizer.set_lr(lr);
-        let batch = PaddedBatch::new(examples, self.policy.device());
-        let logits = self.policy.forward(&batch.input_ids, &batch.attention_mask);
-        let loss = masked_cross_entropy(&logits, &batch.input_ids, &batch.loss_mask);
-        self.optimizer.zero_grad();
-        let loss_value = loss.double_value(&[]);
-        let mut grad_norm = 0.0;
-        if batch.label_tokens > 0 {
-            loss.backward();
-            grad_norm = global_grad_norm(self.policy.var_store());
-            if self.config.grad_clip > 0.0 {
-                self.optimizer.clip_grad_norm(self.config.grad_clip);
+        let mut local_nll = 0.0;
+        let mut local_labels = 0u64;
+        let mut passes = 0;
+        for micro in micro_batches(examples, self.config.micro_batch_tokens) {
+            let batch = PaddedBatch::new(micro, self.policy.device());
+            if batch.label_tokens == 0 {
+                continue;
             }
-            self.optimizer.step();
+            let logits = self.policy.forward(&batch.input_ids, &batch.attention_mask);
+            let nll = masked_nll_sum(&logits, &batch.input_ids, &batch.loss_mask);
+            local_nll += nll.double_value(&[]);
+            // Gradients of the sums accumulate in `.grad` across passes.
+            nll.backward();
+            local_labels += batch.label_tokens;
+            passes += 1;
         }
-        self.steps += 1;
+        self.finish_step(start, local_nll, local_labels, passes)
+    }
+
+    /// `step` with `packing = "tree"`: the examples as tree rows (`pack_examples`: shared
+    /// prefixes once, several examples per row), micro-batched by padded rows × longest
+    /// row within `micro_batch_tokens`. The summed loss and so the step are those of the
+    /// examples run separately.
+    fn packed_step(
+        &mut self,
+        start: Instant,
+        examples: &[(Vec<u32>, Vec<bool>)],
+    ) -> Result<StepReport> {
+        let rows = pack_examples(examples, self.config.pack_row_tokens.max(1));
+        let ranges =
+            micro_batch_ranges(rows.iter().map(|r| r.len()), self.config.micro_batch_tokens);
+        let mut local_nll = 0.0;
+        let mut local_labels = 0u64;
+        let mut passes = 0;
+        for range in ranges {
+            let batch = PackedBatch::new(&rows[range], self.policy.device());
+            if batch.label_tokens == 0 {
+                continue;
+            }
+            let logits =
+                self.policy
+                    .forward_tree(&batch.input_ids, &batch.position_ids, &batch.allowed);
+            let nll = packed_nll_sum(&logits, &batch);
+            local_nll += nll.double_value(&[]);
+            nll.backward();
+            local_labels += batch.label_tokens;
+            passes += 1;
+        }
+        self.finish_step(start, local_nll, local_labels, passes)
+    }
+
+    /// What a step that changes nothing reports.
+    pub(crate) fn idle_report(&self) -> StepReport {
         StepReport {
-            loss: loss_value,
+            loss: 0.0,
+            grad_norm: 0.0,
+            label_tokens: 0,
+            learning_rate: self.config.lr_at(self.steps),
+            seconds: 0.0,
+            micro_batches: 0,
+        }
+    }
+
+    /// Starts a step: `None` when a lone rank has no example (nothing to do, not even a
+    /// collective call), else the start time, with every gradient zeroed.
+    pub(crate) fn begin_step(&mut self, no_examples: bool) -> Option<Instant> {
+        if self.collective.world_size() == 1 && no_examples {
+            return None;
+        }
+        for p in self.params.iter_mut() {
+            p.zero_grad();
+        }
+        Some(Instant::now())
+    }
+
+    /// Ends a step whose passes accumulated the gradients of summed per-token losses in
+    /// `.grad`: loss sums and token counts summed over the ranks, gradients all-reduced
+    /// and divided by the total token count (the token-level mean over the union of the
+    /// ranks' examples), clipped by global norm, AdamW. No trained token on any rank: no
+    /// update, no step.
+    pub(crate) fn finish_step(
+        &mut self,
+        start: Instant,
+        local_sum: f64,
+        local_labels: u64,
+        passes: usize,
+    ) -> Result<StepReport> {
+        let lr = self.config.lr_at(self.steps);
+        let idle = self.idle_report();
+        let solo = self.collective.world_size() == 1;
+        let mut totals = [local_sum, local_labels as f64];
+        self.collective
+            .all_reduce_sum_f64(&mut totals)
+            .context("summing loss and label counts over the ranks")?;
+        let label_tokens = totals[1] as u64;
+        if label_tokens == 0 {
+            // Nothing to learn from (e.g. only format-error labels): no update, no step.
+            return Ok(idle);
+        }
+        let mut grads: Vec<Tensor> = self
+            .params
+            .iter()
+            .map(|p| {
+                let g = p.grad();
+                if g.defined() {
+                    g
+                } else {
+                    p.zeros_like()
+                }
+            })
+            .collect();
+        if !solo {
+            self.collective
+                .all_reduce_sum(&mut grads)
+                .context("all-reducing gradients")?;
+        }
+        let grad_norm = tch::no_grad(|| {
+            let mut sq = 0.0;
+            for g in grads.iter_mut() {
+                let _ = g.g_div_scalar_(label_tokens as f64);
+                let n = g.norm().double_value(&[]);
+                sq += n * n;
+            }
+            let norm: f64 = f64::sqrt(sq);
+            if self.config.grad_clip > 0.0 {
+                let coef = self.config.grad_clip / (norm + 1e-6);
+                if coef < 1.0 {
+                    for g in grads.iter_mut() {
+                        let _ = g.g_mul_scalar_(coef);
+                    }
+                }
+            }
+            norm
+        });
+        self.optimizer.step(&mut self.params, &grads, lr);
+        self.steps += 1;
+        Ok(StepReport {
+            loss: totals[0] / totals[1],
             grad_norm,
-            label_tokens: batch.label_tokens,
+            label_tokens,
             learning_rate: lr,
             seconds: start.elapsed().as_secs_f64(),
-        }
+            micro_batches: passes,
+        })
+    }
+
+    /// The parameters in name order (for comparisons and checkpoints).
+    pub fn named_parameters(&self) -> impl Iterator<Item = (&str, &Tensor)> {
+        self.param_names
+            .iter()
+            .map(String::as_str)
+            .zip(self.params.iter())
     }
 
     pub fn save_weights(&self, path: &Path) -> Result<()> {
@@ -135,16 +423,62 @@ impl Trainer {
     }
 }
 
-fn global_grad_norm(vs: &nn::VarStore) -> f64 {
-    let mut sq = 0.0;
-    for v in vs.trainable_variables() {
-        let g = v.grad();
-        if g.defined() {
-            let n = g.norm().double_value(&[]);
-            sq += n * n;
+fn adamw_config(c: &LearnerConfig) -> AdamWConfig {
+    AdamWConfig {
+        beta1: c.beta1,
+        beta2: c.beta2,
+        eps: c.eps,
+        weight_decay: c.weight_decay,
+    }
+}
+
+/// Splits examples, in order, into runs whose padded size (examples × longest example)
+/// stays within `budget` tokens; an example longer than the budget forms a run of its
+/// own. `budget` 0 keeps everything in one run.
+pub fn micro_batches<T: AsRef<[u32]>, M>(examples: &[(T, M)], budget: usize) -> Vec<&[(T, M)]> {
+    micro_batch_ranges(examples.iter().map(|(t, _)| t.as_ref().len()), budget)
+        .into_iter()
+        .map(|r| &examples[r])
+        .collect()
+}
+
+/// `micro_batches` over example lengths: the index ranges of the runs.
+pub fn micro_batch_ranges(
+    lengths: impl ExactSizeIterator<Item = usize>,
+    budget: usize,
+) -> Vec<std::ops::Range<usize>> {
+    let n = lengths.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    if budget == 0 {
+        return std::iter::once(0..n).collect();
+    }
+    let mut runs = Vec::new();
+    let (mut start, mut longest) = (0, 0);
+    for (i, len) in lengths.enumerate() {
+        let grown = longest.max(len);
+        if i > start && (i - start + 1) * grown > budget {
+            runs.push(start..i);
+            start = i;
+            longest = len;
+        } else {
+            longest = grown;
         }
     }
-    sq.sqrt()
+    runs.push(start..n);
+    runs
+}
+
+/// This rank's share of a batch: examples `rank`, `rank + world`, … (so label counts
+/// may differ between ranks; `Trainer::step` weights by them).
+pub fn rank_shard<T: Clone>(examples: &[T], rank: usize, world_size: usize) -> Vec<T> {
+    examples
+        .iter()
+        .skip(rank)
+        .step_by(world_size.max(1))
+        .cloned()
+        .collect()
 }
 
 #[cfg(test)]
@@ -181,10 +515,10 @@ mod tests {
                 vec![false, false, true, true, true],
             ),
         ];
-        let first = t.step(&ex);
+        let first = t.step(&ex).unwrap();
         let mut last = first;
         for _ in 0..30 {
-            last = t.step(&ex);
+            last = t.step(&ex).unwrap();
         }
         assert!(first.loss.is_finite() && first.grad_norm > 0.0);
         assert!(
@@ -194,6 +528,142 @@ mod tests {
             last.loss
         );
         assert_eq!(first.label_tokens, 5 + 3);
+    }
+
+    #[test]
+    fn micro_batches_respect_the_token_budget() {
+        let lens = [3usize, 9, 2, 2, 2, 2, 30, 4, 5, 1];
+        let ex: Vec<(Vec<u32>, Vec<bool>)> =
+            lens.iter().map(|&n| (vec![1; n], vec![true; n])).collect();
+        let runs = micro_batches(&ex, 12);
+        let sizes: Vec<usize> = runs.iter().map(|r| r.len()).collect();
+        // [3] then 3+9 would pad to 2×9; [9]; [2,2,2,2] (4×2 = 8, +30 no); [30] alone
+        // (over budget); [4,5] (2×5); [1] (3×5 = 15 > 12).
+        assert_eq!(sizes, vec![1, 1, 4, 1, 2, 1]);
+        for r in &runs {
+            let padded = r.len() * r.iter().map(|(t, _)| t.len()).max().unwrap();
+            assert!(padded <= 12 || r.len() == 1, "{padded}");
+        }
+        // Order and content are kept.
+        let flat: Vec<usize> = runs
+            .iter()
+            .flat_map(|r| r.iter().map(|(t, _)| t.len()))
+            .collect();
+        assert_eq!(flat, lens);
+        assert_eq!(micro_batches(&ex, 0).len(), 1);
+        assert!(micro_batches(&ex[..0], 8).is_empty());
+    }
+
+    /// DAgger-shaped examples: one trajectory's turns as growing prefixes, each with its
+    /// teacher label (sometimes the executed continuation, sometimes a branch), a
+    /// duplicate of one example, and unrelated short examples.
+    fn dagger_shaped_examples() -> Vec<(Vec<u32>, Vec<bool>)> {
+        let trunk: Vec<u32> = (0..60u32).map(|j| 1 + (j * 11) % 61).collect();
+        let mut ex = Vec::new();
+        for (t, cut) in [12usize, 25, 38, 50].into_iter().enumerate() {
+            let label: Vec<u32> = if t % 2 == 0 {
+                trunk[cut..cut + 6].to_vec() // the teacher acted: the trunk's own tokens
+            } else {
+                (0..5u32).map(|j| 1 + (j * 5 + t as u32) % 63).collect() // a branch
+            };
+            let mut tokens = trunk[..cut].to_vec();
+            let mut mask = vec![false; cut];
+            tokens.extend(&label);
+            mask.extend(std::iter::repeat_n(true, label.len()));
+            ex.push((tokens, mask));
+        }
+        ex.push(ex[1].clone());
+        for i in 0..3u32 {
+            let tokens: Vec<u32> = (0..9u32).map(|j| 2 + (i * 13 + j * 7) % 60).collect();
+            let mask = (0..9).map(|j| j >= 4).collect();
+            ex.push((tokens, mask));
+        }
+        ex
+    }
+
+    #[test]
+    fn tree_packed_steps_equal_plain_steps_with_fewer_tokens() {
+        let ex = dagger_shaped_examples();
+        let plain_tokens: usize = ex.iter().map(|(t, _)| t.len()).sum();
+        let rows = pack_examples(&ex, 128);
+        let packed_tokens: usize = rows.iter().map(|r| r.len()).sum();
+        assert!(
+            packed_tokens * 2 < plain_tokens,
+            "{packed_tokens} vs {plain_tokens}"
+        );
+        assert!(rows.iter().all(|r| r.len() <= 128));
+        assert!(rows.len() < ex.len(), "several examples share a row");
+        let mut plain = tiny_trainer();
+        let mut packed = tiny_trainer();
+        packed.config.packing = Packing::Tree;
+        packed.config.pack_row_tokens = 128;
+        packed.config.micro_batch_tokens = 200; // and accumulated over micro-batches
+        for _ in 0..3 {
+            let a = plain.step(&ex).unwrap();
+            let b = packed.step(&ex).unwrap();
+            assert_eq!(a.label_tokens, b.label_tokens, "every label counted once");
+            assert!(
+                (a.loss - b.loss).abs() <= 1e-5 * a.loss,
+                "{} vs {}",
+                a.loss,
+                b.loss
+            );
+            assert!((a.grad_norm - b.grad_norm).abs() <= 1e-4 * a.grad_norm);
+        }
+        let (mut num, mut den) = (0.0, 0.0);
+        for ((_, p), (_, q)) in plain.named_parameters().zip(packed.named_parameters()) {
+            num += (p - q).square().sum(tch::Kind::Double).double_value(&[]);
+            den += p.square().sum(tch::Kind::Double).double_value(&[]);
+        }
+        let rel = (num / den).sqrt();
+        assert!(rel <= 1e-5, "relative error {rel}");
+    }
+
+    #[test]
+    fn accumulated_micro_batches_equal_one_big_batch() {
+        let ex: Vec<(Vec<u32>, Vec<bool>)> = (0..7u32)
+            .map(|i| {
+                let n = 4 + (i as usize * 5) % 11;
+                let tokens = (0..n as u32).map(|j| 1 + (i * 7 + j * 3) % 63).collect();
+                let mask = (0..n).map(|j| j > i as usize % 3).collect();
+                (tokens, mask)
+            })
+            .collect();
+        let mut whole = tiny_trainer();
+        let mut split = tiny_trainer();
+        split.config.micro_batch_tokens = 24;
+        for _ in 0..3 {
+            let a = whole.step(&ex).unwrap();
+            let b = split.step(&ex).unwrap();
+            assert_eq!(a.micro_batches, 1);
+            assert!(b.micro_batches >= 4, "{}", b.micro_batches);
+            assert_eq!(a.label_tokens, b.label_tokens);
+            assert!(
+                (a.loss - b.loss).abs() <= 1e-6 * a.loss,
+                "{} vs {}",
+                a.loss,
+                b.loss
+            );
+            assert!((a.grad_norm - b.grad_norm).abs() <= 1e-5 * a.grad_norm);
+        }
+        let (mut num, mut den) = (0.0, 0.0);
+        for ((_, p), (_, q)) in whole.named_parameters().zip(split.named_parameters()) {
+            num += (p - q).square().sum(tch::Kind::Double).double_value(&[]);
+            den += p.square().sum(tch::Kind::Double).double_value(&[]);
+        }
+        let rel = (num / den).sqrt();
+        assert!(rel <= 1e-5, "relative error {rel}");
+        // A per-micro-batch mean (each pass weighted equally) would be visibly different:
+        // the label counts of the passes differ.
+        let counts: Vec<usize> = micro_batches(&ex, 24)
+            .iter()
+            .map(|r| {
+                r.iter()
+                    .map(|(_, m)| m.iter().skip(1).filter(|&&b| b).count())
+                    .sum()
+            })
+            .collect();
+        assert!(counts.iter().any(|&c| c != counts[0]), "{counts:?}");
     }
 
     #[test]

@@ -15,7 +15,7 @@ use crate::{ModelConfig, Policy, PolicyError};
 
 const CONFIG_FILE: &str = "config.json";
 const WEIGHTS_FILE: &str = "model.safetensors";
-const INDEX_FILE: &str = "model.safetensors.index.json";
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
 impl Policy {
     /// Writes all parameters to one safetensors file under their Hugging Face names.
@@ -141,7 +141,9 @@ impl Policy {
 }
 
 /// The safetensors files of a checkpoint directory.
-fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, PolicyError> {
+/// The weight files of a Hugging Face checkpoint directory: `model.safetensors`, or the
+/// shards `model.safetensors.index.json` names (in name order; not checked to exist).
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, PolicyError> {
     let single = dir.join(WEIGHTS_FILE);
     if single.exists() {
         return Ok(vec![single]);
@@ -196,6 +198,7 @@ mod tests {
     fn sample_out(p: &Policy) -> Vec<u32> {
         let params = GenParams {
             temperature: 1.0,
+            top_p: 1.0,
             max_new_tokens: 8,
             seed: 3,
             stop_token_ids: vec![],

@@ -6,8 +6,10 @@
 //! so a row's output does not depend on which other rows share the batch.
 //!
 //! The logprob recorded for a sampled token is taken under the distribution it was
-//! actually drawn from (softmax(logits / T)); DAPO's importance ratio needs exactly that
-//! as ℓ_old. Sampling is plain: no top-k/top-p (the design forbids silent truncation).
+//! actually drawn from (softmax(logits / T), renormalized over the nucleus when `top_p`
+//! < 1); DAPO's importance ratio needs exactly that as ℓ_old. Nucleus truncation happens
+//! only when a caller asks for it (`top_p` defaults to 1): the design forbids silent
+//! truncation of RL rollouts.
 
 use std::collections::HashMap;
 
@@ -23,6 +25,10 @@ use crate::Policy;
 pub struct GenParams {
     /// 0 = greedy; otherwise sample from softmax(logits / temperature).
     pub temperature: f32,
+    /// Nucleus sampling: draw only from the smallest set of most likely tokens whose
+    /// probability (after temperature) reaches `top_p`, renormalized. 1 = no truncation.
+    /// Ignored by greedy rows.
+    pub top_p: f32,
     pub max_new_tokens: usize,
     /// Seeds this row's random stream; the same prompt and params give the same tokens.
     pub seed: u64,
@@ -34,6 +40,7 @@ impl Default for GenParams {
     fn default() -> Self {
         GenParams {
             temperature: 1.0,
+            top_p: 1.0,
             max_new_tokens: 256,
             seed: 0,
             stop_token_ids: Vec::new(),
@@ -202,21 +209,8 @@ impl Policy {
             .view([b, capacity])
             .to_device(device);
 
-        // Per-row temperature for the whole run; greedy rows use 1 so their logprobs come
-        // from the untempered distribution.
-        let temps: Vec<f32> = rows
-            .iter()
-            .map(|r| {
-                if r.params.temperature > 0.0 {
-                    r.params.temperature
-                } else {
-                    1.0
-                }
-            })
-            .collect();
-        let temps = Tensor::from_slice(&temps).to_device(device).unsqueeze(1);
-        let greedy: Vec<bool> = rows.iter().map(|r| r.params.temperature <= 0.0).collect();
-        let greedy_t = Tensor::from_slice(&greedy).to_device(device);
+        let params: Vec<&GenParams> = rows.iter().map(|r| &r.params).collect();
+        let sampling = RowSampling::new(&params, device);
         let prompt_lens: Vec<i64> = rows.iter().map(|r| r.prompt.len() as i64).collect();
         let prompt_lens = Tensor::from_slice(&prompt_lens).to_device(device);
 
@@ -232,7 +226,9 @@ impl Policy {
                     }
                 })
                 .collect();
-            let (tokens, logprobs) = sample(&logits, &temps, &greedy_t, &uniforms);
+            let Sampled {
+                tokens, logprobs, ..
+            } = sample(&logits, &sampling, &uniforms, 0);
 
             for ((row, &tok), &lp) in rows.iter_mut().zip(&tokens).zip(&logprobs) {
                 if row.done {
@@ -268,33 +264,139 @@ impl Policy {
     }
 }
 
+/// Per-row sampling settings as tensors on the logits' device, built once per batch
+/// layout rather than every step.
+pub(crate) struct RowSampling {
+    /// `[B, 1]`; greedy rows use 1 so that their logprobs come from the untempered
+    /// distribution.
+    temps: Tensor,
+    /// `[B, 1]` nucleus mass, +inf for rows that do not truncate; `None` when no row does
+    /// (the common case skips the sort).
+    top_p: Option<Tensor>,
+    /// `[B]` bool.
+    greedy: Tensor,
+    /// Every row is greedy: `sample` needs no CDF.
+    all_greedy: bool,
+}
+
+impl RowSampling {
+    pub(crate) fn new(params: &[&GenParams], device: Device) -> Self {
+        let greedy: Vec<bool> = params.iter().map(|p| p.temperature <= 0.0).collect();
+        let temps: Vec<f32> = params
+            .iter()
+            .map(|p| {
+                if p.temperature > 0.0 {
+                    p.temperature
+                } else {
+                    1.0
+                }
+            })
+            .collect();
+        let top_p: Vec<f32> = params
+            .iter()
+            .map(|p| {
+                if p.temperature > 0.0 && p.top_p < 1.0 {
+                    p.top_p
+                } else {
+                    f32::INFINITY
+                }
+            })
+            .collect();
+        let top_p = top_p
+            .iter()
+            .any(|t| t.is_finite())
+            .then(|| Tensor::from_slice(&top_p).to_device(device).unsqueeze(1));
+        RowSampling {
+            temps: Tensor::from_slice(&temps).to_device(device).unsqueeze(1),
+            top_p,
+            all_greedy: greedy.iter().all(|&g| g),
+            greedy: Tensor::from_slice(&greedy).to_device(device),
+        }
+    }
+}
+
+/// What [`sample`] picked, one entry per row.
+pub(crate) struct Sampled {
+    pub(crate) tokens: Vec<i64>,
+    pub(crate) logprobs: Vec<f32>,
+    /// The `top_n` most likely tokens of each row's sampling distribution with their
+    /// logprobs, most likely first (empty when `top_n` is 0).
+    pub(crate) top: Vec<Vec<(u32, f32)>>,
+}
+
+/// The log-probabilities each row samples from: log_softmax(logits / T), restricted to
+/// the nucleus for rows with a finite `top_p` (tokens outside it get -inf).
+fn sampling_logprobs(logits: &Tensor, s: &RowSampling) -> Tensor {
+    let scaled = logits / &s.temps;
+    let Some(top_p) = &s.top_p else {
+        return scaled.log_softmax(-1, Kind::Float);
+    };
+    let (sorted, order) = scaled.sort(-1, true);
+    let probs = sorted.softmax(-1, Kind::Float);
+    // Mass strictly before each token (in descending order): a token stays while that is
+    // below top_p, so the most likely token always stays and the kept set is the smallest
+    // whose mass reaches top_p.
+    let before = probs.cumsum(-1, Kind::Float) - &probs;
+    let drop_sorted = before.ge_tensor(top_p);
+    let drop = drop_sorted.zeros_like().scatter(1, &order, &drop_sorted);
+    scaled
+        .masked_fill(&drop, f64::NEG_INFINITY)
+        .log_softmax(-1, Kind::Float)
+}
+
 /// Picks one token per row from float32 `logits` `[B, V]`: the argmax for greedy rows,
-/// otherwise inverse-CDF sampling of softmax(logits / T) with the given uniform draw.
-/// Sampling happens on the logits' device so that only B tokens and B logprobs cross to
-/// the host; the CDF is built in float64 so that draws near 1 are not lost to rounding.
-fn sample(
-    logits: &Tensor,
-    temps: &Tensor,
-    greedy: &Tensor,
-    uniforms: &[f64],
-) -> (Vec<i64>, Vec<f32>) {
+/// otherwise inverse-CDF sampling of the row's sampling distribution (see
+/// [`sampling_logprobs`]) with the given uniform draw. Sampling happens on the logits'
+/// device so that only B tokens and B logprobs (and B × `top_n` alternatives) cross to the
+/// host; the CDF is built in float64 so that draws near 1 are not lost to rounding.
+pub(crate) fn sample(logits: &Tensor, s: &RowSampling, uniforms: &[f64], top_n: usize) -> Sampled {
     let device = logits.device();
-    let vocab = logits.size()[1];
-    let logp = (logits / temps).log_softmax(-1, Kind::Float);
+    let (b, vocab) = logits.size2().expect("logits are [B, V]");
+    let logp = sampling_logprobs(logits, s);
     let argmax = logits.argmax(-1, false);
-    let cdf = logp.to_kind(Kind::Double).exp().cumsum(-1, Kind::Double);
-    let total = cdf.narrow(1, vocab - 1, 1);
-    let u = Tensor::from_slice(uniforms).to_device(device).unsqueeze(1) * total;
-    // First index whose CDF exceeds u: zero-probability tokens can never be chosen.
-    let drawn = u
-        .searchsorted(&cdf, false, true, "right", None::<Tensor>)
-        .squeeze_dim(1)
-        .clamp_max(vocab - 1);
-    let tokens = argmax.where_self(greedy, &drawn);
+    let tokens = if s.all_greedy {
+        // No row draws: the float64 CDF over the vocabulary would only be thrown away.
+        argmax
+    } else {
+        let cdf = logp.to_kind(Kind::Double).exp().cumsum(-1, Kind::Double);
+        let total = cdf.narrow(1, vocab - 1, 1);
+        let u = Tensor::from_slice(uniforms).to_device(device).unsqueeze(1) * total;
+        // First index whose CDF exceeds u: zero-probability tokens can never be chosen.
+        let drawn = u
+            .searchsorted(&cdf, false, true, "right", None::<Tensor>)
+            .squeeze_dim(1)
+            .clamp_max(vocab - 1);
+        argmax.where_self(&s.greedy, &drawn)
+    };
     let lp = logp.gather(1, &tokens.unsqueeze(1), false).squeeze_dim(1);
     let tokens = Vec::<i64>::try_from(tokens.to_device(Device::Cpu)).expect("token ids are int64");
-    let lp = Vec::<f32>::try_from(lp.to_device(Device::Cpu)).expect("logprobs are float32");
-    (tokens, lp)
+    let logprobs = Vec::<f32>::try_from(lp.to_device(Device::Cpu)).expect("logprobs are float32");
+    let n = (top_n as i64).min(vocab);
+    let top = if n > 0 {
+        let (values, indices) = logp.topk(n, -1, true, true);
+        let values = Vec::<f32>::try_from(values.to_device(Device::Cpu).view([-1]))
+            .expect("logprobs are float32");
+        let indices = Vec::<i64>::try_from(indices.to_device(Device::Cpu).view([-1]))
+            .expect("token ids are int64");
+        (0..b as usize)
+            .map(|r| {
+                let row = r * n as usize..(r + 1) * n as usize;
+                indices[row.clone()]
+                    .iter()
+                    .zip(&values[row])
+                    .filter(|(_, v)| v.is_finite())
+                    .map(|(&i, &v)| (i as u32, v))
+                    .collect()
+            })
+            .collect()
+    } else {
+        vec![Vec::new(); b as usize]
+    };
+    Sampled {
+        tokens,
+        logprobs,
+        top,
+    }
 }
 
 #[cfg(test)]
@@ -305,6 +407,7 @@ mod tests {
     fn greedy(n: usize) -> GenParams {
         GenParams {
             temperature: 0.0,
+            top_p: 1.0,
             max_new_tokens: n,
             seed: 0,
             stop_token_ids: vec![],
@@ -390,6 +493,7 @@ mod tests {
         let p = tiny_policy(6);
         let params = |seed| GenParams {
             temperature: 1.0,
+            top_p: 1.0,
             max_new_tokens: 16,
             seed,
             stop_token_ids: vec![],
@@ -422,6 +526,7 @@ mod tests {
                 std::slice::from_ref(&prompt),
                 &[GenParams {
                     temperature: t,
+                    top_p: 1.0,
                     max_new_tokens: 8,
                     seed: 5,
                     stop_token_ids: vec![],
@@ -441,29 +546,141 @@ mod tests {
         }
     }
 
+    fn row(temperature: f32, top_p: f32) -> GenParams {
+        GenParams {
+            temperature,
+            top_p,
+            ..GenParams::default()
+        }
+    }
+
+    /// Draws `n` times from one row of `logits` and returns the counts per token, checking
+    /// every sampled token's logprob against `want_logp`.
+    fn draw(logits: &[f32], params: &GenParams, n: usize, want_logp: &[f32]) -> Vec<usize> {
+        let logits = Tensor::from_slice(logits).unsqueeze(0);
+        let s = RowSampling::new(&[params], Device::Cpu);
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let mut counts = vec![0usize; want_logp.len()];
+        for _ in 0..n {
+            let out = sample(&logits, &s, &[rng.gen::<f64>()], 0);
+            let t = out.tokens[0] as usize;
+            counts[t] += 1;
+            assert!(
+                (out.logprobs[0] - want_logp[t]).abs() < 1e-5,
+                "token {t}: {} vs {}",
+                out.logprobs[0],
+                want_logp[t]
+            );
+        }
+        counts
+    }
+
     #[test]
     fn sampling_follows_the_distribution() {
         // A crafted 3-token distribution, drawn many times: empirical frequencies must match.
-        let logits = Tensor::from_slice(&[0.0f32, (3.0f32).ln(), f32::NEG_INFINITY]).unsqueeze(0);
-        let temps = Tensor::from_slice(&[1.0f32]).unsqueeze(1);
-        let greedy = Tensor::from_slice(&[false]);
-        let mut rng = ChaCha8Rng::seed_from_u64(0);
-        let mut counts = [0usize; 3];
-        for _ in 0..2000 {
-            let (t, lp) = sample(&logits, &temps, &greedy, &[rng.gen::<f64>()]);
-            counts[t[0] as usize] += 1;
-            let want = if t[0] == 0 {
-                0.25f32.ln()
-            } else {
-                0.75f32.ln()
-            };
-            assert!((lp[0] - want).abs() < 1e-5);
-        }
+        let logits = [0.0f32, (3.0f32).ln(), f32::NEG_INFINITY];
+        let want = [0.25f32.ln(), 0.75f32.ln(), f32::NEG_INFINITY];
+        let counts = draw(&logits, &row(1.0, 1.0), 2000, &want);
         assert_eq!(counts[2], 0, "a zero-probability token was sampled");
         assert!(
             (counts[1] as f64 / 2000.0 - 0.75).abs() < 0.04,
             "{counts:?}"
         );
+    }
+
+    #[test]
+    fn top_p_samples_the_renormalized_nucleus() {
+        // p = [0.15, 0.5, 0.05, 0.3]: the nucleus for top_p = 0.7 is {1, 3} (0.5 alone is
+        // short of 0.7; 0.5 + 0.3 reaches it), renormalized to 0.625 / 0.375.
+        let probs = [0.15f32, 0.5, 0.05, 0.3];
+        let logits: Vec<f32> = probs.iter().map(|p| p.ln()).collect();
+        let want = [
+            f32::NEG_INFINITY,
+            (0.5f32 / 0.8).ln(),
+            f32::NEG_INFINITY,
+            (0.3f32 / 0.8).ln(),
+        ];
+        let counts = draw(&logits, &row(1.0, 0.7), 4000, &want);
+        assert_eq!(counts[0] + counts[2], 0, "outside the nucleus: {counts:?}");
+        assert!(
+            (counts[1] as f64 / 4000.0 - 0.625).abs() < 0.03,
+            "{counts:?}"
+        );
+        // A nucleus of exactly the top token's mass keeps only that token.
+        let counts = draw(&logits, &row(1.0, 0.5), 200, &[0.0; 4]);
+        assert_eq!(counts[1], 200);
+        // top_p applies after temperature: at T = 2 the probabilities flatten to
+        // sqrt(p) / Σ sqrt(p), and 0.7 then needs three tokens.
+        let flat: Vec<f32> = probs.iter().map(|p| p.sqrt()).collect();
+        let z: f32 = flat.iter().sum();
+        let q: Vec<f32> = flat.iter().map(|f| f / z).collect();
+        assert!(q[1] + q[3] < 0.7 && q[1] + q[3] + q[0] >= 0.7, "{q:?}");
+        let kept = q[1] + q[3] + q[0];
+        let want = [
+            (q[0] / kept).ln(),
+            (q[1] / kept).ln(),
+            f32::NEG_INFINITY,
+            (q[3] / kept).ln(),
+        ];
+        let counts = draw(&logits, &row(2.0, 0.7), 2000, &want);
+        assert_eq!(counts[2], 0, "{counts:?}");
+        assert!(counts[0] > 0, "{counts:?}");
+    }
+
+    #[test]
+    fn top_n_lists_the_sampling_distribution() {
+        let probs = [0.15f32, 0.5, 0.05, 0.3];
+        let logits = Tensor::from_slice(&probs.map(|p| p.ln())).unsqueeze(0);
+        let full = RowSampling::new(&[&row(1.0, 1.0)], Device::Cpu);
+        let out = sample(&logits, &full, &[0.5], 3);
+        let top: Vec<u32> = out.top[0].iter().map(|t| t.0).collect();
+        assert_eq!(top, vec![1, 3, 0]);
+        assert!((out.top[0][0].1 - 0.5f32.ln()).abs() < 1e-5);
+        // Under a nucleus the alternatives are the renormalized kept tokens only.
+        let nucleus = RowSampling::new(&[&row(1.0, 0.7)], Device::Cpu);
+        let out = sample(&logits, &nucleus, &[0.5], 3);
+        assert_eq!(out.top[0].len(), 2, "{:?}", out.top[0]);
+        assert!((out.top[0][1].1 - (0.3f32 / 0.8).ln()).abs() < 1e-5);
+    }
+
+    #[test]
+    fn top_p_logprobs_are_exact_in_generation() {
+        // Each sampled token's logprob, recomputed from a full forward as the log of its
+        // renormalized nucleus probability, must equal the recorded one.
+        let p = tiny_policy(11);
+        let prompt = vec![20u32, 21, 22];
+        let (t, top_p) = (1.5f32, 0.6f32);
+        let g = &p.generate(
+            std::slice::from_ref(&prompt),
+            &[GenParams {
+                temperature: t,
+                top_p,
+                max_new_tokens: 12,
+                seed: 3,
+                stop_token_ids: vec![],
+            }],
+        )[0];
+        let all: Vec<u32> = prompt.iter().chain(&g.tokens).copied().collect();
+        let logits = p.forward(&ids(&all), &ones(all.len())).get(0);
+        let probs = (logits / t as f64).softmax(-1, Kind::Double);
+        let mut truncated = false;
+        for (i, (&tok, &lp)) in g.tokens.iter().zip(&g.logprobs).enumerate() {
+            let mut q = Vec::<f64>::try_from(probs.get((prompt.len() + i - 1) as i64)).unwrap();
+            let mine = q[tok as usize];
+            q.sort_by(|a, b| b.partial_cmp(a).unwrap());
+            let (mut mass, mut kept) = (0.0, 0.0);
+            for &x in &q {
+                if mass >= top_p as f64 {
+                    break;
+                }
+                mass += x;
+                kept += x;
+            }
+            truncated |= kept < 0.999;
+            let want = (mine / kept).ln();
+            assert!((want - lp as f64).abs() < 1e-4, "step {i}: {want} vs {lp}");
+        }
+        assert!(truncated, "top_p never truncated; the test checks nothing");
     }
 
     #[test]

@@ -1,11 +1,13 @@
 //! The student model of Tutor: a Qwen3-style transformer in `tch` (also reading and writing
 //! Qwen2 and Llama checkpoints, see `config.rs`), its Hugging Face checkpoint format, a
-//! byte-level BPE tokenizer with the ChatML template, and batched KV-cache generation with
-//! per-token logprobs. Used by the learner (training forward)
+//! byte-level BPE tokenizer with the ChatML template or the model directory's own Jinja chat template, and batched KV-cache generation with
+//! per-token logprobs, and the continuous-batching engine behind `tutor serve`. Used by the learner (training forward)
 //! and the rollout workers (generation).
 
+mod chat_template;
 mod checkpoint;
 mod config;
+mod engine;
 mod error;
 mod generate;
 mod model;
@@ -16,7 +18,13 @@ use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
+pub use chat_template::{ChatTemplate, CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE};
+pub use checkpoint::{weight_files, INDEX_FILE};
 pub use config::{Family, ModelConfig, RopeScaling, SUPPORTED_MODELS};
+pub use engine::{
+    spawn_engine, DoneEvent, EngineConfig, EngineEvent, EngineHandle, EngineRequest, RequestError,
+    TokenEvent,
+};
 pub use error::PolicyError;
 pub use generate::{FinishReason, GenParams, Generation};
 pub use model::Policy;

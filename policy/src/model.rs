@@ -80,6 +80,31 @@ impl KvCache {
         }
     }
 
+    /// Copies slots `from .. from + n` of every row of `src` to slots `to .. to + n` of the
+    /// same rows here (this cache may have more rows and another capacity).
+    pub(crate) fn copy_block(&mut self, src: &KvCache, from: i64, to: i64, n: i64) {
+        if n == 0 {
+            return;
+        }
+        let rows = src.layers.first().map_or(0, |(k, _)| k.size()[0]);
+        for ((k, v), (src_k, src_v)) in self.layers.iter_mut().zip(&src.layers) {
+            k.narrow(0, 0, rows)
+                .narrow(2, to, n)
+                .copy_(&src_k.narrow(2, from, n));
+            v.narrow(0, 0, rows)
+                .narrow(2, to, n)
+                .copy_(&src_v.narrow(2, from, n));
+        }
+    }
+
+    /// Keeps only the rows listed in `rows` (an int64 index tensor), in that order.
+    pub(crate) fn select_rows(&mut self, rows: &Tensor) {
+        for (k, v) in self.layers.iter_mut() {
+            *k = k.index_select(0, rows);
+            *v = v.index_select(0, rows);
+        }
+    }
+
     /// Copies slots `offset .. offset + n` of row `from` to the same slots of row `to`.
     pub(crate) fn copy_row(&mut self, from: i64, to: i64, offset: i64, n: i64) {
         for (k, v) in self.layers.iter_mut() {

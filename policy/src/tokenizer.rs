@@ -12,6 +12,7 @@
 //! tokenizer splits on special tokens before anything else.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -20,6 +21,7 @@ use tokenizers::{
     Tokenizer, TokenizerBuilder,
 };
 
+use crate::chat_template::ChatTemplate;
 use crate::PolicyError;
 
 pub const ENDOFTEXT: &str = "<|endoftext|>";
@@ -35,7 +37,14 @@ pub struct ChatTokenizer {
     eos: u32,
     im_start: u32,
     im_end: u32,
+    /// The text of every special token (to spot message contents that contain one).
+    specials: Vec<String>,
+    /// The model directory's own chat template; `None` renders the built-in ChatML.
+    template: Option<Arc<ChatTemplate>>,
 }
+
+/// Stands for one message content in a second rendering (see `template_ids`).
+const SENTINEL: char = '\u{F8FF}';
 
 impl std::fmt::Debug for ChatTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -44,6 +53,7 @@ impl std::fmt::Debug for ChatTokenizer {
             .field("eos", &self.eos)
             .field("im_start", &self.im_start)
             .field("im_end", &self.im_end)
+            .field("template", &self.template.as_ref().map(|t| t.source()))
             .finish()
     }
 }
@@ -115,13 +125,45 @@ impl ChatTokenizer {
         let (eos, im_start, im_end) = (id(ENDOFTEXT)?, id(IM_START)?, id(IM_END)?);
         let mut plain = tokenizer.clone();
         plain.set_encode_special_tokens(true);
+        let mut specials: Vec<String> = tokenizer
+            .get_added_tokens_decoder()
+            .values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content.clone())
+            .collect();
+        specials.sort();
         Ok(ChatTokenizer {
             tokenizer,
             plain,
             eos,
             im_start,
             im_end,
+            specials,
+            template: None,
         })
+    }
+
+    /// Loads a model directory's tokenizer: `tokenizer.json`, and the chat template
+    /// `transformers` would use (`chat_template.jinja`, else `tokenizer_config.json`'s
+    /// `chat_template`; see [`ChatTemplate::from_dir`]). Without a template, prompts are
+    /// rendered in the built-in ChatML.
+    pub fn from_dir(dir: &Path) -> Result<Self, PolicyError> {
+        let tok = Self::from_file(&dir.join("tokenizer.json"))?;
+        Ok(match ChatTemplate::from_dir(dir)? {
+            Some(t) => tok.with_template(t),
+            None => tok,
+        })
+    }
+
+    /// Renders prompts with `template` instead of the built-in ChatML.
+    pub fn with_template(mut self, template: ChatTemplate) -> Self {
+        self.template = Some(Arc::new(template));
+        self
+    }
+
+    /// The chat template prompts are rendered with (`None`: the built-in ChatML).
+    pub fn template(&self) -> Option<&ChatTemplate> {
+        self.template.as_deref()
     }
 
     /// Writes `tokenizer.json`, loadable by Hugging Face `tokenizers`.
@@ -163,6 +205,12 @@ impl ChatTokenizer {
         })
     }
 
+    /// One token's text, special tokens included (a token holding part of a UTF-8
+    /// character shows as U+FFFD).
+    pub fn token_text(&self, id: u32) -> String {
+        self.tokenizer.decode(&[id], false).unwrap_or_default()
+    }
+
     pub fn im_end_id(&self) -> u32 {
         self.im_end
     }
@@ -175,24 +223,156 @@ impl ChatTokenizer {
         self.eos
     }
 
+    /// The first prompt of an episode: a system and a user message, then the assistant
+    /// header. Built-in ChatML:
     /// `<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n`
-    pub fn render_prompt(&self, system: &str, user: &str) -> Vec<u32> {
-        let mut ids = self.message("system", system);
-        ids.extend(self.encode_plain("\n"));
-        ids.extend(self.message("user", user));
-        ids.extend(self.encode_plain("\n"));
-        ids.extend(self.assistant_header());
-        ids
+    pub fn render_prompt(&self, system: &str, user: &str) -> Result<Vec<u32>, PolicyError> {
+        self.render_chat([("system", system), ("user", user)])
     }
 
-    /// What follows an assistant turn (which ended with `<|im_end|>`):
-    /// `\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n`
-    pub fn render_observation(&self, observation: &str) -> Vec<u32> {
-        let mut ids = self.encode_plain("\n");
-        ids.extend(self.message("user", observation));
-        ids.extend(self.encode_plain("\n"));
+    /// A whole conversation, as chat-completions clients send it, with the generation
+    /// prompt. With the model's template: what `apply_chat_template(messages,
+    /// add_generation_prompt=True)` renders, encoded (see `template_ids` for contents that
+    /// contain special-token text). Built-in ChatML: every message as
+    /// `<|im_start|>{role}\n{content}<|im_end|>\n`, then `<|im_start|>assistant\n`.
+    /// Errors only from a template (a `raise_exception`, or a render error).
+    pub fn render_chat<'a>(
+        &self,
+        messages: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<Vec<u32>, PolicyError> {
+        let messages: Vec<(&str, &str)> = messages.into_iter().collect();
+        if let Some(t) = &self.template {
+            return self.template_ids(t, &messages, true, None);
+        }
+        let mut ids = Vec::new();
+        for (role, content) in messages {
+            ids.extend(self.message(role, content));
+            ids.extend(self.encode_plain("\n"));
+        }
         ids.extend(self.assistant_header());
-        ids
+        Ok(ids)
+    }
+
+    /// What follows an assistant turn that ended with `<|im_end|>` (the stop token the
+    /// rollouts sample): the rest of that turn's closing text, the observation as a user
+    /// message, and the next assistant header. Built-in ChatML:
+    /// `\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n`.
+    ///
+    /// With the model's template: the template renders `[user, assistant, user
+    /// observation]` with the generation prompt, and the delta is what follows the
+    /// assistant's content and its `<|im_end|>`. The history before it is never rendered
+    /// or encoded again, so generated ids stay as generated. An error if the template
+    /// does not end assistant turns with `<|im_end|>`.
+    pub fn render_observation(&self, observation: &str) -> Result<Vec<u32>, PolicyError> {
+        let Some(t) = &self.template else {
+            let mut ids = self.encode_plain("\n");
+            ids.extend(self.message("user", observation));
+            ids.extend(self.encode_plain("\n"));
+            ids.extend(self.assistant_header());
+            return Ok(ids);
+        };
+        const MARK: &str = "\u{E000}";
+        let stop = self.token_text(self.im_end);
+        let messages = [
+            ("user", "\u{E001}"),
+            ("assistant", MARK),
+            ("user", observation),
+        ];
+        self.template_ids(t, &messages, true, Some((MARK, &stop)))
+    }
+
+    /// Renders `messages` with the template, keeps what follows `after` = (marker, stop)
+    /// when given (an error if the marker is not followed by the stop text), and encodes
+    /// it.
+    ///
+    /// `transformers` encodes the rendered text as a whole, so a special-token string in a
+    /// message content (a file that contains `<|im_end|>`) becomes that special token.
+    /// Here such contents stay plain text: the template renders a second time with each
+    /// of them replaced by a sentinel, template text is encoded with special tokens and
+    /// contents without; if putting the contents back in place of the sentinels does not
+    /// give the first rendering (the template changed the content, e.g. `| trim`), the
+    /// first rendering is encoded as a whole, as `transformers` does. Contents without
+    /// special-token text give exactly `transformers`' ids.
+    fn template_ids(
+        &self,
+        t: &ChatTemplate,
+        messages: &[(&str, &str)],
+        add_generation_prompt: bool,
+        after: Option<(&str, &str)>,
+    ) -> Result<Vec<u32>, PolicyError> {
+        let cut = |text: String| -> Result<String, PolicyError> {
+            let Some((mark, stop)) = after else {
+                return Ok(text);
+            };
+            text.split_once(mark)
+                .and_then(|(_, rest)| rest.strip_prefix(stop))
+                .map(str::to_owned)
+                .ok_or_else(|| PolicyError::Tokenizer {
+                    context: t.source().to_string(),
+                    message: format!(
+                        "the chat template does not close an assistant turn with {stop} right \
+                         after its content, so an observation cannot follow generated tokens"
+                    ),
+                })
+        };
+        let text = cut(t.render(messages.iter().copied(), add_generation_prompt)?)?;
+        let text = text.as_str();
+        let risky: Vec<usize> = (0..messages.len())
+            .filter(|&i| {
+                self.specials
+                    .iter()
+                    .any(|s| messages[i].1.contains(s.as_str()))
+            })
+            .collect();
+        if risky.is_empty() {
+            return self.try_encode(text);
+        }
+        let sentinels: Vec<String> = (0..risky.len())
+            .map(|k| format!("{SENTINEL}{k}{SENTINEL}"))
+            .collect();
+        let masked: Vec<(&str, &str)> = messages
+            .iter()
+            .enumerate()
+            .map(
+                |(i, &(role, content))| match risky.iter().position(|&r| r == i) {
+                    Some(k) => (role, sentinels[k].as_str()),
+                    None => (role, content),
+                },
+            )
+            .collect();
+        let masked_text = cut(t.render(masked.iter().copied(), add_generation_prompt)?)?;
+        let mut rest = masked_text.as_str();
+        let mut ids = Vec::new();
+        let mut rebuilt = String::new();
+        while !rest.is_empty() {
+            // The next sentinel, if any: `SENTINEL digits SENTINEL` naming a risky content.
+            let next = rest.match_indices(SENTINEL).find_map(|(at, _)| {
+                let after = &rest[at + SENTINEL.len_utf8()..];
+                let end = after.find(SENTINEL)?;
+                let k: usize = after[..end].parse().ok()?;
+                (k < risky.len()).then_some((at, k, at + 2 * SENTINEL.len_utf8() + end))
+            });
+            let (before, content, after) = match next {
+                Some((at, k, end)) => (&rest[..at], Some(messages[risky[k]].1), &rest[end..]),
+                None => (rest, None, ""),
+            };
+            ids.extend(self.try_encode(before)?);
+            rebuilt.push_str(before);
+            if let Some(c) = content {
+                ids.extend(encode_with(&self.plain, c)?);
+                rebuilt.push_str(c);
+            }
+            rest = after;
+        }
+        if rebuilt == text {
+            Ok(ids)
+        } else {
+            tracing::warn!(
+                template = t.source(),
+                "the chat template changes message contents that contain special-token text; encoding the rendered text as a whole"
+            );
+            self.try_encode(text)
+        }
     }
 
     /// A teacher's text as assistant tokens: the text followed by `<|im_end|>`.
@@ -311,7 +491,9 @@ mod tests {
     #[test]
     fn chat_template() {
         let t = trained();
-        let p = t.render_prompt("You are helpful.", "Fix <|im_end|> bug");
+        let p = t
+            .render_prompt("You are helpful.", "Fix <|im_end|> bug")
+            .unwrap();
         assert_eq!(p[0], t.im_start_id());
         assert_eq!(p.iter().filter(|&&i| i == t.im_start_id()).count(), 3);
         assert_eq!(
@@ -324,7 +506,22 @@ mod tests {
             rendered,
             "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nFix <|im_end|> bug<|im_end|>\n<|im_start|>assistant\n"
         );
-        let o = t.render_observation("ok");
+        assert_eq!(
+            t.render_chat([
+                ("system", "You are helpful."),
+                ("user", "Fix <|im_end|> bug")
+            ])
+            .unwrap(),
+            p
+        );
+        let chat = t
+            .render_chat([("user", "a"), ("assistant", "b"), ("user", "c")])
+            .unwrap();
+        assert_eq!(
+            t.tokenizer.decode(&chat, false).unwrap(),
+            "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let o = t.render_observation("ok").unwrap();
         assert_eq!(
             t.tokenizer.decode(&o, false).unwrap(),
             "\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
@@ -334,7 +531,7 @@ mod tests {
         assert_eq!(t.decode(&a), "ls -la");
         // Piecewise rendering gives the same ids as encoding the whole string.
         let whole = t.encode("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n");
-        assert_eq!(t.render_prompt("S", "U"), whole);
+        assert_eq!(t.render_prompt("S", "U").unwrap(), whole);
     }
 
     #[test]
@@ -364,7 +561,10 @@ mod tests {
         assert_eq!(b.vocab_size(), a.vocab_size());
         let s = "def g():\n\tpass 🦀<|im_end|>";
         assert_eq!(a.encode(s), b.encode(s));
-        assert_eq!(a.render_prompt("s", "u"), b.render_prompt("s", "u"));
+        assert_eq!(
+            a.render_prompt("s", "u").unwrap(),
+            b.render_prompt("s", "u").unwrap()
+        );
 
         assert!(ChatTokenizer::from_file(&dir.path().join("nope.json"))
             .unwrap_err()

@@ -227,6 +227,7 @@ fn greedy_generation_matches_transformers(refs: &[Reference]) {
         assert_eq!(want.len(), 32);
         let params = GenParams {
             temperature: 0.0,
+            top_p: 1.0,
             max_new_tokens: want.len(),
             seed: 0,
             stop_token_ids: vec![],

@@ -13,8 +13,10 @@ use subtle::ConstantTimeEq;
 use tonic::metadata::{Ascii, MetadataMap, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::Interceptor;
-use tonic::transport::Channel;
+use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Status};
+
+use crate::tls::{ClientTls, TlsError};
 
 /// Environment variable holding the token itself (`--auth-token-file` wins over it).
 pub const AUTH_TOKEN_ENV: &str = "TUTOR_AUTH_TOKEN";
@@ -228,16 +230,20 @@ impl Interceptor for ServerAuth {
 }
 
 /// Client side: adds `authorization: Bearer <token>` to every call (nothing without a
-/// token). The header value is marked sensitive, so `Debug` of a request hides it.
+/// token), and holds the client's TLS settings (certificate and CA, see `tls`) for the
+/// endpoints it connects to. The header value is marked sensitive, so `Debug` of a
+/// request hides it.
 #[derive(Clone, Default)]
 pub struct ClientAuth {
     header: Option<MetadataValue<Ascii>>,
+    tls: Option<ClientTls>,
 }
 
 impl fmt::Debug for ClientAuth {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ClientAuth")
             .field("token", &self.header.as_ref().map(|_| "<redacted>"))
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -254,7 +260,22 @@ impl ClientAuth {
             v.set_sensitive(true);
             v
         });
-        Self { header }
+        Self { header, tls: None }
+    }
+
+    /// The same, connecting over TLS (`https://` endpoints) when `tls` is given.
+    pub fn with_tls(self, tls: Option<ClientTls>) -> Self {
+        Self { tls, ..self }
+    }
+
+    pub fn tls(&self) -> Option<&ClientTls> {
+        self.tls.as_ref()
+    }
+
+    /// An endpoint for `url` with this client's TLS settings; `https://` is required
+    /// with TLS and refused without (see `tls::endpoint`).
+    pub fn endpoint(&self, url: &str) -> Result<Endpoint, TlsError> {
+        crate::tls::endpoint(url, self.tls.as_ref())
     }
 
     /// `channel` with the token added to every call.

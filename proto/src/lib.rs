@@ -7,6 +7,7 @@ pub mod v1 {
 
 pub mod auth;
 pub mod net;
+pub mod tls;
 
 pub use v1::*;
 

@@ -2,10 +2,12 @@
 //!
 //! The shell is one `docker exec` of bash kept open for the whole episode (not one exec
 //! per command, which costs a round trip through the daemon each time). Each command is
-//! sent as a here-document (delimited by a unique marker) to a helper function that runs it in a child bash under
-//! `timeout -s KILL` (Docker has no API to kill an exec, so the deadline is enforced
-//! inside the container; `timeout` signals the command's whole process group), records
-//! the directory the command ended in, and prints a marker line with the exit code.
+//! sent as a here-document (delimited by a unique marker) to a helper function that runs it
+//! in a forked subshell, a background job with a process group of its own, next to a
+//! watchdog job that kills that group at the deadline (Docker has no API to kill an exec,
+//! so the deadline is enforced inside the container; no process is exec'd per command,
+//! which keeps the round trip short). The function records the directory the command
+//! ended in and prints a marker line with the exit code.
 //! The caller reads until the marker; if the marker does not come in time the shell is
 //! replaced. Containers carry labels (run, worker, episode) so a restarted worker can
 //! remove the orphans of its predecessor.
@@ -34,6 +36,9 @@ pub const LABEL_EPISODE: &str = "tutor.episode";
 
 /// Where the repository lives inside the container.
 pub const WORKDIR: &str = "/testbed";
+
+/// Where the tools (crate::tools) are installed inside the container.
+const TOOLS_DIR: &str = "/tmp/.tutor/bin";
 
 /// Output kept per command before head+tail truncation (the rest is read and dropped).
 const CAPTURE_BYTES: usize = 1024 * 1024;
@@ -137,20 +142,38 @@ pub async fn remove_orphans(
 
 /// The bash function every command goes through (see the module comment).
 const SHELL_PRELUDE: &str = r#"
-# The shell's own stderr carries only its notices ("Killed" when a command times out);
-# every command's stderr is merged into its stdout below.
+# The shell's own stderr carries only its notices (job status, "Killed"); every command's
+# stderr is merged into its stdout below.
 exec 2>/dev/null
+# Job control: each command (and each watchdog) runs as a background job in a process
+# group of its own, so a timeout or the clean-up after it kills the whole group.
+set -m
 mkdir -p /tmp/.tutor; echo /testbed > /tmp/.tutor/cwd; __tutor_cwd=/testbed
+rm -f /tmp/.tutor/fifo; mkfifo /tmp/.tutor/fifo
+export PATH="/tmp/.tutor/bin:$PATH" TUTOR_STATE_DIR=/tmp/.tutor TUTOR_REPO=/testbed TUTOR_REPO_DISPLAY=/testbed
 __tutor_run() {
   # The command arrives as a here-document (delimited by the unique marker) on the
   # function's stdin; `read` and `printf` are builtins, so no process is spawned for it.
   local __cmd; IFS= read -r -d '' __cmd
   printf '%s' "$__cmd" > /tmp/.tutor/cmd.sh
   cd "$__tutor_cwd" 2>/dev/null || cd /testbed
-  ( timeout -s KILL "$1" bash --noprofile --norc -c 'trap "pwd > /tmp/.tutor/cwd" EXIT; . /tmp/.tutor/cmd.sh' </dev/null 2>&1 ) 2>/dev/null
-  local rc=$?
+  # The command: a forked subshell (no exec), job control off inside so everything it
+  # starts stays in its group; the EXIT trap records where it ended.
+  ( set +m; trap 'pwd > /tmp/.tutor/cwd' EXIT; . /tmp/.tutor/cmd.sh ) </dev/null 2>&1 &
+  local __pid=$!
+  # The watchdog: `read -t` on a FIFO nobody writes is a sleep without an exec; at the
+  # deadline it kills the command's whole group (it already exists, so a fork bomb that
+  # exhausts the pid limit cannot stop it).
+  ( read -t "$1" <> /tmp/.tutor/fifo; kill -KILL -- -"$__pid" ) </dev/null >/dev/null 2>&1 &
+  local __wd=$!
+  wait "$__pid"; local rc=$?
+  # Stop the watchdog, and whatever the command left running in the background.
+  kill -KILL -- -"$__wd" -"$__pid" 2>/dev/null
+  wait "$__wd" 2>/dev/null
+  local __file=
   read -r __tutor_cwd < /tmp/.tutor/cwd
-  printf '\n%s %d %s\n' "$2" "$rc" "$__tutor_cwd"
+  [ -f /tmp/.tutor/current_file ] && read -r __file < /tmp/.tutor/current_file
+  printf '\n%s %d\t%s\t%s\n' "$2" "$rc" "$__tutor_cwd" "$__file"
 }
 "#;
 
@@ -168,6 +191,11 @@ pub struct DockerSandbox {
     user: String,
     shell: Option<Shell>,
     cwd: String,
+    current_file: Option<String>,
+    /// Hash of the commit every diff is taken against.
+    base: String,
+    /// Files at the base commit, read once (they never change).
+    base_files: std::sync::Mutex<HashMap<String, Option<String>>>,
     counter: u64,
     removed: bool,
 }
@@ -219,6 +247,9 @@ impl DockerSandbox {
             user: format!("{}:{}", spec.user.0, spec.user.1),
             shell: None,
             cwd: WORKDIR.into(),
+            current_file: None,
+            base: String::new(),
+            base_files: Default::default(),
             counter: 0,
             removed: false,
         };
@@ -272,28 +303,113 @@ impl DockerSandbox {
         let tar = builder
             .into_inner()
             .map_err(|e| DockerError::Shell(format!("packing the task files: {e}")))?;
+        self.install_tools(uid, gid).await?;
+        let uploading = !task.files.is_empty();
+        if uploading {
+            self.upload(WORKDIR, tar).await?;
+        }
+        self.start_shell().await?;
+        // Our own tasks are committed here as the base; images that ship the repository
+        // (SWE-bench) are at the base commit already.
+        let setup = if uploading {
+            "git init -q && git config user.email tutor@localhost && git config user.name tutor \
+             && git config commit.gpgsign false && git add -A && git commit -q -m base && git tag tutor-base"
+        } else {
+            "git rev-parse -q --verify HEAD >/dev/null && git tag -f tutor-base >/dev/null"
+        };
+        let out = self.run(setup, Duration::from_secs(60)).await;
+        if out.exit_code != 0 {
+            return Err(DockerError::Shell(format!(
+                "setting up the repository in {WORKDIR} failed (exit {}): {}",
+                out.exit_code, out.output
+            )));
+        }
+        let out = self
+            .run(
+                "printf '__pycache__/\\n*.pyc\\n.pytest_cache/\\n*.egg-info/\\n' >> .git/info/exclude; git rev-parse tutor-base",
+                Duration::from_secs(30),
+            )
+            .await;
+        self.base = out.output.trim().to_string();
+        if out.exit_code != 0 || self.base.len() < 40 {
+            return Err(DockerError::Shell(format!(
+                "reading the base commit failed: {}",
+                out.output
+            )));
+        }
+        Ok(())
+    }
+
+    async fn upload(&self, path: &str, tar: Vec<u8>) -> Result<(), DockerError> {
         self.docker
             .upload_to_container(
                 &self.id,
                 Some(
                     UploadToContainerOptionsBuilder::default()
-                        .path(WORKDIR)
+                        .path(path)
                         .build(),
                 ),
                 bollard::body_full(tar.into()),
             )
             .await?;
-        self.start_shell().await?;
-        let setup = "git init -q && git config user.email tutor@localhost && git config user.name tutor \
-                     && git config commit.gpgsign false && git add -A && git commit -q -m base && git tag tutor-base";
-        let out = self.run(setup, Duration::from_secs(60)).await;
-        if out.exit_code != 0 {
-            return Err(DockerError::Shell(format!(
-                "setting up the repository failed: {}",
-                out.output
-            )));
-        }
         Ok(())
+    }
+
+    /// Puts the tool helper and its shims (crate::tools) into /tmp/.tutor/bin, owned by
+    /// the shell's user.
+    async fn install_tools(&self, uid: u32, gid: u32) -> Result<(), DockerError> {
+        let mut builder = tar::Builder::new(Vec::new());
+        let header = |size: u64, mode: u32, kind: tar::EntryType| {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(size);
+            h.set_mode(mode);
+            h.set_mtime(0);
+            h.set_uid(uid as u64);
+            h.set_gid(gid as u64);
+            h.set_entry_type(kind);
+            h
+        };
+        let pack = |e: std::io::Error| DockerError::Shell(format!("packing the tools: {e}"));
+        for d in [".tutor", ".tutor/bin"] {
+            let mut h = header(0, 0o755, tar::EntryType::Directory);
+            builder
+                .append_data(&mut h, d, std::io::empty())
+                .map_err(pack)?;
+        }
+        for (name, body) in crate::tools::tool_files(TOOLS_DIR) {
+            let mut h = header(body.len() as u64, 0o755, tar::EntryType::Regular);
+            builder
+                .append_data(&mut h, format!(".tutor/bin/{name}"), body.as_bytes())
+                .map_err(pack)?;
+        }
+        let tar = builder.into_inner().map_err(pack)?;
+        self.upload("/tmp", tar).await
+    }
+
+    /// Writes `content` to `/tmp/.tutor/NAME` (outside the repository) and returns the
+    /// path.
+    pub async fn write_scratch(&self, name: &str, content: &[u8]) -> Result<String, DockerError> {
+        let mut builder = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_size(content.len() as u64);
+        h.set_mode(0o644);
+        h.set_mtime(0);
+        let (uid, gid) = self
+            .user
+            .split_once(':')
+            .and_then(|(u, g)| Some((u.parse::<u64>().ok()?, g.parse::<u64>().ok()?)))
+            .unwrap_or((0, 0));
+        h.set_uid(uid);
+        h.set_gid(gid);
+        h.set_entry_type(tar::EntryType::Regular);
+        builder
+            .append_data(&mut h, name, content)
+            .map_err(|e| DockerError::Shell(format!("packing {name}: {e}")))?;
+        let tar = builder
+            .into_inner()
+            .map_err(|e| DockerError::Shell(format!("packing {name}: {e}")))?;
+        self.upload("/tmp/.tutor", tar).await?;
+        Ok(format!("/tmp/.tutor/{name}"))
     }
 
     async fn start_shell(&mut self) -> Result<(), DockerError> {
@@ -390,7 +506,7 @@ impl DockerSandbox {
         let mut tail: Vec<u8> = Vec::new();
         let mut dropped = 0usize;
         let mut new_cwd = None;
-        let exit_code = loop {
+        let (exit_code, new_file) = loop {
             let chunk = match tokio::time::timeout_at(deadline, shell.output.next()).await {
                 Err(_) => {
                     return Err(DockerError::Shell(format!(
@@ -405,15 +521,17 @@ impl DockerSandbox {
             if let Some(i) = find(&tail, needle.as_bytes()) {
                 let rest = &tail[i + needle.len()..];
                 if let Some(nl) = rest.iter().position(|&b| b == b'\n') {
-                    // "<exit code> <directory the command ended in>"
+                    // "<exit code>\t<directory the command ended in>\t<current file>"
                     let status = String::from_utf8_lossy(&rest[..nl]).into_owned();
-                    let (code, cwd) = status.split_once(' ').unwrap_or((status.as_str(), ""));
-                    if !cwd.trim().is_empty() {
+                    let mut fields = status.split('\t');
+                    let code = fields.next().unwrap_or("");
+                    if let Some(cwd) = fields.next().filter(|c| !c.trim().is_empty()) {
                         new_cwd = Some(cwd.trim().to_string());
                     }
+                    let file = fields.next().map(|f| f.trim().to_string());
                     let code = code.trim().parse().unwrap_or(-1);
                     tail.truncate(i);
-                    break code;
+                    break (code, file);
                 }
                 continue; // the exit code is still on its way
             }
@@ -436,7 +554,10 @@ impl DockerSandbox {
         if let Some(cwd) = new_cwd {
             self.cwd = cwd;
         }
-        // `timeout -s KILL` makes the command end with 137 (128 + SIGKILL).
+        if let Some(f) = new_file {
+            self.current_file = Some(f).filter(|f| !f.is_empty());
+        }
+        // The watchdog kills with SIGKILL: the command ends with 137 (128 + 9).
         let timed_out = exit_code == 137;
         Ok(CommandOutput {
             output: truncate_head_tail(&text, CAPTURE_BYTES),
@@ -445,8 +566,9 @@ impl DockerSandbox {
         })
     }
 
-    /// Runs a short command as its own exec and returns stdout (for bookkeeping reads).
-    async fn exec_capture(&self, cmd: &[&str]) -> Result<String, DockerError> {
+    /// Runs a short command as its own exec (not through the agent's shell) and returns
+    /// its exit code and stdout: bookkeeping reads that must not disturb the episode.
+    async fn exec_capture(&self, cmd: &[&str]) -> Result<(i64, Vec<u8>), DockerError> {
         let exec = self
             .docker
             .create_exec(
@@ -457,7 +579,11 @@ impl DockerSandbox {
                     cmd: Some(cmd.iter().map(|s| s.to_string()).collect()),
                     working_dir: Some(WORKDIR.into()),
                     user: Some(self.user.clone()),
-                    env: Some(vec!["HOME=/tmp/.tutor".into()]),
+                    env: Some(vec![
+                        "HOME=/tmp/.tutor".into(),
+                        "GIT_CONFIG_NOSYSTEM=1".into(),
+                        "LC_ALL=C.UTF-8".into(),
+                    ]),
                     ..Default::default()
                 },
             )
@@ -466,25 +592,176 @@ impl DockerSandbox {
         if let bollard::exec::StartExecResults::Attached { mut output, .. } =
             self.docker.start_exec(&exec.id, None).await?
         {
-            while let Some(Ok(chunk)) = output.next().await {
-                if let LogOutput::StdOut { message } = chunk {
+            while let Some(chunk) = output.next().await {
+                if let LogOutput::StdOut { message } = chunk? {
                     out.extend_from_slice(&message);
                 }
             }
         }
-        Ok(String::from_utf8_lossy(&out).into_owned())
+        let code = self
+            .docker
+            .inspect_exec(&exec.id)
+            .await?
+            .exit_code
+            .unwrap_or(-1);
+        Ok((code, out))
+    }
+
+    /// A git command in /testbed through [`Self::exec_capture`]; `index` names a private
+    /// index file (so the agent's staging area is untouched).
+    async fn git(&self, args: &[&str], index: Option<&str>) -> Option<Vec<u8>> {
+        let mut script = String::from("cd /testbed && ");
+        if let Some(i) = index {
+            script.push_str(&format!("export GIT_INDEX_FILE=/tmp/.tutor/{i} && rm -f \"$GIT_INDEX_FILE\" && git read-tree {} && git add -A && ", self.base));
+        }
+        script.push_str("git -c core.quotepath=off");
+        for a in args {
+            script.push(' ');
+            script.push_str(&crate::sandbox::shell_quote(a));
+        }
+        match self.exec_capture(&["bash", "-c", &script]).await {
+            Ok((0, out)) => Some(out),
+            Ok((code, _)) => {
+                tracing::debug!(container = %self.id, ?args, code, "sandbox git failed");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(container = %self.id, error = %e, "sandbox git failed");
+                None
+            }
+        }
     }
 
     /// The submission: every change against the base commit, new files included,
-    /// without touching the agent's own index.
+    /// without touching the agent's own index. Empty if git fails.
     pub async fn diff(&self) -> String {
-        self.exec_capture(&[
-            "bash",
-            "-c",
-            "cd /testbed && export GIT_INDEX_FILE=/tmp/.tutor/index && git read-tree tutor-base && git add -A && git diff --cached tutor-base",
-        ])
+        self.git(
+            &[
+                "diff",
+                "--cached",
+                "--binary",
+                "--no-color",
+                "--no-ext-diff",
+                "--no-textconv",
+                "--no-renames",
+                "--src-prefix=a/",
+                "--dst-prefix=b/",
+                &self.base,
+                "--",
+            ],
+            Some("diff-index"),
+        )
         .await
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
         .unwrap_or_default()
+    }
+
+    /// Paths changed relative to the base commit.
+    pub async fn changed_files(&self) -> Vec<String> {
+        self.git(
+            &[
+                "diff",
+                "--cached",
+                "--name-only",
+                "-z",
+                "--no-renames",
+                &self.base,
+                "--",
+            ],
+            Some("diff-index"),
+        )
+        .await
+        .map(|b| {
+            b.split(|&c| c == 0)
+                .filter(|s| !s.is_empty())
+                .map(|s| String::from_utf8_lossy(s).into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+    }
+
+    /// Hash of the base commit.
+    pub fn base_commit(&self) -> &str {
+        &self.base
+    }
+
+    /// Current HEAD (differs from the base if the agent committed).
+    pub async fn head(&self) -> Option<String> {
+        self.git(&["rev-parse", "-q", "--verify", "HEAD"], None)
+            .await
+            .map(|b| String::from_utf8_lossy(&b).trim().to_string())
+    }
+
+    /// A file of the working tree, relative to /testbed (`None` if missing or outside).
+    pub async fn read_file(&self, rel: &str) -> Option<String> {
+        let rel = crate::sandbox::safe_rel(rel)?;
+        let path = format!("{WORKDIR}/{}", rel.display());
+        match self.exec_capture(&["cat", "--", &path]).await {
+            Ok((0, out)) => Some(String::from_utf8_lossy(&out).into_owned()),
+            _ => None,
+        }
+    }
+
+    /// A file at the base commit (`None` if it did not exist there).
+    pub async fn base_file(&self, rel: &str) -> Option<String> {
+        let rel = crate::sandbox::safe_rel(rel)?.display().to_string();
+        if let Some(hit) = self.base_files.lock().expect("not poisoned").get(&rel) {
+            return hit.clone();
+        }
+        let spec = format!("{}:{rel}", self.base);
+        let content = self
+            .git(&["cat-file", "blob", &spec], None)
+            .await
+            .map(|b| String::from_utf8_lossy(&b).into_owned());
+        self.base_files
+            .lock()
+            .expect("not poisoned")
+            .insert(rel, content.clone());
+        content
+    }
+
+    /// Contents of the files `patch` touches once applied to the base commit, computed
+    /// on a private index; `Err` with git's message if it does not apply.
+    pub async fn apply_to_base(
+        &self,
+        patch: &str,
+    ) -> Result<std::collections::BTreeMap<String, Option<String>>, String> {
+        let mut body = patch.to_string();
+        if !body.ends_with('\n') {
+            body.push('\n');
+        }
+        let path = self
+            .write_scratch("oracle.patch", body.as_bytes())
+            .await
+            .map_err(|e| e.to_string())?;
+        let script = format!(
+            "cd /testbed && export GIT_INDEX_FILE=/tmp/.tutor/apply-index && rm -f \"$GIT_INDEX_FILE\" \
+             && git read-tree {} && git apply --cached {path} 2>&1",
+            self.base
+        );
+        match self.exec_capture(&["bash", "-c", &script]).await {
+            Ok((0, _)) => {}
+            Ok((_, out)) => return Err(String::from_utf8_lossy(&out).into_owned()),
+            Err(e) => return Err(e.to_string()),
+        }
+        let mut files = std::collections::BTreeMap::new();
+        for f in crate::tasks::patch_files(patch) {
+            let script = format!(
+                "cd /testbed && GIT_INDEX_FILE=/tmp/.tutor/apply-index git cat-file blob {}",
+                crate::sandbox::shell_quote(&format!(":{f}"))
+            );
+            let content = match self.exec_capture(&["bash", "-c", &script]).await {
+                Ok((0, out)) => Some(String::from_utf8_lossy(&out).into_owned()),
+                _ => None,
+            };
+            files.insert(f, content);
+        }
+        Ok(files)
+    }
+
+    /// The file the tools have open (as shown in the footer), if any.
+    pub fn current_file(&self) -> Option<&str> {
+        self.current_file.as_deref()
     }
 
     /// Removes the container. Safe to call twice.

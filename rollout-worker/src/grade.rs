@@ -7,12 +7,16 @@ use std::time::Duration;
 
 use tutor_proto::OutcomeStatus;
 
+use crate::backend::{Sandbox, SandboxFactory};
 use crate::observation::truncate_head_tail;
 use crate::sandbox::LocalSandbox;
 use crate::tasks::TaskRecord;
 
 /// Timeout for the git steps (they are local and quick; this only guards against hangs).
 const GIT_STEP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The test command when the task names none (pytest with per-test statuses).
+pub const DEFAULT_TEST_CMD: &str = "python -m pytest -rA -p no:cacheprovider";
 
 /// Largest log kept in a [`GradeResult`] (head and tail are kept).
 const MAX_LOG_CHARS: usize = 200_000;
@@ -166,22 +170,41 @@ pub fn grade_in(
     timeout: Duration,
     root: Option<&std::path::Path>,
 ) -> GradeResult {
-    let mut log = String::new();
-    let mut sb = match LocalSandbox::create(task, root) {
-        Ok(s) => s,
-        Err(e) => return GradeResult::fail(OutcomeStatus::SandboxError, e.to_string()),
-    };
-    let scratch = sb.scratch_dir().to_path_buf();
-    let write = |name: &str, text: &str| -> Result<String, String> {
-        let p = scratch.join(name);
-        std::fs::write(&p, text)
-            .map(|_| crate::sandbox::shell_quote(&p.display().to_string()))
-            .map_err(|e| format!("could not write {name}: {e}"))
-    };
+    match LocalSandbox::create(task, root) {
+        Ok(mut sb) => grade_in_sandbox(task, patch, timeout, &mut sb),
+        Err(e) => GradeResult::fail(OutcomeStatus::SandboxError, e.to_string()),
+    }
+}
 
+/// [`grade`] in a fresh sandbox from `factory` (a new container for Docker), labelled
+/// `label`. The agent's own sandbox is never graded, so editing the tests gains nothing.
+pub fn grade_fresh(
+    task: &TaskRecord,
+    patch: &str,
+    timeout: Duration,
+    factory: &SandboxFactory,
+    label: &str,
+) -> GradeResult {
+    match factory.create(task, label) {
+        Ok(mut sb) => grade_in_sandbox(task, patch, timeout, sb.as_mut()),
+        Err(e) => GradeResult::fail(
+            OutcomeStatus::SandboxError,
+            format!("creating the grading sandbox: {e}"),
+        ),
+    }
+}
+
+/// The grading steps in `sb`, which must be a fresh sandbox at the base commit.
+pub fn grade_in_sandbox(
+    task: &TaskRecord,
+    patch: &str,
+    timeout: Duration,
+    sb: &mut dyn Sandbox,
+) -> GradeResult {
+    let mut log = String::new();
     // 1. The submission.
     if !patch.trim().is_empty() {
-        let p = match write("model.patch", &ensure_newline(patch)) {
+        let p = match sb.write_scratch("model.patch", &ensure_newline(patch)) {
             Ok(p) => p,
             Err(e) => return GradeResult::fail(OutcomeStatus::SandboxError, e),
         };
@@ -223,7 +246,7 @@ pub fn grade_in(
 
     // 3. The test patch.
     if !task.test_patch.trim().is_empty() {
-        let p = match write("test.patch", &ensure_newline(&task.test_patch)) {
+        let p = match sb.write_scratch("test.patch", &ensure_newline(&task.test_patch)) {
             Ok(p) => p,
             Err(e) => return GradeResult::fail(OutcomeStatus::SandboxError, e),
         };
@@ -241,10 +264,13 @@ pub fn grade_in(
         .iter()
         .map(|f| crate::sandbox::shell_quote(f))
         .collect();
-    let cmd = format!(
-        "python -m pytest -rA -p no:cacheprovider {}",
-        files.join(" ")
-    );
+    // As the SWE-bench harness: the task's test command on the test files.
+    let test_cmd = if task.test_cmd.trim().is_empty() {
+        DEFAULT_TEST_CMD
+    } else {
+        task.test_cmd.trim()
+    };
+    let cmd = format!("{test_cmd} {}", files.join(" "));
     log.push_str(&format!(">>> {cmd}\n"));
     let out = sb.run(&cmd, timeout);
     log.push_str(&out.output);

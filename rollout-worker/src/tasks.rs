@@ -17,7 +17,7 @@ pub struct RepoFileRecord {
 
 /// A task in the SWE-bench field spelling. Unknown fields are ignored on purpose: real
 /// datasets (SWE-bench, SWE-rebench, SWE-Gym) carry many extra columns.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TaskRecord {
     pub instance_id: String,
     pub repo: String,
@@ -38,6 +38,10 @@ pub struct TaskRecord {
     pub files: Vec<RepoFileRecord>,
     #[serde(default, deserialize_with = "string_or_null")]
     pub image: String,
+    /// The test command (SWE-rebench `install_config.test_cmd`); the grader appends the
+    /// test files. Empty: `python -m pytest -rA -p no:cacheprovider`.
+    #[serde(default, deserialize_with = "string_or_null")]
+    pub test_cmd: String,
 }
 
 /// Errors from reading or writing task files. Messages name the file and line so a
@@ -192,6 +196,26 @@ fn diagnose(obj: &serde_json::Map<String, Value>) -> Option<String> {
     None
 }
 
+/// `install_config.test_cmd` (SWE-rebench): a string, or a list of commands joined
+/// with `&&`. The object may also be stored as a JSON string.
+fn install_test_cmd(obj: &serde_json::Map<String, Value>) -> String {
+    let cfg = match obj.get("install_config") {
+        Some(Value::String(s)) => serde_json::from_str::<Value>(s).unwrap_or(Value::Null),
+        Some(v) => v.clone(),
+        None => Value::Null,
+    };
+    match cfg.get("test_cmd") {
+        Some(Value::String(s)) => s.trim().to_string(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .filter_map(Value::as_str)
+            .map(str::trim)
+            .collect::<Vec<_>>()
+            .join(" && "),
+        _ => String::new(),
+    }
+}
+
 /// Parses one JSONL line into a task, with an error message that names the field.
 fn parse_line(text: &str) -> Result<TaskRecord, String> {
     let value: Value = serde_json::from_str(text).map_err(|e| {
@@ -200,6 +224,11 @@ fn parse_line(text: &str) -> Result<TaskRecord, String> {
         let msg = msg.split(" at line ").next().unwrap_or(&msg).to_string();
         format!("invalid JSON at column {}: {msg}", e.column())
     })?;
+    parse_value(value)
+}
+
+/// A task from one JSON object (a JSONL line or a Parquet row).
+fn parse_value(value: Value) -> Result<TaskRecord, String> {
     let Value::Object(obj) = &value else {
         return Err(format!(
             "expected a JSON object (one task per line), got {}",
@@ -207,9 +236,12 @@ fn parse_line(text: &str) -> Result<TaskRecord, String> {
         ));
     };
     match TaskRecord::deserialize(&value) {
-        Ok(t) => {
+        Ok(mut t) => {
             if t.instance_id.trim().is_empty() {
                 return Err("field `instance_id` is empty".into());
+            }
+            if t.test_cmd.is_empty() {
+                t.test_cmd = install_test_cmd(obj);
             }
             Ok(t)
         }
@@ -217,8 +249,16 @@ fn parse_line(text: &str) -> Result<TaskRecord, String> {
     }
 }
 
-/// Loads a JSONL task file (one task object per line; blank lines are skipped).
+/// Loads a task file: JSONL (one task object per line; blank lines are skipped), or
+/// Parquet (`.parquet`, one task per row, as SWE-bench, SWE-Gym and SWE-rebench are
+/// published on the Hub). Errors name the file and the line or row.
 pub fn load_tasks(path: &Path) -> Result<Vec<TaskRecord>, TaskError> {
+    if path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
+    {
+        return load_parquet(path);
+    }
     let shown = path.display().to_string();
     let bytes = std::fs::read(path).map_err(|source| TaskError::Io {
         path: shown.clone(),
@@ -253,6 +293,51 @@ pub fn load_tasks(path: &Path) -> Result<Vec<TaskRecord>, TaskError> {
             });
         }
         seen.insert(task.instance_id.clone(), lineno);
+        tasks.push(task);
+    }
+    if tasks.is_empty() {
+        return Err(TaskError::Empty { path: shown });
+    }
+    Ok(tasks)
+}
+
+/// Parquet rows → tasks. Row numbers in errors are 1-based.
+fn load_parquet(path: &Path) -> Result<Vec<TaskRecord>, TaskError> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let shown = path.display().to_string();
+    let file = std::fs::File::open(path).map_err(|source| TaskError::Io {
+        path: shown.clone(),
+        source,
+    })?;
+    let bad = |row: usize, message: String| TaskError::Parse {
+        path: shown.clone(),
+        line: row,
+        message: if row == 0 {
+            message
+        } else {
+            format!("row {row}: {message}")
+        },
+    };
+    let reader = SerializedFileReader::new(file)
+        .map_err(|e| bad(0, format!("not a readable Parquet file: {e}")))?;
+    let rows = reader
+        .get_row_iter(None)
+        .map_err(|e| bad(0, format!("reading rows: {e}")))?;
+    let mut tasks = Vec::new();
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for (idx, row) in rows.enumerate() {
+        let n = idx + 1;
+        let row = row.map_err(|e| bad(n, format!("reading the row: {e}")))?;
+        let task = parse_value(row.to_json_value()).map_err(|m| bad(n, m))?;
+        if let Some(&first_line) = seen.get(&task.instance_id) {
+            return Err(TaskError::Duplicate {
+                path: shown,
+                line: n,
+                first_line,
+                instance_id: task.instance_id,
+            });
+        }
+        seen.insert(task.instance_id.clone(), n);
         tasks.push(task);
     }
     if tasks.is_empty() {
@@ -315,6 +400,7 @@ impl From<&TaskRecord> for tutor_proto::Task {
             pass_to_pass: t.pass_to_pass.clone(),
             base_commit: t.base_commit.clone(),
             image: t.image.clone(),
+            test_cmd: t.test_cmd.clone(),
         }
     }
 }
@@ -343,6 +429,7 @@ impl TaskRecord {
                 })
                 .collect(),
             image: t.image.clone(),
+            test_cmd: t.test_cmd.clone(),
         }
     }
 
@@ -758,6 +845,7 @@ mod tests {
                 content: "x = 1\n".into(),
             }],
             image: String::new(),
+            test_cmd: String::new(),
         }
     }
 

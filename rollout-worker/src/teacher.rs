@@ -5,24 +5,54 @@
 
 use std::collections::HashSet;
 
-use crate::sandbox::{shell_quote, LocalSandbox, REPO_DISPLAY};
+use crate::backend::Sandbox;
+use crate::sandbox::shell_quote;
 use crate::tasks::{
     apply_file_patch, find_block, parse_unified_diff, split_lines, FilePatch, Hunk, TaskRecord,
 };
 
 /// One executed turn as teachers see it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ExecutedStep {
     /// The shell command that ran; `None` when the reply was a format error.
     pub command: Option<String>,
     pub output: String,
     pub exit_code: i32,
+    /// The assistant message that was executed (whoever wrote it).
+    pub reply: String,
+    /// The observation shown after it (output, notices, footer).
+    pub observation: String,
 }
+
+/// A teacher's answer: the assistant message, and the log-probability of each of its
+/// tokens when the teacher provides them (endpoints asked for `logprobs`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TeacherReply {
+    pub text: String,
+    pub logprobs: Vec<f32>,
+}
+
+impl TeacherReply {
+    pub fn text(text: String) -> Self {
+        Self {
+            text,
+            logprobs: Vec::new(),
+        }
+    }
+}
+
+/// A teacher that could not answer (an endpoint that keeps failing). The episode ends
+/// with SANDBOX_ERROR and this message; the worker carries on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("teacher: {0}")]
+pub struct TeacherError(pub String);
 
 /// What a teacher sees when asked for the next action.
 pub struct TeacherState<'a> {
     pub task: &'a TaskRecord,
-    pub sandbox: &'a LocalSandbox,
+    /// The system prompt the student sees (rendered for this sandbox).
+    pub system_prompt: &'a str,
+    pub sandbox: &'a dyn Sandbox,
     /// Every executed turn so far, whoever acted.
     pub history: &'a [ExecutedStep],
     /// 0-based index of the turn being decided.
@@ -32,8 +62,17 @@ pub struct TeacherState<'a> {
 
 /// Something that returns the next assistant message (reasoning + one command block).
 pub trait Teacher: Send {
-    fn next_action(&mut self, state: &TeacherState<'_>) -> String;
+    fn next_action(&mut self, state: &TeacherState<'_>) -> Result<TeacherReply, TeacherError>;
     fn name(&self) -> &str;
+    /// The teacher's log-probability of each token of `continuation` after `prefix`
+    /// (on-policy distillation). None: this teacher cannot score tokens (the oracle).
+    fn score(
+        &mut self,
+        _prefix: &[u32],
+        _continuation: &[u32],
+    ) -> Option<Result<Vec<f32>, TeacherError>> {
+        None
+    }
 }
 
 /// Files larger than this are shown in a window around the change, not whole.
@@ -145,7 +184,7 @@ impl OracleTeacher {
         Self::default()
     }
 
-    fn plan(&mut self, task: &TaskRecord, sb: &LocalSandbox) -> Plan {
+    fn plan(&mut self, task: &TaskRecord, sb: &dyn Sandbox) -> Plan {
         let key = format!("{}@{}", task.instance_id, sb.base_commit());
         if let Some((k, p)) = &self.cache {
             if *k == key {
@@ -158,7 +197,7 @@ impl OracleTeacher {
     }
 }
 
-fn digest(task: &TaskRecord, sb: &LocalSandbox) -> Plan {
+fn digest(task: &TaskRecord, sb: &dyn Sandbox) -> Plan {
     let Ok(patches) = parse_unified_diff(&task.patch) else {
         return Plan::Fallback;
     };
@@ -202,10 +241,10 @@ impl Teacher for OracleTeacher {
         "oracle"
     }
 
-    fn next_action(&mut self, state: &TeacherState<'_>) -> String {
+    fn next_action(&mut self, state: &TeacherState<'_>) -> Result<TeacherReply, TeacherError> {
         let plan = self.plan(state.task, state.sandbox);
         let (reason, command) = decide(&plan, state);
-        format_reply(&reason, &command)
+        Ok(TeacherReply::text(format_reply(&reason, &command)))
     }
 }
 
@@ -534,7 +573,7 @@ fn decide(plan: &Plan, st: &TeacherState<'_>) -> (String, String) {
     let cd = if sb.at_root() {
         String::new()
     } else {
-        format!("cd {REPO_DISPLAY} && ")
+        format!("cd {} && ", sb.repo_display())
     };
     // Revert with HEAD normally (it reads naturally); if the agent committed, HEAD moved
     // and only the base commit itself restores the original files.
@@ -765,6 +804,7 @@ mod tests {
             command: Some(c.into()),
             output: String::new(),
             exit_code: 0,
+            ..Default::default()
         }
     }
 
@@ -781,14 +821,7 @@ mod tests {
         let mut failed = step("cat pkg/stats.py");
         failed.exit_code = 1;
         assert!(!viewed(&[failed], p));
-        assert!(!viewed(
-            &[ExecutedStep {
-                command: None,
-                output: String::new(),
-                exit_code: 0
-            }],
-            p
-        ));
+        assert!(!viewed(&[ExecutedStep::default()], p));
     }
 
     #[test]

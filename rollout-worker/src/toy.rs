@@ -1779,6 +1779,7 @@ fn build_task(rng: &mut R, index: usize, t: usize, m: usize) -> Option<ToyTask> 
         version: "1.0".into(),
         files,
         image: String::new(),
+        test_cmd: String::new(),
     };
     Some(ToyTask {
         record,

@@ -17,8 +17,9 @@ pub async fn download_weights(
     dest: &Path,
     auth: &ClientAuth,
 ) -> Result<String> {
-    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())
-        .with_context(|| format!("bad weights endpoint {endpoint:?}"))?
+    let channel = auth
+        .endpoint(endpoint)
+        .context("the weights endpoint")?
         .connect()
         .await
         .with_context(|| format!("connecting to the weights endpoint {endpoint}"))?;

@@ -18,7 +18,9 @@ use tutor_proto::auth::{AuthChannel, ClientAuth};
 use tutor_proto::rollout_client::RolloutClient;
 use tutor_proto::{EpisodeEvent, HeartbeatRequest, LeaseRequest, RegisterRequest};
 
-use crate::episode::{run_episode, EpisodeEnv, DEFAULT_SYSTEM_PROMPT};
+use crate::backend::{DockerSettings, ImageRule, SandboxFactory};
+use crate::endpoint::{ChatEndpoint, TeacherConfig, TeacherKind};
+use crate::episode::{run_episode, EpisodeEnv, TeacherSource, DEFAULT_SYSTEM_PROMPT};
 use crate::student::StudentHost;
 
 /// The worker's typed configuration (section `[worker]` of a run config).
@@ -29,10 +31,28 @@ pub struct WorkerConfig {
     pub capacity: u32,
     /// Deadline for running the tests when grading a submission.
     pub grade_timeout_s: f64,
-    /// Where episode working copies are created (default: the system temp dir).
+    /// Where episodes run: `local` (a temporary git working copy per episode) or
+    /// `docker` (a container per episode, built with `make images`).
+    pub sandbox: SandboxKind,
+    /// Where local episode working copies are created (default: the system temp dir).
     pub sandbox_root: Option<PathBuf>,
-    /// System prompt; empty means the built-in one.
+    /// Docker: the image of tasks whose record names none. An image name, `swebench`
+    /// (the SWE-bench naming rule), or a template with `{instance_id}`, `{repo}`,
+    /// `{repo_slug}`, `{version}`.
+    pub image: String,
+    /// Docker: per-container limits.
+    pub memory_mb: u64,
+    pub cpus: f64,
+    pub pids_limit: i64,
+    /// Docker: give containers a network (off by default).
+    pub network: bool,
+    /// Docker: uid:gid the agent's shell runs as (the task image's unprivileged user).
+    pub container_user: String,
+    /// System prompt; empty means the built-in one. `{repo}` and `{tools}` are filled in.
     pub system_prompt: String,
+    /// Who labels states (`[worker.teacher]`): the gold-patch oracle (default) or an
+    /// OpenAI-compatible endpoint.
+    pub teacher: TeacherConfig,
     /// Deadline of unary calls to the coordinator.
     pub rpc_timeout_s: f64,
     /// libtorch intra-op threads for the student. Several workers share a machine's
@@ -45,16 +65,125 @@ impl Default for WorkerConfig {
         Self {
             capacity: 1,
             grade_timeout_s: 120.0,
+            sandbox: SandboxKind::Local,
             sandbox_root: None,
+            image: "tutor/python-task:latest".into(),
+            memory_mb: 2048,
+            cpus: 1.0,
+            pids_limit: 512,
+            network: false,
+            container_user: "1000:1000".into(),
             system_prompt: String::new(),
+            teacher: TeacherConfig::default(),
             rpc_timeout_s: 30.0,
             torch_threads: 1,
         }
     }
 }
 
+/// Which sandbox runs episodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxKind {
+    #[default]
+    Local,
+    Docker,
+}
+
+impl std::str::FromStr for SandboxKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "local" => Ok(SandboxKind::Local),
+            "docker" => Ok(SandboxKind::Docker),
+            other => Err(format!("unknown sandbox {other:?}: use local or docker")),
+        }
+    }
+}
+
+impl WorkerConfig {
+    /// The sandbox factory this configuration describes, after removing what a previous
+    /// incarnation of this worker (same run and worker name) left behind: for Docker its
+    /// labelled containers, for local sandboxes the directories named after it.
+    pub async fn sandboxes(&self, run: &str, worker: &str) -> Result<SandboxFactory> {
+        match self.sandbox {
+            SandboxKind::Local => {
+                let owner = format!("{run}-{worker}");
+                let removed =
+                    crate::sandbox::remove_local_orphans(self.sandbox_root.as_deref(), &owner);
+                if removed > 0 {
+                    tracing::warn!(
+                        removed,
+                        run,
+                        worker,
+                        "removed sandboxes a previous worker left behind"
+                    );
+                }
+                Ok(SandboxFactory::Local {
+                    root: self.sandbox_root.clone(),
+                    owner: Some(owner),
+                })
+            }
+            SandboxKind::Docker => {
+                let user = parse_user(&self.container_user).with_context(|| {
+                    format!("worker.container_user = {:?}", self.container_user)
+                })?;
+                let docker = crate::docker::connect().await?;
+                let removed = crate::docker::remove_orphans(&docker, run, Some(worker)).await?;
+                if removed > 0 {
+                    tracing::warn!(
+                        removed,
+                        run,
+                        worker,
+                        "removed containers a previous worker left behind"
+                    );
+                }
+                Ok(SandboxFactory::Docker(DockerSettings {
+                    docker,
+                    image: ImageRule::parse(&self.image),
+                    run: run.to_string(),
+                    worker: worker.to_string(),
+                    memory_bytes: (self.memory_mb as i64) << 20,
+                    nano_cpus: (self.cpus * 1e9) as i64,
+                    pids_limit: self.pids_limit,
+                    network: self.network,
+                    user,
+                }))
+            }
+        }
+    }
+}
+
+impl WorkerConfig {
+    /// The teacher this configuration describes (checks the endpoint settings).
+    pub fn teacher_source(&self) -> Result<TeacherSource> {
+        Ok(match self.teacher.kind {
+            TeacherKind::Oracle => TeacherSource::Oracle,
+            TeacherKind::Endpoint => {
+                let e = ChatEndpoint::new(&self.teacher).map_err(anyhow::Error::msg)?;
+                tracing::info!(url = %self.teacher.base_url, model = %self.teacher.model, "teacher: OpenAI-compatible endpoint");
+                TeacherSource::Endpoint(Arc::new(e), tokio::runtime::Handle::current())
+            }
+        })
+    }
+}
+
+fn parse_user(s: &str) -> Result<(u32, u32)> {
+    let (u, g) = s.split_once(':').unwrap_or((s, s));
+    Ok((
+        u.trim()
+            .parse()
+            .context("expected uid:gid, e.g. 1000:1000")?,
+        g.trim()
+            .parse()
+            .context("expected uid:gid, e.g. 1000:1000")?,
+    ))
+}
+
 pub struct WorkerOptions {
     pub name: String,
+    /// The run this worker belongs to (labels its containers).
+    pub run: String,
     pub coordinator: String,
     /// config.json and tokenizer.json of the student.
     pub model_dir: PathBuf,
@@ -70,11 +199,15 @@ pub async fn run_worker(
     opts: WorkerOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    let tok_path = opts.model_dir.join("tokenizer.json");
-    let tokenizer = Arc::new(
-        ChatTokenizer::from_file(&tok_path)
-            .with_context(|| format!("loading {}", tok_path.display()))?,
-    );
+    // tokenizer.json, and the directory's chat template when it has one (else ChatML).
+    let tokenizer = ChatTokenizer::from_dir(&opts.model_dir)
+        .with_context(|| format!("loading the tokenizer of {}", opts.model_dir.display()))?;
+    // Episodes append observations after generated tokens: a template that cannot do
+    // that fails here, not in the middle of the first episode.
+    tokenizer
+        .render_observation("probe")
+        .with_context(|| format!("the chat template of {}", opts.model_dir.display()))?;
+    let tokenizer = Arc::new(tokenizer);
     let student = StudentHost::start(
         &opts.model_dir,
         &opts.cache_dir,
@@ -82,7 +215,7 @@ pub async fn run_worker(
         opts.auth.clone(),
     )?;
     let rpc_timeout = Duration::from_secs_f64(opts.config.rpc_timeout_s);
-    let channel = connect(&opts.coordinator).await?;
+    let channel = connect(&opts.auth, &opts.coordinator).await?;
     let mut client = RolloutClient::new(opts.auth.channel(channel))
         .max_decoding_message_size(tutor_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(tutor_proto::MAX_MESSAGE_BYTES);
@@ -99,6 +232,9 @@ pub async fn run_worker(
     let worker_id = reg.worker_id.clone();
     tracing::info!(worker = %worker_id, coordinator = %opts.coordinator, "registered");
 
+    let sandboxes = opts.config.sandboxes(&opts.run, &opts.name).await?;
+    let teacher = opts.config.teacher_source()?;
+    tracing::info!(sandbox = sandboxes.kind(), "sandboxes ready");
     let cancel = Arc::new(AtomicBool::new(false));
     let active: Arc<Mutex<HashSet<String>>> = Default::default();
     let sink = EventSink::spawn(client.clone());
@@ -129,7 +265,8 @@ pub async fn run_worker(
         } else {
             opts.config.system_prompt.clone()
         },
-        sandbox_root: opts.config.sandbox_root.clone(),
+        sandboxes,
+        teacher,
         grade_timeout: Duration::from_secs_f64(opts.config.grade_timeout_s),
         cancel: cancel.clone(),
     };
@@ -222,11 +359,12 @@ pub async fn run_worker(
     Ok(())
 }
 
-async fn connect(endpoint: &str) -> Result<Channel> {
+async fn connect(auth: &ClientAuth, endpoint: &str) -> Result<Channel> {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
-        let ep = tonic::transport::Endpoint::from_shared(endpoint.to_string())
-            .with_context(|| format!("bad coordinator address {endpoint:?}"))?
+        let ep = auth
+            .endpoint(endpoint)
+            .context("the --coordinator endpoint")?
             .connect_timeout(Duration::from_secs(5))
             .http2_keep_alive_interval(Duration::from_secs(20));
         match ep.connect().await {

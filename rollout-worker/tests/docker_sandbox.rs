@@ -216,3 +216,84 @@ async fn a_missing_image_is_a_clear_error() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_bomb_hits_the_pid_limit_and_the_sandbox_survives() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-forkbomb-{}", std::process::id());
+    let mut s = spec(&run, "e1");
+    s.pids_limit = 64;
+    let mut sb = DockerSandbox::create(&d, &s, &task()).await.unwrap();
+    let start = Instant::now();
+    let out = sb
+        .run("b() { b | b & }; b; sleep 30", Duration::from_secs(5))
+        .await;
+    assert!(out.timed_out, "{out:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
+    );
+    // The bomb's processes die with the command (its process group is killed); the
+    // shell answers again once they are gone.
+    let mut alive = String::new();
+    for _ in 0..20 {
+        alive = sb.run("echo alive", Duration::from_secs(10)).await.output;
+        if alive.trim() == "alive" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(alive.trim(), "alive");
+    sb.remove().await;
+    assert_eq!(containers_of(&d, &run).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_network_is_unreachable_by_default() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-net-{}", std::process::id());
+    let mut sb = sandbox(&d, &run).await;
+    let out = sb
+        .run(
+            "python3 -c \"import socket; socket.create_connection(('1.1.1.1', 80), timeout=3)\"; \
+             echo rc=$?; cat /sys/class/net/*/operstate 2>/dev/null | sort | tr '\\n' ' '; echo; ls /sys/class/net",
+            Duration::from_secs(20),
+        )
+        .await;
+    assert!(out.output.contains("rc=1"), "{}", out.output);
+    assert!(
+        out.output.contains("Network is unreachable") || out.output.contains("OSError"),
+        "{}",
+        out.output
+    );
+    // Only the loopback interface exists.
+    assert_eq!(
+        out.output.lines().last().unwrap().trim(),
+        "lo",
+        "{}",
+        out.output
+    );
+    sb.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_jobs_end_with_their_command_as_in_the_local_sandbox() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-bg-{}", std::process::id());
+    let mut sb = sandbox(&d, &run).await;
+    let t = Duration::from_secs(20);
+    let out = sb.run("sleep 1000 & echo started", t).await;
+    assert_eq!(
+        (out.output.trim(), out.exit_code),
+        ("started", 0),
+        "{out:?}"
+    );
+    let out = sb.run("pgrep -fc 'sleep 1000' || true", t).await;
+    assert_eq!(
+        out.output.trim(),
+        "0",
+        "a background job outlived its command"
+    );
+    sb.remove().await;
+}

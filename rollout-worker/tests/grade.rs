@@ -136,3 +136,22 @@ fn tasks_without_files_are_sandbox_errors() {
     assert_eq!(g.status, OutcomeStatus::SandboxError);
     assert!(g.log.contains("no repository files"), "{}", g.log);
 }
+
+#[test]
+fn the_tasks_test_command_is_the_one_run() {
+    common::init_python();
+    let mut t = task();
+    // A test command that selects no test: the gold patch no longer resolves (no test
+    // ran: TESTS_ERROR), which shows the task's command ran, with the test files appended.
+    t.test_cmd = "python -m pytest -rA -p no:cacheprovider -k no_test_has_this_name".into();
+    let g = grade(&t, &t.patch, common::GRADE_TIMEOUT);
+    assert_eq!(g.status, OutcomeStatus::TestsError, "{}", g.log);
+    assert!(
+        g.log.contains("-k no_test_has_this_name tests/"),
+        "{}",
+        g.log
+    );
+    t.test_cmd = "python -m pytest -rA -p no:cacheprovider -q".into();
+    let g = grade(&t, &t.patch, common::GRADE_TIMEOUT);
+    assert_eq!(g.status, OutcomeStatus::Resolved, "{}", g.log);
+}

@@ -63,13 +63,17 @@ fn oracle_replies_are_one_reasoning_sentence_and_one_block() {
     let task = generate(1, 9).remove(0);
     let sb = LocalSandbox::create(&task, None).unwrap();
     let mut oracle = OracleTeacher::new();
-    let reply = oracle.next_action(&TeacherState {
-        task: &task,
-        sandbox: &sb,
-        history: &[],
-        turn: 0,
-        max_turns: 30,
-    });
+    let reply = oracle
+        .next_action(&TeacherState {
+            task: &task,
+            system_prompt: "",
+            sandbox: &sb,
+            history: &[],
+            turn: 0,
+            max_turns: 30,
+        })
+        .unwrap()
+        .text;
     let (reason, block) = reply.split_once("\n\n```command\n").unwrap();
     assert!(!reason.contains('\n') && reason.ends_with('.'), "{reply}");
     assert!(block.ends_with("\n```"));
@@ -202,13 +206,17 @@ fn oracle_action(
     turn: usize,
     max_turns: usize,
 ) -> String {
-    OracleTeacher::new().next_action(&TeacherState {
-        task,
-        sandbox: sb,
-        history,
-        turn,
-        max_turns,
-    })
+    OracleTeacher::new()
+        .next_action(&TeacherState {
+            task,
+            system_prompt: "",
+            sandbox: sb,
+            history,
+            turn,
+            max_turns,
+        })
+        .unwrap()
+        .text
 }
 
 /// A hand-written task whose gold patch has two hunks in one file (one a one-line
@@ -268,6 +276,7 @@ fn multi_hunk_task() -> TaskRecord {
             file("pytest.ini", "[pytest]\npythonpath = .\n"),
         ],
         image: String::new(),
+        test_cmd: String::new(),
     }
 }
 
@@ -444,13 +453,17 @@ fn oracle_finishes_from_states_a_random_student_leaves() {
                 };
                 exec(&mut sb, &mut history, &cmd);
             } else {
-                let reply = oracle.next_action(&TeacherState {
-                    task: &task,
-                    sandbox: &sb,
-                    history: &history,
-                    turn,
-                    max_turns: 40,
-                });
+                let reply = oracle
+                    .next_action(&TeacherState {
+                        task: &task,
+                        system_prompt: "",
+                        sandbox: &sb,
+                        history: &history,
+                        turn,
+                        max_turns: 40,
+                    })
+                    .unwrap()
+                    .text;
                 match parse_action(&reply).unwrap() {
                     Action::Submit => {}
                     Action::Shell(c) => exec(&mut sb, &mut history, &c),

@@ -99,3 +99,83 @@ fn writing_into_a_missing_directory_fails_cleanly() {
     ));
     assert!(!p.exists());
 }
+
+/// Writes `rows` (a Python literal) as Parquet with pyarrow, as the Hub publishes
+/// SWE-bench, SWE-Gym and SWE-rebench.
+fn parquet(dir: &Path, name: &str, rows: &str, compression: &str) -> std::path::PathBuf {
+    let out = dir.join(name);
+    let script = format!(
+        "import pyarrow as pa, pyarrow.parquet as pq\nrows = {rows}\npq.write_table(pa.Table.from_pylist(rows), {:?}, compression={compression:?})\n",
+        out.display().to_string()
+    );
+    let o = std::process::Command::new(tutor_rollout::sandbox::python_interpreter())
+        .args(["-c", &script])
+        .output()
+        .expect("python");
+    assert!(
+        o.status.success(),
+        "pyarrow (requirements-dev.txt) wrote no Parquet: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    out
+}
+
+#[test]
+fn swe_bench_parquet_in_both_spellings_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    // SWE-bench: FAIL_TO_PASS as a JSON string, version a string, extra columns.
+    // SWE-rebench: lists, install_config with test_cmd, version a number.
+    let swe_bench = r#"[{"repo": "astropy/astropy", "instance_id": "astropy__astropy-12907",
+   "base_commit": "d16bfe05", "patch": "diff --git a/x b/x\n", "test_patch": "diff --git a/t b/t\n",
+   "problem_statement": "Bug é", "hints_text": "", "created_at": "2022-03-03", "version": "4.3",
+   "FAIL_TO_PASS": "[\"t.py::test_a\", \"t.py::test_b\"]", "PASS_TO_PASS": "[]",
+   "environment_setup_commit": "298ccb47"}]"#;
+    let swe_rebench = r#"[{"repo": "o/r", "instance_id": "o__r-1", "base_commit": "abc", "patch": "p",
+   "test_patch": "tp", "problem_statement": "s", "hints_text": None, "version": 1.5,
+   "FAIL_TO_PASS": ["a::b"], "PASS_TO_PASS": ["c::d", "e::f"],
+   "install_config": {"test_cmd": "pytest -rA -x", "python": "3.9"}}]"#;
+    // One file per spelling (a Parquet column has one type), two compressions.
+    for (i, (rows, compression)) in [(swe_bench, "snappy"), (swe_rebench, "zstd")]
+        .into_iter()
+        .enumerate()
+    {
+        let p = parquet(dir.path(), &format!("{i}.parquet"), rows, compression);
+        let tasks = load_tasks(&p).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(tasks.len(), 1);
+        let t = &tasks[0];
+        if i == 0 {
+            assert_eq!(t.instance_id, "astropy__astropy-12907");
+            assert_eq!(t.fail_to_pass, vec!["t.py::test_a", "t.py::test_b"]);
+            assert!(t.pass_to_pass.is_empty());
+            assert_eq!(t.version, "4.3");
+            assert_eq!(t.problem_statement, "Bug é");
+            assert_eq!(t.test_cmd, "");
+        } else {
+            assert_eq!(t.fail_to_pass, vec!["a::b"]);
+            assert_eq!(t.pass_to_pass, vec!["c::d", "e::f"]);
+            assert_eq!(t.version, "1.5");
+            assert_eq!(t.hints_text, "");
+            assert_eq!(t.test_cmd, "pytest -rA -x");
+        }
+    }
+}
+
+#[test]
+fn bad_parquet_rows_name_file_row_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = parquet(
+        dir.path(),
+        "bad.parquet",
+        r#"[{"instance_id": "a", "repo": "r", "problem_statement": "s", "patch": "", "test_patch": "", "FAIL_TO_PASS": "[]", "PASS_TO_PASS": "[]"},
+            {"instance_id": "b", "repo": "r", "problem_statement": "s", "patch": "", "test_patch": "", "FAIL_TO_PASS": "not json", "PASS_TO_PASS": "[]"}]"#,
+        "snappy",
+    );
+    let e = load_tasks(&p).unwrap_err().to_string();
+    assert!(
+        e.contains("bad.parquet") && e.contains("row 2") && e.contains("FAIL_TO_PASS"),
+        "{e}"
+    );
+    let junk = write(dir.path(), "junk.parquet", "not parquet at all");
+    let e = load_tasks(&junk).unwrap_err().to_string();
+    assert!(e.contains("junk.parquet") && e.contains("Parquet"), "{e}");
+}

@@ -44,6 +44,8 @@ start = 0.5
 [learner]
 learning_rate = 5e-3
 warmup_steps = 0
+# The DAgger batches train as prefix-shared tree rows across the process boundary.
+packing = "tree"
 "#;
 
 #[test]

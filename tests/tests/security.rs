@@ -286,10 +286,9 @@ async fn oversized_message_is_refused_and_the_coordinator_keeps_serving() {
         .expect("a new connection is served too");
 }
 
-#[tokio::test]
-async fn learner_requires_the_token_on_learner_and_weights_and_probes_need_none() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
+/// A tiny learner process on `dir` (model, out dir, token) with a fresh port.
+fn start_learner(dir: &Path) -> Server {
+    let model = dir.join("model");
     std::fs::create_dir_all(&model).unwrap();
     std::fs::write(
         model.join("config.json"),
@@ -299,22 +298,28 @@ async fn learner_requires_the_token_on_learner_and_weights_and_probes_need_none(
             "max_position_embeddings": 256}"#,
     )
     .unwrap();
-    std::fs::write(dir.path().join("run.toml"), "").unwrap();
+    std::fs::write(dir.join("run.toml"), "").unwrap();
     let p = |n: &Path| n.display().to_string();
     let args: Vec<String> = vec![
         "learner".into(),
         "--config".into(),
-        p(&dir.path().join("run.toml")),
+        p(&dir.join("run.toml")),
         "--model-dir".into(),
         p(&model),
         "--out-dir".into(),
-        p(&dir.path().join("learner")),
+        p(&dir.join("learner")),
         "--listen".into(),
         "127.0.0.1:0".into(),
         "--auth-token-file".into(),
-        p(&token_file(dir.path())),
+        p(&token_file(dir)),
     ];
-    let learner = Server::start(dir.path(), "learner", &args);
+    Server::start(dir, "learner", &args)
+}
+
+#[tokio::test]
+async fn learner_requires_the_token_on_learner_and_weights_and_probes_need_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let learner = start_learner(dir.path());
 
     let mut client = LearnerClient::new(learner.channel().await);
     for token in [None, Some("not-the-token")] {
@@ -420,4 +425,69 @@ fn a_server_without_a_token_warns_in_json_logs_and_a_bad_token_file_is_named() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("no-such-token-file"), "{err}");
+}
+
+/// One Train stream with one empty batch of `run_id`: the learner's reply.
+async fn train_one(
+    learner: &Server,
+    run_id: &str,
+    step: u32,
+) -> Result<tutor_proto::TrainProgress, tonic::Status> {
+    let batch = tutor_proto::TrainBatch {
+        iteration: 0,
+        step,
+        examples: Vec::new(),
+        publish: false,
+        run_id: run_id.into(),
+    };
+    let mut client = LearnerClient::new(learner.channel().await);
+    let mut replies = client
+        .train(with_token(tokio_stream::iter(vec![batch]), Some(TOKEN)))
+        .await?
+        .into_inner();
+    replies
+        .message()
+        .await?
+        .ok_or_else(|| tonic::Status::unknown("the train stream ended without a reply"))
+}
+
+#[tokio::test]
+async fn learner_refuses_batches_of_another_run_even_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let learner = start_learner(dir.path());
+    let first = train_one(&learner, "run-a-0123", 0).await.unwrap();
+    assert!(!first.already_applied);
+
+    let refused = |s: tonic::Status| {
+        assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
+        assert!(
+            s.message().contains("run-a-0123") && s.message().contains("run-b-4567"),
+            "the message names both runs: {}",
+            s.message()
+        );
+    };
+    refused(train_one(&learner, "run-b-4567", 1).await.unwrap_err());
+    let s = train_one(&learner, "", 1).await.unwrap_err();
+    assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
+
+    // Killed and started again on its out dir: still run-a's learner.
+    drop(learner);
+    std::fs::remove_file(dir.path().join("learner.addr")).unwrap();
+    let learner = start_learner(dir.path());
+    assert!(learner.log().contains("resumed"), "{}", learner.log());
+    refused(train_one(&learner, "run-b-4567", 1).await.unwrap_err());
+    // The stranger's batch 0 is not "already applied" for it; run-a's is.
+    refused(train_one(&learner, "run-b-4567", 0).await.unwrap_err());
+    assert!(
+        train_one(&learner, "run-a-0123", 0)
+            .await
+            .unwrap()
+            .already_applied
+    );
+    assert!(
+        !train_one(&learner, "run-a-0123", 1)
+            .await
+            .unwrap()
+            .already_applied
+    );
 }

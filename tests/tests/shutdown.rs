@@ -5,27 +5,6 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-/// Processes whose command line mentions `needle` (the run's unique temp directory).
-fn processes_mentioning(needle: &str) -> Vec<(u32, String)> {
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        if pid == std::process::id() {
-            continue;
-        }
-        let Ok(cmd) = std::fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-        if cmd.contains(needle) {
-            found.push((pid, cmd));
-        }
-    }
-    found
-}
-
 fn wait_for(path: &Path, timeout: Duration) -> bool {
     let end = Instant::now() + timeout;
     while Instant::now() < end {
@@ -88,7 +67,7 @@ fn ctrl_c_stops_every_process_and_cleans_sandboxes() {
         "no episode started within 60 s"
     );
     let needle = dir.path().display().to_string();
-    let before = processes_mentioning(&needle);
+    let before = common::processes_mentioning(&needle);
     assert!(
         before.len() >= 4,
         "learner, coordinator and two workers should be running: {before:?}"
@@ -115,10 +94,10 @@ fn ctrl_c_stops_every_process_and_cleans_sandboxes() {
     assert!(stderr.contains("interrupted"), "{stderr}");
     // Children are gone (allow a moment for the kernel to reap them).
     let end = Instant::now() + Duration::from_secs(10);
-    let mut left = processes_mentioning(&needle);
+    let mut left = common::processes_mentioning(&needle);
     while !left.is_empty() && Instant::now() < end {
         std::thread::sleep(Duration::from_millis(200));
-        left = processes_mentioning(&needle);
+        left = common::processes_mentioning(&needle);
     }
     assert!(left.is_empty(), "orphans after Ctrl-C: {left:?}");
     let leftover: Vec<_> = std::fs::read_dir(&sandboxes)
@@ -127,4 +106,88 @@ fn ctrl_c_stops_every_process_and_cleans_sandboxes() {
         .map(|e| e.path())
         .collect();
     assert!(leftover.is_empty(), "sandboxes left behind: {leftover:?}");
+}
+
+/// Waits for a child to exit; None if it is still running after `timeout`.
+fn wait_exit(
+    child: &mut std::process::Child,
+    timeout: Duration,
+) -> Option<std::process::ExitStatus> {
+    let end = Instant::now() + timeout;
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        if Instant::now() >= end {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `tutor coordinator` stops on SIGTERM with exit status 0, and a second one started on
+/// the same run directory resumes it (its state file says it is the second start).
+#[test]
+fn sigterm_stops_the_coordinator_with_exit_0_and_a_restart_resumes_the_run_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).display().to_string();
+    let out = common::tutor(&["tasks", "toy", "--n", "4", "--out", &p("train.jsonl")]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::write(
+        p("c.toml"),
+        "[coordinator]\niterations = 1\nshutdown_grace_s = 5.0\n",
+    )
+    .unwrap();
+    for generation in 0..2u64 {
+        let addr_file = dir.path().join(format!("addr{generation}"));
+        let mut child = std::process::Command::new(common::tutor_bin())
+            .args([
+                "coordinator",
+                "--config",
+                &p("c.toml"),
+                "--run-dir",
+                &p("run"),
+                // Nothing listens there: the coordinator waits for its learner.
+                "--learner",
+                "http://127.0.0.1:9",
+                "--train-tasks",
+                &p("train.jsonl"),
+                "--listen",
+                "127.0.0.1:0",
+                "--addr-file",
+                addr_file.to_str().unwrap(),
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        assert!(
+            wait_for(&addr_file, Duration::from_secs(30)),
+            "the coordinator never listened"
+        );
+        // SAFETY: signalling our own child.
+        unsafe {
+            libc::kill(child.id() as i32, libc::SIGTERM);
+        }
+        let status = match wait_exit(&mut child, Duration::from_secs(20)) {
+            Some(s) => s,
+            None => {
+                let _ = child.kill();
+                panic!("the coordinator did not stop within 20 s of SIGTERM");
+            }
+        };
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+        assert_eq!(status.code(), Some(0), "{stderr}");
+        let state: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.path().join("run/coordinator-state.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(state["generation"].as_u64(), Some(generation), "{state}");
+        assert!(dir.path().join("run/trajectories/events.log").exists());
+    }
 }

@@ -20,6 +20,37 @@ pub struct RunConfig {
     pub coordinator: CoordinatorConfig,
     pub learner: LearnerConfig,
     pub worker: WorkerConfig,
+    pub tls: TlsSection,
+}
+
+/// `tutor run` with TLS: every process it starts gets these files as --tls-cert,
+/// --tls-key and --tls-ca, so every gRPC call is mutual TLS on 127.0.0.1 (the
+/// certificate must name IP 127.0.0.1 and allow both server and client use). Relative
+/// paths are taken from the working directory. Empty: plaintext.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsSection {
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    pub ca: Option<PathBuf>,
+}
+
+impl TlsSection {
+    /// The files with relative paths made absolute (the children run elsewhere).
+    pub fn files(&self) -> Result<tutor_proto::tls::TlsFiles> {
+        let abs = |p: &Option<PathBuf>| -> Result<Option<PathBuf>> {
+            p.as_ref()
+                .map(|p| {
+                    std::path::absolute(p).with_context(|| format!("resolving {}", p.display()))
+                })
+                .transpose()
+        };
+        Ok(tutor_proto::tls::TlsFiles {
+            cert: abs(&self.cert)?,
+            key: abs(&self.key)?,
+            ca: abs(&self.ca)?,
+        })
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -89,6 +120,11 @@ pub struct ModelSection {
     pub num_key_value_heads: usize,
     pub head_dim: usize,
     pub max_position_embeddings: usize,
+    /// Start from trained weights instead of a random student with a tokenizer trained on
+    /// the tasks: a run directory (its latest version; BC → RFT → DAPO chains this way)
+    /// or a Hugging Face model directory (config.json, tokenizer.json with the ChatML
+    /// tokens, safetensors). The size fields above are then unused.
+    pub init_from: Option<PathBuf>,
 }
 
 impl Default for ModelSection {
@@ -102,6 +138,7 @@ impl Default for ModelSection {
             num_key_value_heads: 2,
             head_dim: 32,
             max_position_embeddings: 4096,
+            init_from: None,
         }
     }
 }
@@ -170,6 +207,16 @@ impl RunConfig {
         if !(0.0..=1.0).contains(&c.beta.start) || !(0.0..=1.0).contains(&c.beta.end) {
             bail!("coordinator.beta.start and coordinator.beta.end must lie in [0, 1]");
         }
+        c.validate_algorithm().map_err(|e| anyhow!(e))?;
+        if c.algorithm == tutor_coordinator::config::Algorithm::Distill
+            && self.worker.teacher.kind != tutor_rollout::endpoint::TeacherKind::Endpoint
+        {
+            bail!(
+                "coordinator.algorithm = \"distill\" needs a teacher that scores the student's \
+                 tokens: [worker.teacher] kind = \"endpoint\" (a vLLM or `tutor serve` model \
+                 sharing the student's tokenizer)"
+            );
+        }
         self.learner.validate().map_err(|e| anyhow!(e))?;
         if self.run.workers == 0 {
             bail!("run.workers must be at least 1");
@@ -181,8 +228,18 @@ impl RunConfig {
         {
             bail!("model.num_attention_heads must be a positive multiple of model.num_key_value_heads");
         }
-        if m.vocab_size < 300 {
+        if m.init_from.is_none() && m.vocab_size < 300 {
             bail!("model.vocab_size must be at least 300 (256 bytes + special tokens + merges)");
+        }
+        let t = &self.tls;
+        if t.cert.is_some() != t.key.is_some() {
+            bail!("tls.cert and tls.key go together: give both or neither");
+        }
+        if t.cert.is_some() && t.ca.is_none() {
+            bail!("tls.ca is required with tls.cert: every process verifies its peers with it");
+        }
+        if t.ca.is_some() && t.cert.is_none() {
+            bail!("tls.ca needs tls.cert and tls.key: the learner and the coordinator serve with them");
         }
         if self.tasks.source == TaskSource::File && self.tasks.train_path.is_none() {
             bail!("tasks.train_path is required when tasks.source = \"file\"");
@@ -217,6 +274,91 @@ mod tests {
         let (_d, p) = write("[coordinator.beta]\nkind = \"cosine\"\n");
         let e = format!("{:#}", RunConfig::load(&p).unwrap_err());
         assert!(e.contains("cosine") && e.contains("line 2"), "{e}");
+    }
+
+    #[test]
+    fn presets_load_with_their_algorithm_and_the_paper_settings() {
+        use tutor_coordinator::Algorithm;
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+        let load = |name: &str| RunConfig::load(&dir.join(name)).unwrap().0;
+        assert_eq!(
+            load("quickstart.toml").coordinator.algorithm,
+            Algorithm::Dagger
+        );
+        let bc = load("bc.toml").coordinator;
+        assert_eq!(bc.algorithm, Algorithm::Bc);
+        assert!(bc.bc_resolved_only);
+        assert_eq!(bc.beta_at(3, 4), 1.0);
+        let rft = load("rft.toml").coordinator;
+        assert_eq!((rft.algorithm, rft.beta_at(0, 3)), (Algorithm::Rft, 0.0));
+        let dapo = load("dapo.toml");
+        assert_eq!(dapo.coordinator.algorithm, Algorithm::Dapo);
+        assert!(dapo.coordinator.samples_unbiased());
+        assert_eq!(
+            (dapo.learner.clip_eps_low, dapo.learner.clip_eps_high),
+            (0.2, 0.28)
+        );
+        let distill = load("distill.toml");
+        assert_eq!(distill.coordinator.algorithm, Algorithm::Distill);
+        assert!(distill.coordinator.samples_unbiased());
+        assert!(!distill.coordinator.aggregates(), "on-policy");
+        // Distillation without a teacher that can score tokens is refused up front.
+        let text = std::fs::read_to_string(dir.join("distill.toml"))
+            .unwrap()
+            .replace("kind = \"endpoint\"", "kind = \"oracle\"");
+        let (_d, oracle) = write(&text);
+        let e = RunConfig::load(&oracle).unwrap_err().to_string();
+        assert!(e.contains("distill") && e.contains("endpoint"), "{e}");
+        // The paper-scale record parses and says what PAPERS.md says (DAPO stage 1).
+        let paper = load("paper-scale.toml");
+        let c = &paper.coordinator;
+        assert_eq!(c.algorithm, Algorithm::Dapo);
+        assert_eq!(
+            (
+                c.group_size,
+                c.tasks_per_iteration,
+                c.max_turns,
+                c.max_seq_len
+            ),
+            (10, 300, 40, 65536)
+        );
+        let l = &paper.learner;
+        assert_eq!(
+            (
+                l.learning_rate,
+                l.grad_clip,
+                l.clip_eps_low,
+                l.clip_eps_high
+            ),
+            (1e-6, 1.0, 0.2, 0.3)
+        );
+    }
+
+    #[test]
+    fn algorithm_settings_are_validated() {
+        let (_d, p) = write("[coordinator]\nalgorithm = \"dapo\"\ngroup_size = 1\n");
+        let e = format!("{:#}", RunConfig::load(&p).unwrap_err());
+        assert!(e.contains("group_size"), "{e}");
+        let (_d, p) = write("[coordinator]\nalgorithm = \"ppo\"\n");
+        let e = format!("{:#}", RunConfig::load(&p).unwrap_err());
+        assert!(e.contains("ppo") && e.contains("line 2"), "{e}");
+    }
+
+    #[test]
+    fn tls_section_needs_all_three_files() {
+        let (_d, p) = write("[tls]\ncert = \"a.crt\"\nkey = \"a.key\"\n");
+        let e = format!("{:#}", RunConfig::load(&p).unwrap_err());
+        assert!(e.contains("run.toml") && e.contains("tls.ca"), "{e}");
+        let (_d, p) = write("[tls]\ncert = \"a.crt\"\nca = \"ca.crt\"\n");
+        let e = format!("{:#}", RunConfig::load(&p).unwrap_err());
+        assert!(e.contains("tls.key"), "{e}");
+        let (_d, p) = write("[tls]\ncert = \"a.crt\"\nkey = \"a.key\"\nca = \"ca.crt\"\n");
+        let (c, _) = RunConfig::load(&p).unwrap();
+        let files = c.tls.files().unwrap();
+        assert!(files.cert.unwrap().is_absolute() && files.ca.unwrap().ends_with("ca.crt"));
+        let (_d, p) = write("[tls]\ncertificate = \"a.crt\"\n");
+        let e = format!("{:#}", RunConfig::load(&p).unwrap_err());
+        assert!(e.contains("certificate") && e.contains("line 2"), "{e}");
     }
 
     #[test]

@@ -1,9 +1,12 @@
 //! `tutor`: one binary for every role, so one image serves the whole system.
 
 mod config;
+mod eval;
+mod export;
 mod prepare;
 mod report;
 mod run;
+mod serve;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -50,10 +53,54 @@ impl LogFormat {
     }
 }
 
+/// TLS files of one role (see `tutor_proto::tls`): PEM, one set per process.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct TlsArgs {
+    /// This process's certificate (PEM chain, leaf first). With --tls-key, servers
+    /// serve TLS and clients present it (mutual TLS).
+    #[arg(
+        long,
+        env = "TUTOR_TLS_CERT",
+        value_name = "PATH",
+        requires = "tls_key"
+    )]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(
+        long,
+        env = "TUTOR_TLS_KEY",
+        value_name = "PATH",
+        requires = "tls_cert"
+    )]
+    tls_key: Option<PathBuf>,
+    /// The CA (PEM) that signed the peers' certificates: clients verify servers with
+    /// it, servers require client certificates signed by it. Endpoints then use https://.
+    #[arg(long, env = "TUTOR_TLS_CA", value_name = "PATH")]
+    tls_ca: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    fn files(self) -> tutor_proto::tls::TlsFiles {
+        tutor_proto::tls::TlsFiles {
+            cert: self.tls_cert,
+            key: self.tls_key,
+            ca: self.tls_ca,
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Run a whole training run on this machine (learner + coordinator + workers).
     Run {
+        /// Run config (TOML); see configs/quickstart.toml.
+        #[arg(long, env = "TUTOR_CONFIG")]
+        config: PathBuf,
+    },
+    /// Prepare a run directory (config copy, tasks, tokenizer, student config.json) and
+    /// start nothing: for starting the roles one by one with `tutor learner`, `tutor
+    /// coordinator` and `tutor worker`. Prints the paths they take as one JSON object.
+    Prepare {
         /// Run config (TOML); see configs/quickstart.toml.
         #[arg(long, env = "TUTOR_CONFIG")]
         config: PathBuf,
@@ -89,6 +136,9 @@ enum Cmd {
         /// Write the metrics endpoint's bound address here (use with port 0).
         #[arg(long, value_name = "PATH", requires = "metrics_listen")]
         metrics_addr_file: Option<PathBuf>,
+        /// TLS towards the workers, and with --tls-ca towards an https:// learner.
+        #[command(flatten)]
+        tls: TlsArgs,
     },
     /// Start the learner: trains on batches from the coordinator, serves the weights.
     Learner {
@@ -108,6 +158,8 @@ enum Cmd {
         /// neither: no authentication).
         #[arg(long, value_name = "PATH")]
         auth_token_file: Option<PathBuf>,
+        #[command(flatten)]
+        tls: TlsArgs,
     },
     /// Start a rollout worker: runs leased episodes in sandboxes with student and teacher.
     Worker {
@@ -119,8 +171,13 @@ enum Cmd {
         /// Student model directory (config.json, tokenizer.json).
         #[arg(long)]
         model_dir: PathBuf,
+        /// The worker's name; stable across restarts (containers are labelled with it, and
+        /// a restarted worker removes what its predecessor left).
         #[arg(long, default_value = "worker")]
         name: String,
+        /// The run this worker belongs to (a container label).
+        #[arg(long, env = "TUTOR_RUN", default_value = "tutor")]
+        run: String,
         /// Where downloaded weights are staged.
         #[arg(long)]
         cache_dir: Option<PathBuf>,
@@ -128,7 +185,20 @@ enum Cmd {
         /// TUTOR_AUTH_TOKEN).
         #[arg(long, value_name = "PATH")]
         auth_token_file: Option<PathBuf>,
+        /// TLS towards the coordinator and the learner (--tls-ca required; --tls-cert
+        /// and --tls-key when the servers require client certificates).
+        #[command(flatten)]
+        tls: TlsArgs,
     },
+    /// Evaluate one agent on a task file: every task in its own sandbox (local or
+    /// Docker), every submission graded in a fresh one. `--agent oracle` (the gold patch)
+    /// must resolve every valid task and `--agent noop` none: a check of tasks and
+    /// sandboxes end to end.
+    Eval(eval::EvalArgs),
+    /// Serve a checkpoint over an OpenAI-compatible HTTP API (GET /v1/models, POST
+    /// /v1/chat/completions with streaming, logprobs, stop strings, seeds), batching
+    /// concurrent requests in one engine.
+    Serve(serve::ServeArgs),
     /// Summarise a run directory: the iteration table, and per-episode outcomes.
     Report {
         /// A run directory written by `tutor run` (or a coordinator's --run-dir).
@@ -136,6 +206,20 @@ enum Cmd {
         /// Also list every stored episode.
         #[arg(long)]
         episodes: bool,
+    },
+    /// Write a policy version of a run as a Hugging Face model directory (config.json,
+    /// model.safetensors, tokenizer.json, tokenizer_config.json with the chat template):
+    /// transformers' `from_pretrained`, vLLM and `tutor serve --model` load it, and a new
+    /// run starts from it (or from the run directory itself) with `[model] init_from`.
+    Export {
+        /// A run directory written by `tutor run`.
+        run_dir: PathBuf,
+        /// The version to export (default: the latest published).
+        #[arg(long)]
+        version: Option<u64>,
+        /// Output directory; must not exist or be empty.
+        #[arg(long)]
+        out: PathBuf,
     },
     /// Task files.
     Tasks {
@@ -205,6 +289,24 @@ async fn main() {
 async fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
         Cmd::Run { config } => run::run(&config, cli.log_format).await,
+        Cmd::Prepare { config } => {
+            let (cfg, text) = RunConfig::load(&config)?;
+            let p = prepare::prepare(&cfg, &text)?;
+            let s = |p: &std::path::Path| p.display().to_string();
+            let out = serde_json::json!({
+                "run_dir": s(&p.dir),
+                "config": s(&p.config_path),
+                "model_dir": s(&p.model_dir),
+                "train_tasks": s(&p.train_tasks),
+                "heldout_tasks": s(&p.heldout_tasks),
+                "learner_out_dir": s(&p.dir.join("learner")),
+                "n_train": p.n_train,
+                "n_heldout": p.n_heldout,
+                "parameters": p.parameters,
+            });
+            println!("{out}");
+            Ok(())
+        }
         Cmd::Report { run_dir, episodes } => {
             // A report piped into `head` should end quietly, as other Unix tools do.
             // SAFETY: restoring the default disposition of SIGPIPE before any output.
@@ -212,6 +314,21 @@ async fn dispatch(cli: Cli) -> Result<()> {
                 libc::signal(libc::SIGPIPE, libc::SIG_DFL);
             }
             report::report(&run_dir, episodes)
+        }
+        Cmd::Export {
+            run_dir,
+            version,
+            out,
+        } => {
+            let e = export::export_version(&run_dir, version, &out)?;
+            println!(
+                "exported version {} of {} ({} parameters) to {}",
+                e.version,
+                run_dir.display(),
+                e.parameters,
+                e.out.display()
+            );
+            Ok(())
         }
         Cmd::Coordinator {
             config,
@@ -224,6 +341,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
             auth_token_file,
             metrics_listen,
             metrics_addr_file,
+            tls,
         } => {
             let (cfg, _) = RunConfig::load(&config)?;
             let auth_token = load_token(auth_token_file.as_deref())?;
@@ -245,6 +363,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
                     metrics_listen,
                     metrics_addr_file,
                     store: Default::default(),
+                    tls: tls.files(),
                 },
                 shutdown_signal(),
             )
@@ -257,6 +376,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
             listen,
             addr_file,
             auth_token_file,
+            tls,
         } => {
             let (cfg, _) = RunConfig::load(&config)?;
             let auth_token = load_token(auth_token_file.as_deref())?;
@@ -268,6 +388,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
                     config: cfg.learner,
                     addr_file,
                     auth_token,
+                    tls: tls.files(),
                 },
                 shutdown_signal(),
             )
@@ -278,11 +399,14 @@ async fn dispatch(cli: Cli) -> Result<()> {
             coordinator,
             model_dir,
             name,
+            run,
             cache_dir,
             auth_token_file,
+            tls,
         } => {
             let (cfg, _) = RunConfig::load(&config)?;
-            let auth = ClientAuth::new(load_token(auth_token_file.as_deref())?.as_ref());
+            let auth = ClientAuth::new(load_token(auth_token_file.as_deref())?.as_ref())
+                .with_tls(tls.files().client()?);
             let cache_dir = match cache_dir {
                 Some(d) => d,
                 None => std::env::temp_dir().join(format!("tutor-weights-{}", std::process::id())),
@@ -290,6 +414,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
             tutor_rollout::worker::run_worker(
                 tutor_rollout::worker::WorkerOptions {
                     name,
+                    run,
                     coordinator,
                     model_dir,
                     cache_dir,
@@ -300,6 +425,8 @@ async fn dispatch(cli: Cli) -> Result<()> {
             )
             .await
         }
+        Cmd::Eval(args) => eval::eval(args).await,
+        Cmd::Serve(args) => serve::serve(args, shutdown_signal()).await,
         Cmd::Tasks {
             command:
                 TasksCmd::Toy {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
-use tutor_policy::ChatTokenizer;
+use tutor_policy::{ChatTokenizer, ModelConfig};
 use tutor_rollout::episode::DEFAULT_SYSTEM_PROMPT;
 use tutor_rollout::tasks::{load_tasks, write_tasks, TaskRecord};
 
@@ -124,16 +124,26 @@ fn fill(
 
     let model_dir = dir.join("model");
     std::fs::create_dir_all(&model_dir)?;
-    let all: Vec<TaskRecord> = train.iter().chain(heldout.iter()).cloned().collect();
-    let tokenizer = ChatTokenizer::train(&corpus(&all), config.model.vocab_size)
-        .context("training the tokenizer")?;
-    tokenizer.save(&model_dir.join("tokenizer.json"))?;
-    let mut mc = config.model.model_config(tokenizer.vocab_size());
-    mc.eos_token_id = Some(tokenizer.im_end_id());
-    mc.save(&model_dir.join("config.json"))?;
+    let parameters = match &config.model.init_from {
+        Some(source) => {
+            let said = crate::export::install_initial_model(source, &model_dir)?;
+            tracing::info!(from = %said, "the student starts from trained weights");
+            ModelConfig::load(&model_dir.join("config.json"))?.num_parameters()
+        }
+        None => {
+            let all: Vec<TaskRecord> = train.iter().chain(heldout.iter()).cloned().collect();
+            let tokenizer = ChatTokenizer::train(&corpus(&all), config.model.vocab_size)
+                .context("training the tokenizer")?;
+            tokenizer.save(&model_dir.join("tokenizer.json"))?;
+            let mut mc = config.model.model_config(tokenizer.vocab_size());
+            mc.eos_token_id = Some(tokenizer.im_end_id());
+            mc.save(&model_dir.join("config.json"))?;
+            mc.num_parameters()
+        }
+    };
     std::fs::create_dir_all(dir.join("logs"))?;
     Ok(PreparedRun {
-        parameters: mc.num_parameters(),
+        parameters,
         dir,
         model_dir,
         train_tasks,

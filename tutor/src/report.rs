@@ -6,7 +6,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use tutor_proto::episode_event::Event;
-use tutor_proto::{Actor, IterationSummary, OutcomeStatus};
+use tutor_proto::{Actor, OutcomeStatus};
 
 use crate::run::{header, row};
 
@@ -18,21 +18,7 @@ pub fn report(run_dir: &Path, episodes: bool) -> Result<()> {
     for (i, line) in text.lines().enumerate() {
         let v: serde_json::Value = serde_json::from_str(line)
             .with_context(|| format!("{}:{}: not JSON", metrics.display(), i + 1))?;
-        let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
-        let s = IterationSummary {
-            iteration: f("iteration") as u32,
-            beta: f("beta"),
-            episodes: f("episodes") as u32,
-            teacher_labels_total: f("teacher_labels_total") as u64,
-            train_loss: f("train_loss"),
-            heldout_solve_rate: f("heldout_solve_rate"),
-            heldout_episodes: f("heldout_episodes") as u32,
-            rollout_seconds: f("rollout_seconds"),
-            train_seconds: f("train_seconds"),
-            sync_seconds: f("sync_seconds"),
-            student_format_error_rate: f("student_format_error_rate"),
-            ..Default::default()
-        };
+        let s = tutor_coordinator::driver::summary_from_row(&v);
         println!("{}", row(&s));
     }
     if !episodes {

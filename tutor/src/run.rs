@@ -81,11 +81,12 @@ fn spawn(role: &str, args: &[String], flags: &ChildFlags, run: &PreparedRun) -> 
     })
 }
 
-async fn wait_addr(file: &Path, proc_: &mut Proc) -> Result<String> {
+/// The endpoint of a role once its address file appears: `scheme://ADDR`.
+async fn wait_addr(file: &Path, scheme: &str, proc_: &mut Proc) -> Result<String> {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         if let Ok(s) = std::fs::read_to_string(file) {
-            return Ok(format!("http://{}", s.trim()));
+            return Ok(format!("{scheme}://{}", s.trim()));
         }
         if let Some(status) = proc_.child.try_wait()? {
             bail!(
@@ -171,6 +172,14 @@ pub fn row(s: &IterationSummary) -> String {
 
 pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
     let (config, text) = RunConfig::load(config_path)?;
+    // [tls]: checked here (files named on error) before the run directory is made.
+    let tls_files = config.tls.files()?;
+    let client_tls = tls_files
+        .client()
+        .with_context(|| format!("the [tls] section of {}", config_path.display()))?;
+    tls_files
+        .server()
+        .with_context(|| format!("the [tls] section of {}", config_path.display()))?;
     let prepared = prepare(&config, &text)?;
     println!(
         "run directory {}\n{} training tasks, {} held-out, student with {} parameters, {} workers",
@@ -182,14 +191,26 @@ pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
     );
     let token_file = prepared.dir.join("auth-token");
     let token = write_run_token(&token_file)?;
-    let flags = ChildFlags(vec![
+    let mut flags = vec![
         "--log-format".into(),
         log_format.as_arg().into(),
         "--auth-token-file".into(),
         token_file.display().to_string(),
-    ]);
+    ];
+    for (flag, path) in [
+        ("--tls-cert", &tls_files.cert),
+        ("--tls-key", &tls_files.key),
+        ("--tls-ca", &tls_files.ca),
+    ] {
+        if let Some(p) = path {
+            flags.push(flag.into());
+            flags.push(p.display().to_string());
+        }
+    }
+    let flags = ChildFlags(flags);
+    let client = ClientAuth::new(Some(&token)).with_tls(client_tls);
     let mut procs: Vec<Proc> = Vec::new();
-    let result = orchestrate(&config, &prepared, &flags, &token, &mut procs).await;
+    let result = orchestrate(&config, &prepared, &flags, &client, &mut procs).await;
     stop_all(&mut procs, Duration::from_secs(20)).await;
     match &result {
         Ok(fin) => {
@@ -211,10 +232,15 @@ async fn orchestrate(
     config: &RunConfig,
     run: &PreparedRun,
     flags: &ChildFlags,
-    token: &AuthToken,
+    client: &ClientAuth,
     procs: &mut Vec<Proc>,
 ) -> Result<RunFinished> {
     let addr_dir = run.dir.join("addr");
+    let scheme = if client.tls().is_some() {
+        "https"
+    } else {
+        "http"
+    };
     let s = |p: &Path| p.display().to_string();
     let cfg = s(&run.config_path);
 
@@ -237,7 +263,7 @@ async fn orchestrate(
         flags,
         run,
     )?);
-    let learner = wait_addr(&learner_addr_file, procs.last_mut().unwrap()).await?;
+    let learner = wait_addr(&learner_addr_file, scheme, procs.last_mut().unwrap()).await?;
 
     let coord_addr_file = addr_dir.join("coordinator");
     procs.push(spawn(
@@ -266,7 +292,7 @@ async fn orchestrate(
         flags,
         run,
     )?);
-    let coordinator = wait_addr(&coord_addr_file, procs.last_mut().unwrap()).await?;
+    let coordinator = wait_addr(&coord_addr_file, scheme, procs.last_mut().unwrap()).await?;
     // The coordinator writes its metrics address before its own.
     if let Ok(m) = std::fs::read_to_string(addr_dir.join("metrics")) {
         println!("metrics at http://{}/metrics", m.trim());
@@ -285,6 +311,11 @@ async fn orchestrate(
                 s(&run.model_dir),
                 "--name".into(),
                 format!("worker-{i}"),
+                "--run".into(),
+                run.dir
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_else(|| "tutor".into()),
                 "--cache-dir".into(),
                 s(&run.dir.join("cache").join(format!("worker-{i}"))),
             ],
@@ -293,7 +324,7 @@ async fn orchestrate(
         )?);
     }
 
-    let watch = watch(&coordinator, config, token);
+    let watch = watch(&coordinator, config, client);
     tokio::pin!(watch);
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut check = tokio::time::interval(Duration::from_millis(500));
@@ -348,13 +379,13 @@ async fn orchestrate(
 }
 
 /// Follows the coordinator's run events: progress bars on stderr, the table on stdout.
-async fn watch(coordinator: &str, config: &RunConfig, token: &AuthToken) -> Result<RunFinished> {
-    let channel = tonic::transport::Endpoint::from_shared(coordinator.to_string())
-        .with_context(|| format!("bad coordinator address {coordinator:?}"))?
+async fn watch(coordinator: &str, config: &RunConfig, auth: &ClientAuth) -> Result<RunFinished> {
+    let channel = auth
+        .endpoint(coordinator)?
         .connect()
         .await
         .with_context(|| format!("connecting to the coordinator at {coordinator}"))?;
-    let mut client = ControlClient::new(ClientAuth::new(Some(token)).channel(channel));
+    let mut client = ControlClient::new(auth.channel(channel));
     let mut events = client
         .watch_run(Request::new(WatchRunRequest {}))
         .await?

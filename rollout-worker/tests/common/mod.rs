@@ -31,6 +31,7 @@ pub fn exec(sb: &mut LocalSandbox, history: &mut Vec<ExecutedStep>, command: &st
         command: Some(command.to_string()),
         output: out.output,
         exit_code: out.exit_code,
+        ..Default::default()
     });
 }
 
@@ -46,12 +47,16 @@ pub fn drive(
         let reply = {
             let state = TeacherState {
                 task,
+                system_prompt: "",
                 sandbox: sb,
                 history,
                 turn,
                 max_turns,
             };
-            teacher.next_action(&state)
+            teacher
+                .next_action(&state)
+                .expect("the teacher answers")
+                .text
         };
         match parse_action(&reply) {
             Ok(Action::Submit) => return (true, turn + 1),
@@ -61,6 +66,7 @@ pub fn drive(
                     command: Some(cmd),
                     output: out.output,
                     exit_code: out.exit_code,
+                    ..Default::default()
                 });
             }
             Err(e) => panic!("teacher reply does not parse ({e}):\n{reply}"),

@@ -2,8 +2,9 @@
 // Each test binary uses a subset of these.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 /// The `tutor` binary: $TUTOR_BIN, else target/debug/tutor of this workspace (built by
 /// `make test` before the suite runs).
@@ -42,4 +43,216 @@ pub fn tutor(args: &[&str]) -> Output {
         .env("TUTOR_PYTHON", python())
         .output()
         .expect("running tutor")
+}
+
+/// Processes whose command line mentions `needle` (the run's unique temp directory).
+pub fn processes_mentioning(needle: &str) -> Vec<(u32, String)> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if pid == std::process::id() {
+            continue;
+        }
+        let Ok(cmd) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        if cmd.contains(needle) {
+            found.push((pid, cmd));
+        }
+    }
+    found
+}
+
+/// One role's process, started again with the same arguments after a kill.
+pub struct Role {
+    pub name: String,
+    args: Vec<String>,
+    log: PathBuf,
+    child: Option<Child>,
+    starts: u32,
+}
+
+impl Role {
+    pub fn new(name: &str, args: Vec<String>, logs: &Path) -> Self {
+        Self {
+            name: name.into(),
+            args,
+            log: logs.join(format!("{name}.log")),
+            child: None,
+            starts: 0,
+        }
+    }
+
+    pub fn start(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let mut cmd = Command::new(tutor_bin());
+        cmd.args(&self.args)
+            .env("TUTOR_PYTHON", python())
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
+        // Children die with the test even if it panics half-way.
+        // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        self.child = Some(cmd.spawn().unwrap());
+        self.starts += 1;
+    }
+
+    pub fn kill9(&mut self) {
+        let mut c = self.child.take().expect("running");
+        c.kill().unwrap(); // SIGKILL
+        c.wait().unwrap();
+    }
+
+    pub fn signal_term(&self) {
+        if let Some(c) = &self.child {
+            // SAFETY: signalling our own child.
+            unsafe {
+                libc::kill(c.id() as i32, libc::SIGTERM);
+            }
+        }
+    }
+
+    pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.as_mut().and_then(|c| c.try_wait().unwrap())
+    }
+
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let end = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.try_wait() {
+                self.child = None;
+                return Some(s);
+            }
+            if Instant::now() >= end {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        format!(
+            "== {} ({} starts)\n{}",
+            self.name,
+            self.starts,
+            lines[lines.len().saturating_sub(25)..].join("\n")
+        )
+    }
+}
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+pub fn coordinator_state(run_dir: &Path) -> serde_json::Value {
+    std::fs::read(run_dir.join("coordinator-state.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or(serde_json::Value::Null)
+}
+
+/// Waits for `cond`, polling; panics with `what` and the logs after `timeout`.
+pub fn wait_until(
+    what: &str,
+    timeout: Duration,
+    roles: &mut [&mut Role],
+    mut cond: impl FnMut() -> bool,
+) {
+    let end = Instant::now() + timeout;
+    while !cond() {
+        let exited = roles
+            .iter_mut()
+            .find_map(|r| r.try_wait().map(|s| (r.name.clone(), s)));
+        if let Some((name, s)) = exited {
+            let logs: Vec<String> = roles.iter().map(|r| r.log_tail()).collect();
+            panic!(
+                "{name} exited ({s}) while waiting for {what}\n{}",
+                logs.join("\n")
+            );
+        }
+        if Instant::now() >= end {
+            let logs: Vec<String> = roles.iter().map(|r| r.log_tail()).collect();
+            panic!("timed out waiting for {what}\n{}", logs.join("\n"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A running `tutor serve`, killed on drop.
+pub struct Served {
+    pub child: Child,
+    /// host:port it listens on.
+    pub addr: String,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `tutor serve --model MODEL --served-model-name NAME --port 0 --device cpu EXTRA`
+/// with its log and address file in `dir`, and waits until it listens.
+pub fn serve(model: &Path, name: &str, dir: &Path, extra: &[&str]) -> Served {
+    let addr_file = dir.join("serve-addr");
+    let log_path = dir.join("serve.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let child = Command::new(tutor_bin())
+        .args(["serve", "--model"])
+        .arg(model)
+        .args([
+            "--served-model-name",
+            name,
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+        ])
+        .arg("--addr-file")
+        .arg(&addr_file)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let mut served = Served {
+        child,
+        addr: String::new(),
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !addr_file.exists() {
+        if let Some(status) = served.child.try_wait().unwrap() {
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            panic!("tutor serve exited with {status}:\n{log}");
+        }
+        assert!(Instant::now() < deadline, "tutor serve did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    served.addr = std::fs::read_to_string(&addr_file)
+        .unwrap()
+        .trim()
+        .to_string();
+    served
 }

@@ -1,0 +1,1002 @@
+//! Collectives between data-parallel learner ranks: the `Collective` interface, a CPU
+//! implementation over TCP (star through rank 0) and, behind the `nccl` feature, NCCL.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use tch::{Device, Kind, Tensor};
+
+#[cfg(feature = "nccl")]
+pub use self::nccl::NcclCollective;
+
+/// Why a collective failed. Messages name the peer so a hung or dead rank can be found.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectiveError {
+    #[error("rank {rank}: {what} with rank {peer} ({addr}) failed: {source}{hint}", hint = timeout_hint(source))]
+    Peer {
+        rank: usize,
+        peer: usize,
+        addr: String,
+        what: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("rank {rank}: could not reach rank 0 at {addr} within {waited:?}: {source} (is rank 0 running and listening there?)")]
+    Connect {
+        rank: usize,
+        addr: String,
+        waited: Duration,
+        #[source]
+        source: io::Error,
+    },
+    #[error("rank 0: only {joined} of {world_size} ranks joined at {addr} within {waited:?} (missing ranks: {missing:?})")]
+    Rendezvous {
+        addr: String,
+        joined: usize,
+        world_size: usize,
+        missing: Vec<usize>,
+        waited: Duration,
+    },
+    #[error("rank {rank}: rank {peer} is out of step: {detail} (every rank must issue the same collectives in the same order with the same tensor shapes)")]
+    Mismatch {
+        rank: usize,
+        peer: usize,
+        detail: String,
+    },
+    #[error("invalid collective setup: {0}")]
+    Setup(String),
+    #[error("NCCL: {0}")]
+    Nccl(String),
+}
+
+fn timeout_hint(e: &io::Error) -> &'static str {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            " (timed out: the peer is stuck, dead, or slower than the collective timeout)"
+        }
+        io::ErrorKind::UnexpectedEof
+        | io::ErrorKind::ConnectionReset
+        | io::ErrorKind::BrokenPipe => " (the peer closed the connection: it probably exited)",
+        _ => "",
+    }
+}
+
+/// Operations between the ranks of one data-parallel group. Every rank must call the same
+/// operations in the same order with tensors of the same shapes; each call blocks until all
+/// ranks have made it.
+pub trait Collective: Send {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+
+    /// Replaces each tensor by its sum over the ranks, in place. Every rank ends with
+    /// bit-identical values (the reduction order does not depend on the rank).
+    fn all_reduce_sum(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError>;
+
+    /// Replaces each tensor by its mean over the ranks, in place.
+    fn all_reduce_mean(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError> {
+        self.all_reduce_sum(tensors)?;
+        let n = self.world_size() as f64;
+        if n > 1.0 {
+            tch::no_grad(|| {
+                for t in tensors.iter_mut() {
+                    let _ = t.g_div_scalar_(n);
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// Overwrites each tensor on every rank with rank 0's values.
+    fn broadcast(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError>;
+
+    /// Returns once every rank has called it.
+    fn barrier(&mut self) -> Result<(), CollectiveError>;
+
+    /// Sums host scalars over the ranks (counts, loss sums), exactly in f64.
+    fn all_reduce_sum_f64(&mut self, values: &mut [f64]) -> Result<(), CollectiveError> {
+        if self.world_size() == 1 {
+            return Ok(());
+        }
+        let mut t = [Tensor::from_slice(values).to_device(self.device())];
+        self.all_reduce_sum(&mut t)?;
+        let back = t[0].to_device(Device::Cpu);
+        back.copy_data(values, values.len());
+        Ok(())
+    }
+
+    /// Where this collective's tensors live.
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+}
+
+// --- CPU collective over TCP -------------------------------------------------------------
+
+const MAGIC: &[u8; 8] = b"TUTORCC1";
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(u8)]
+enum Op {
+    AllReduceSum = 1,
+    Broadcast = 2,
+    Barrier = 3,
+}
+
+/// Defaults for the CPU collective's deadlines.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuCollectiveTimeouts {
+    /// How long ranks wait for one another to join.
+    pub connect: Duration,
+    /// How long one read or write may block: bounds how far one rank may fall behind
+    /// inside a collective (e.g. a slow forward pass on another rank).
+    pub io: Duration,
+}
+
+impl Default for CpuCollectiveTimeouts {
+    fn default() -> Self {
+        Self {
+            connect: Duration::from_secs(60),
+            io: Duration::from_secs(600),
+        }
+    }
+}
+
+/// Rank 0's listening socket, before the other ranks have joined.
+pub struct CpuRendezvous {
+    listener: TcpListener,
+    addr: SocketAddr,
+}
+
+impl CpuRendezvous {
+    /// Binds rank 0's socket (port 0 picks a free port; see `local_addr`).
+    pub fn bind(addr: impl ToSocketAddrs) -> Result<Self, CollectiveError> {
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| CollectiveError::Setup(format!("rank 0 cannot listen: {e}")))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| CollectiveError::Setup(format!("rank 0 socket address: {e}")))?;
+        Ok(Self { listener, addr })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Waits for ranks 1..world_size to connect.
+    pub fn accept(
+        self,
+        world_size: usize,
+        timeouts: CpuCollectiveTimeouts,
+    ) -> Result<CpuCollective, CollectiveError> {
+        if world_size == 0 {
+            return Err(CollectiveError::Setup(
+                "world_size must be at least 1".into(),
+            ));
+        }
+        let start = Instant::now();
+        let mut peers: Vec<Option<(TcpStream, SocketAddr)>> =
+            (1..world_size).map(|_| None).collect();
+        self.listener
+            .set_nonblocking(true)
+            .map_err(|e| CollectiveError::Setup(format!("rank 0 listener: {e}")))?;
+        while peers.iter().any(|p| p.is_none()) {
+            if start.elapsed() > timeouts.connect {
+                let missing: Vec<usize> = peers
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, p)| p.is_none())
+                    .map(|(i, _)| i + 1)
+                    .collect();
+                return Err(CollectiveError::Rendezvous {
+                    addr: self.addr.to_string(),
+                    joined: world_size - missing.len(),
+                    world_size,
+                    missing,
+                    waited: start.elapsed(),
+                });
+            }
+            let (mut stream, peer_addr) = match self.listener.accept() {
+                Ok(s) => s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                }
+                Err(e) => return Err(CollectiveError::Setup(format!("rank 0 accept: {e}"))),
+            };
+            configure(&stream, timeouts.io, timeouts.connect)
+                .map_err(|e| CollectiveError::Setup(format!("socket from {peer_addr}: {e}")))?;
+            // A stray connection (a port scan, a rank of another run) is dropped, not fatal.
+            let hello = read_hello(&mut stream);
+            let (rank, their_world) = match hello {
+                Ok(h) => h,
+                Err(e) => {
+                    tracing::warn!(%peer_addr, error = %e, "ignoring a connection that did not send a collective hello");
+                    continue;
+                }
+            };
+            if their_world != world_size {
+                return Err(CollectiveError::Setup(format!(
+                    "rank {rank} at {peer_addr} says world_size = {their_world}, rank 0 has {world_size}"
+                )));
+            }
+            if rank == 0 || rank >= world_size {
+                return Err(CollectiveError::Setup(format!(
+                    "a peer at {peer_addr} claims rank {rank}, expected 1..{world_size}"
+                )));
+            }
+            if peers[rank - 1].is_some() {
+                return Err(CollectiveError::Setup(format!(
+                    "two peers claim rank {rank} (the second from {peer_addr})"
+                )));
+            }
+            stream
+                .write_all(MAGIC)
+                .map_err(|e| CollectiveError::Setup(format!("greeting rank {rank}: {e}")))?;
+            stream
+                .set_read_timeout(Some(timeouts.io))
+                .and_then(|_| stream.set_write_timeout(Some(timeouts.io)))
+                .map_err(|e| CollectiveError::Setup(format!("socket of rank {rank}: {e}")))?;
+            peers[rank - 1] = Some((stream, peer_addr));
+        }
+        let peers = peers.into_iter().map(|p| p.expect("all joined")).collect();
+        Ok(CpuCollective {
+            rank: 0,
+            world_size,
+            link: Link::Root { peers },
+            seq: 0,
+        })
+    }
+}
+
+/// Data-parallel collectives for CPU ranks: rank 0 listens, the others connect to it; a
+/// reduction gathers every rank's tensors at rank 0, which sums them in rank order and
+/// sends the result back, so all ranks hold bit-identical sums. Works across processes
+/// (over loopback or a network) and between threads of one process.
+pub struct CpuCollective {
+    rank: usize,
+    world_size: usize,
+    link: Link,
+    seq: u64,
+}
+
+enum Link {
+    Solo,
+    Root { peers: Vec<(TcpStream, SocketAddr)> },
+    Leaf { root: TcpStream, addr: SocketAddr },
+}
+
+impl CpuCollective {
+    /// A group of one: every operation is the identity.
+    pub fn solo() -> Self {
+        Self {
+            rank: 0,
+            world_size: 1,
+            link: Link::Solo,
+            seq: 0,
+        }
+    }
+
+    /// Joins as `rank` (≥ 1) the group whose rank 0 listens at `root`, retrying until the
+    /// connect deadline (rank 0 may start later).
+    pub fn connect(
+        root: impl ToSocketAddrs,
+        rank: usize,
+        world_size: usize,
+        timeouts: CpuCollectiveTimeouts,
+    ) -> Result<Self, CollectiveError> {
+        if rank == 0 || rank >= world_size {
+            return Err(CollectiveError::Setup(format!(
+                "connect is for ranks 1..{world_size}, got rank {rank} (rank 0 uses CpuRendezvous)"
+            )));
+        }
+        let addr = root
+            .to_socket_addrs()
+            .map_err(|e| CollectiveError::Setup(format!("resolving rank 0's address: {e}")))?
+            .next()
+            .ok_or_else(|| CollectiveError::Setup("rank 0's address resolves to nothing".into()))?;
+        let start = Instant::now();
+        let stream = loop {
+            let left = timeouts.connect.saturating_sub(start.elapsed());
+            let attempt = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(10)))
+                .and_then(|mut s| {
+                    configure(&s, timeouts.connect, timeouts.connect)?;
+                    s.write_all(MAGIC)?;
+                    s.write_all(&(rank as u64).to_le_bytes())?;
+                    s.write_all(&(world_size as u64).to_le_bytes())?;
+                    let mut magic = [0u8; 8];
+                    s.read_exact(&mut magic)?;
+                    if &magic != MAGIC {
+                        return Err(io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            "the listener is not a Tutor CPU collective",
+                        ));
+                    }
+                    Ok(s)
+                });
+            match attempt {
+                Ok(s) => break s,
+                Err(e) if start.elapsed() >= timeouts.connect => {
+                    return Err(CollectiveError::Connect {
+                        rank,
+                        addr: addr.to_string(),
+                        waited: start.elapsed(),
+                        source: e,
+                    })
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        stream
+            .set_read_timeout(Some(timeouts.io))
+            .and_then(|_| stream.set_write_timeout(Some(timeouts.io)))
+            .map_err(|e| CollectiveError::Setup(format!("socket to rank 0: {e}")))?;
+        Ok(Self {
+            rank,
+            world_size,
+            link: Link::Leaf { root: stream, addr },
+            seq: 0,
+        })
+    }
+
+    /// Rank 0 binds and waits for the others; other ranks connect to `root`.
+    pub fn init(
+        root: SocketAddr,
+        rank: usize,
+        world_size: usize,
+        timeouts: CpuCollectiveTimeouts,
+    ) -> Result<Self, CollectiveError> {
+        if world_size == 1 {
+            return Ok(Self::solo());
+        }
+        if rank == 0 {
+            CpuRendezvous::bind(root)?.accept(world_size, timeouts)
+        } else {
+            Self::connect(root, rank, world_size, timeouts)
+        }
+    }
+
+    /// The core exchange: rank 0 receives every rank's payload, combines them, and sends
+    /// the combined payload back. `combine` sees the payloads in rank order.
+    fn exchange(
+        &mut self,
+        op: Op,
+        payload: Vec<u8>,
+        combine: impl FnOnce(Vec<Vec<u8>>) -> Vec<u8>,
+    ) -> Result<Vec<u8>, CollectiveError> {
+        self.seq += 1;
+        let seq = self.seq;
+        let rank = self.rank;
+        match &mut self.link {
+            Link::Solo => Ok(combine(vec![payload])),
+            Link::Root { peers } => {
+                let mut all = Vec::with_capacity(peers.len() + 1);
+                let own_len = payload.len();
+                all.push(payload);
+                let mut failure = None;
+                for (i, (stream, addr)) in peers.iter_mut().enumerate() {
+                    let peer = i + 1;
+                    match read_frame(stream) {
+                        Ok((pop, pseq, data)) => {
+                            if pop != op as u8 || pseq != seq {
+                                failure = Some(CollectiveError::Mismatch {
+                                    rank,
+                                    peer,
+                                    detail: format!(
+                                        "rank 0 is at collective #{seq} ({op:?}), rank {peer} sent #{pseq} (op {pop})"
+                                    ),
+                                });
+                                break;
+                            }
+                            if op != Op::Broadcast && data.len() != own_len {
+                                failure = Some(CollectiveError::Mismatch {
+                                    rank,
+                                    peer,
+                                    detail: format!(
+                                        "{op:?} #{seq}: rank 0 has {own_len} bytes, rank {peer} sent {}",
+                                        data.len()
+                                    ),
+                                });
+                                break;
+                            }
+                            all.push(data);
+                        }
+                        Err(e) => {
+                            failure = Some(CollectiveError::Peer {
+                                rank,
+                                peer,
+                                addr: addr.to_string(),
+                                what: "receiving a collective payload",
+                                source: e,
+                            });
+                            break;
+                        }
+                    }
+                }
+                if let Some(f) = failure {
+                    return Err(f);
+                }
+                let result = combine(all);
+                for (i, (stream, addr)) in peers.iter_mut().enumerate() {
+                    write_frame(stream, op, seq, &result).map_err(|e| CollectiveError::Peer {
+                        rank,
+                        peer: i + 1,
+                        addr: addr.to_string(),
+                        what: "sending a collective result",
+                        source: e,
+                    })?;
+                }
+                Ok(result)
+            }
+            Link::Leaf { root, addr } => {
+                let addr = *addr;
+                let peer_err = |what, source| CollectiveError::Peer {
+                    rank,
+                    peer: 0,
+                    addr: addr.to_string(),
+                    what,
+                    source,
+                };
+                // Broadcast receivers have nothing to contribute.
+                let sent: &[u8] = if op == Op::Broadcast { &[] } else { &payload };
+                write_frame(root, op, seq, sent)
+                    .map_err(|e| peer_err("sending a collective payload", e))?;
+                match read_frame(root) {
+                    Ok((pop, pseq, data)) if pop == op as u8 && pseq == seq => Ok(data),
+                    Ok((pop, pseq, _)) => Err(CollectiveError::Mismatch {
+                        rank,
+                        peer: 0,
+                        detail: format!(
+                            "rank {rank} is at collective #{seq} ({op:?}), rank 0 answered #{pseq} (op {pop})"
+                        ),
+                    }),
+                    Err(e) => Err(peer_err("receiving a collective result", e)),
+                }
+            }
+        }
+    }
+}
+
+impl Collective for CpuCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_reduce_sum(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError> {
+        if self.world_size == 1 {
+            return Ok(());
+        }
+        let layout = WireLayout::of(tensors)?;
+        let payload = layout.encode(tensors);
+        let summed = self.exchange(Op::AllReduceSum, payload, |parts| layout.sum(parts))?;
+        layout.decode_into(&summed, tensors);
+        Ok(())
+    }
+
+    fn broadcast(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError> {
+        if self.world_size == 1 {
+            return Ok(());
+        }
+        let layout = WireLayout::of(tensors)?;
+        let payload = if self.rank == 0 {
+            layout.encode(tensors)
+        } else {
+            Vec::new()
+        };
+        let data = self.exchange(Op::Broadcast, payload, |mut parts| parts.swap_remove(0))?;
+        if data.len() != layout.bytes {
+            return Err(CollectiveError::Mismatch {
+                rank: self.rank,
+                peer: 0,
+                detail: format!(
+                    "broadcast: rank 0 sent {} bytes, rank {} expects {}",
+                    data.len(),
+                    self.rank,
+                    layout.bytes
+                ),
+            });
+        }
+        if self.rank != 0 {
+            layout.decode_into(&data, tensors);
+        }
+        Ok(())
+    }
+
+    fn barrier(&mut self) -> Result<(), CollectiveError> {
+        if self.world_size == 1 {
+            return Ok(());
+        }
+        self.exchange(Op::Barrier, Vec::new(), |_| Vec::new())?;
+        Ok(())
+    }
+}
+
+/// How a list of tensors travels: f64 tensors as f64, everything else as f32
+/// (little-endian), concatenated.
+struct WireLayout {
+    /// Per tensor: element count and whether it travels as f64.
+    items: Vec<(usize, bool)>,
+    bytes: usize,
+}
+
+impl WireLayout {
+    fn of(tensors: &[Tensor]) -> Result<Self, CollectiveError> {
+        let mut items = Vec::with_capacity(tensors.len());
+        let mut bytes = 0;
+        for t in tensors {
+            if t.device() != Device::Cpu {
+                return Err(CollectiveError::Setup(format!(
+                    "the CPU collective got a tensor on {:?}; use the NCCL collective for GPU ranks",
+                    t.device()
+                )));
+            }
+            let wide = t.kind() == Kind::Double;
+            let n = t.numel();
+            bytes += n * if wide { 8 } else { 4 };
+            items.push((n, wide));
+        }
+        Ok(Self { items, bytes })
+    }
+
+    fn encode(&self, tensors: &[Tensor]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.bytes);
+        for (t, &(n, wide)) in tensors.iter().zip(&self.items) {
+            if wide {
+                let mut v = vec![0f64; n];
+                t.contiguous().copy_data(&mut v, n);
+                v.iter()
+                    .for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+            } else {
+                let mut v = vec![0f32; n];
+                t.to_kind(Kind::Float).contiguous().copy_data(&mut v, n);
+                v.iter()
+                    .for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+            }
+        }
+        out
+    }
+
+    /// Element-wise sum of the ranks' payloads, accumulated in rank order.
+    fn sum(&self, parts: Vec<Vec<u8>>) -> Vec<u8> {
+        let mut parts = parts.into_iter();
+        let mut acc = parts.next().unwrap_or_default();
+        for part in parts {
+            let mut off = 0;
+            for &(n, wide) in &self.items {
+                if wide {
+                    for k in 0..n {
+                        let r = off + 8 * k..off + 8 * k + 8;
+                        let a = f64::from_le_bytes(acc[r.clone()].try_into().unwrap());
+                        let b = f64::from_le_bytes(part[r.clone()].try_into().unwrap());
+                        acc[r].copy_from_slice(&(a + b).to_le_bytes());
+                    }
+                    off += 8 * n;
+                } else {
+                    for k in 0..n {
+                        let r = off + 4 * k..off + 4 * k + 4;
+                        let a = f32::from_le_bytes(acc[r.clone()].try_into().unwrap());
+                        let b = f32::from_le_bytes(part[r.clone()].try_into().unwrap());
+                        acc[r].copy_from_slice(&(a + b).to_le_bytes());
+                    }
+                    off += 4 * n;
+                }
+            }
+        }
+        acc
+    }
+
+    fn decode_into(&self, data: &[u8], tensors: &mut [Tensor]) {
+        let mut off = 0;
+        tch::no_grad(|| {
+            for (t, &(n, wide)) in tensors.iter_mut().zip(&self.items) {
+                let src = if wide {
+                    let v: Vec<f64> = data[off..off + 8 * n]
+                        .chunks_exact(8)
+                        .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+                        .collect();
+                    off += 8 * n;
+                    Tensor::from_slice(&v)
+                } else {
+                    let v: Vec<f32> = data[off..off + 4 * n]
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                        .collect();
+                    off += 4 * n;
+                    Tensor::from_slice(&v)
+                };
+                t.copy_(&src.reshape(t.size()));
+            }
+        });
+    }
+}
+
+fn configure(s: &TcpStream, io: Duration, handshake: Duration) -> io::Result<()> {
+    s.set_nonblocking(false)?;
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(handshake.min(io)))?;
+    s.set_write_timeout(Some(handshake.min(io)))
+}
+
+fn read_hello(s: &mut TcpStream) -> io::Result<(usize, usize)> {
+    let mut magic = [0u8; 8];
+    s.read_exact(&mut magic)?;
+    if &magic != MAGIC {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "bad magic"));
+    }
+    let mut b = [0u8; 8];
+    s.read_exact(&mut b)?;
+    let rank = u64::from_le_bytes(b) as usize;
+    s.read_exact(&mut b)?;
+    let world = u64::from_le_bytes(b) as usize;
+    Ok((rank, world))
+}
+
+fn write_frame(s: &mut TcpStream, op: Op, seq: u64, data: &[u8]) -> io::Result<()> {
+    let mut header = [0u8; 17];
+    header[0] = op as u8;
+    header[1..9].copy_from_slice(&seq.to_le_bytes());
+    header[9..17].copy_from_slice(&(data.len() as u64).to_le_bytes());
+    s.write_all(&header)?;
+    s.write_all(data)?;
+    s.flush()
+}
+
+/// Frames larger than this are refused (a corrupt length would otherwise allocate it).
+const MAX_FRAME: u64 = 64 << 30;
+
+fn read_frame(s: &mut TcpStream) -> io::Result<(u8, u64, Vec<u8>)> {
+    let mut header = [0u8; 17];
+    s.read_exact(&mut header)?;
+    let seq = u64::from_le_bytes(header[1..9].try_into().unwrap());
+    let len = u64::from_le_bytes(header[9..17].try_into().unwrap());
+    if len > MAX_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes announced"),
+        ));
+    }
+    let mut data = vec![0u8; len as usize];
+    s.read_exact(&mut data)?;
+    Ok((header[0], seq, data))
+}
+
+// --- NCCL --------------------------------------------------------------------------------
+
+#[cfg(feature = "nccl")]
+mod nccl {
+    //! NCCL through cudarc, on tensors that live on this rank's GPU. libnccl is loaded at
+    //! run time; cudarc panics when it is missing, so presence is checked first.
+
+    use std::ffi::c_void;
+
+    use cudarc::nccl::sys;
+    use tch::{Device, Kind, Tensor};
+
+    use super::{Collective, CollectiveError};
+
+    /// The 128-byte NCCL unique id: rank 0 makes it, every rank needs it (the coordinator
+    /// hands it out over gRPC as `bytes`).
+    pub type NcclUniqueId = [u8; 128];
+
+    pub struct NcclCollective {
+        comm: sys::ncclComm_t,
+        /// The GPU's primary context (the one torch uses), bound before each operation
+        /// since the collective may be used from another thread than the one that made it.
+        ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+        rank: usize,
+        world_size: usize,
+        ordinal: usize,
+    }
+
+    // The communicator is used by the one thread that owns the collective at a time.
+    unsafe impl Send for NcclCollective {}
+
+    fn check_library() -> Result<(), CollectiveError> {
+        // SAFETY: only probes whether the shared library can be loaded.
+        if unsafe { sys::is_culib_present() } {
+            Ok(())
+        } else {
+            Err(CollectiveError::Nccl(
+                "libnccl.so cannot be loaded: put the directory holding libnccl.so (pip's \
+                 nvidia-nccl ships libnccl.so.2: add a libnccl.so symlink) on LD_LIBRARY_PATH"
+                    .into(),
+            ))
+        }
+    }
+
+    fn nccl_err(what: &str, e: cudarc::nccl::result::NcclError) -> CollectiveError {
+        CollectiveError::Nccl(format!("{what}: {:?}", e.0))
+    }
+
+    impl NcclCollective {
+        /// A fresh unique id (call on rank 0 and send it to the others).
+        pub fn unique_id() -> Result<NcclUniqueId, CollectiveError> {
+            check_library()?;
+            let id =
+                cudarc::nccl::result::get_uniqueid().map_err(|e| nccl_err("ncclGetUniqueId", e))?;
+            Ok(id.internal.map(|c| c as u8))
+        }
+
+        /// Joins the communicator `id` as `rank` of `world_size`, on GPU `ordinal`. Blocks
+        /// until all ranks have joined.
+        pub fn new(
+            id: &NcclUniqueId,
+            rank: usize,
+            world_size: usize,
+            ordinal: usize,
+        ) -> Result<Self, CollectiveError> {
+            check_library()?;
+            if rank >= world_size {
+                return Err(CollectiveError::Setup(format!(
+                    "rank {rank} is not below world_size {world_size}"
+                )));
+            }
+            // NCCL binds the communicator to the current device; make it this rank's.
+            let ctx = cudarc::driver::CudaContext::new(ordinal)
+                .map_err(|e| CollectiveError::Nccl(format!("CUDA device {ordinal}: {e:?}")))?;
+            ctx.bind_to_thread()
+                .map_err(|e| CollectiveError::Nccl(format!("CUDA device {ordinal}: {e:?}")))?;
+            let uid = sys::ncclUniqueId {
+                internal: id.map(|b| b as ::core::ffi::c_char),
+            };
+            let mut comm = std::mem::MaybeUninit::uninit();
+            // SAFETY: `comm` is written by NCCL on success.
+            let comm = unsafe {
+                cudarc::nccl::result::comm_init_rank(
+                    comm.as_mut_ptr(),
+                    world_size as i32,
+                    uid,
+                    rank as i32,
+                )
+                .map_err(|e| nccl_err("ncclCommInitRank", e))?;
+                comm.assume_init()
+            };
+            Ok(Self {
+                comm,
+                ctx,
+                rank,
+                world_size,
+                ordinal,
+            })
+        }
+
+        fn check(&self, t: &Tensor) -> Result<sys::ncclDataType_t, CollectiveError> {
+            if t.device() != Device::Cuda(self.ordinal) {
+                return Err(CollectiveError::Setup(format!(
+                    "NCCL rank {} works on cuda:{}, got a tensor on {:?}",
+                    self.rank,
+                    self.ordinal,
+                    t.device()
+                )));
+            }
+            if !t.is_contiguous() {
+                return Err(CollectiveError::Setup(
+                    "NCCL needs contiguous tensors".into(),
+                ));
+            }
+            Ok(match t.kind() {
+                Kind::Float => sys::ncclDataType_t::ncclFloat32,
+                Kind::Double => sys::ncclDataType_t::ncclFloat64,
+                Kind::Half => sys::ncclDataType_t::ncclFloat16,
+                Kind::BFloat16 => sys::ncclDataType_t::ncclBfloat16,
+                Kind::Int64 => sys::ncclDataType_t::ncclInt64,
+                other => {
+                    return Err(CollectiveError::Setup(format!(
+                        "NCCL collective: unsupported tensor kind {other:?}"
+                    )))
+                }
+            })
+        }
+
+        /// Runs `f` on each tensor inside one NCCL group, on the default stream torch
+        /// uses, then waits for the device so the results are visible to any stream.
+        fn each(
+            &self,
+            tensors: &mut [Tensor],
+            what: &str,
+            f: impl Fn(*mut c_void, usize, sys::ncclDataType_t) -> sys::ncclResult_t,
+        ) -> Result<(), CollectiveError> {
+            let kinds = tensors
+                .iter()
+                .map(|t| self.check(t))
+                .collect::<Result<Vec<_>, _>>()?;
+            self.ctx.bind_to_thread().map_err(|e| {
+                CollectiveError::Nccl(format!("binding cuda:{}: {e:?}", self.ordinal))
+            })?;
+            cudarc::nccl::result::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+            for (t, kind) in tensors.iter_mut().zip(kinds) {
+                let r = f(t.data_ptr(), t.numel(), kind);
+                if let Err(e) = r.result() {
+                    let _ = cudarc::nccl::result::group_end();
+                    return Err(nccl_err(what, e));
+                }
+            }
+            cudarc::nccl::result::group_end().map_err(|e| nccl_err("ncclGroupEnd", e))?;
+            // Waits for the current context (bound in `new`) so results are visible to
+            // whatever stream reads them next.
+            cudarc::driver::result::ctx::synchronize()
+                .map_err(|e| CollectiveError::Nccl(format!("synchronising after {what}: {e:?}")))?;
+            Ok(())
+        }
+    }
+
+    impl Collective for NcclCollective {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+
+        fn world_size(&self) -> usize {
+            self.world_size
+        }
+
+        fn device(&self) -> Device {
+            Device::Cuda(self.ordinal)
+        }
+
+        fn all_reduce_sum(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError> {
+            let comm = self.comm;
+            self.each(tensors, "ncclAllReduce", |ptr, n, kind| unsafe {
+                sys::ncclAllReduce(
+                    ptr as *const c_void,
+                    ptr,
+                    n,
+                    kind,
+                    sys::ncclRedOp_t::ncclSum,
+                    comm,
+                    std::ptr::null_mut(),
+                )
+            })
+        }
+
+        fn broadcast(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError> {
+            let comm = self.comm;
+            self.each(tensors, "ncclBroadcast", |ptr, n, kind| unsafe {
+                sys::ncclBroadcast(
+                    ptr as *const c_void,
+                    ptr,
+                    n,
+                    kind,
+                    0,
+                    comm,
+                    std::ptr::null_mut(),
+                )
+            })
+        }
+
+        fn barrier(&mut self) -> Result<(), CollectiveError> {
+            let mut t = [Tensor::zeros(
+                [1],
+                (Kind::Float, Device::Cuda(self.ordinal)),
+            )];
+            self.all_reduce_sum(&mut t)
+        }
+    }
+
+    impl Drop for NcclCollective {
+        fn drop(&mut self) {
+            // SAFETY: the communicator was created in `new` and is destroyed once.
+            unsafe {
+                let _ = cudarc::nccl::result::comm_destroy(self.comm);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn group(world: usize) -> Vec<CpuCollective> {
+        let rdv = CpuRendezvous::bind("127.0.0.1:0").unwrap();
+        let addr = rdv.local_addr();
+        let t = CpuCollectiveTimeouts {
+            connect: Duration::from_secs(20),
+            io: Duration::from_secs(20),
+        };
+        let leaves: Vec<_> = (1..world)
+            .map(|r| std::thread::spawn(move || CpuCollective::connect(addr, r, world, t).unwrap()))
+            .collect();
+        let mut all = vec![rdv.accept(world, t).unwrap()];
+        all.extend(leaves.into_iter().map(|h| h.join().unwrap()));
+        all
+    }
+
+    #[test]
+    fn all_reduce_broadcast_and_scalars_across_three_ranks() {
+        let ranks = group(3);
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|mut c| {
+                std::thread::spawn(move || {
+                    let r = c.rank() as f32;
+                    let mut ts = [
+                        Tensor::from_slice(&[r, 10.0 * r, 1.0]).reshape([3, 1]),
+                        Tensor::from_slice(&[r as f64 + 0.5]),
+                    ];
+                    c.all_reduce_sum(&mut ts).unwrap();
+                    let a: Vec<f32> = Vec::try_from(ts[0].reshape([-1])).unwrap();
+                    let b: Vec<f64> = Vec::try_from(&ts[1]).unwrap();
+                    assert_eq!(ts[0].size(), vec![3, 1]);
+                    assert_eq!(a, vec![3.0, 30.0, 3.0]);
+                    assert_eq!(b, vec![4.5]);
+                    let mut m = [Tensor::from_slice(&[r * 2.0])];
+                    c.all_reduce_mean(&mut m).unwrap();
+                    assert_eq!(f32::try_from(&m[0].reshape([])).unwrap(), 2.0);
+                    let mut s = [c.rank() as f64, 1e-300];
+                    c.all_reduce_sum_f64(&mut s).unwrap();
+                    assert_eq!(s, [3.0, 3e-300]);
+                    let mut bc = [Tensor::from_slice(&[r + 7.0, r])];
+                    c.broadcast(&mut bc).unwrap();
+                    let v: Vec<f32> = Vec::try_from(&bc[0]).unwrap();
+                    assert_eq!(v, vec![7.0, 0.0]);
+                    c.barrier().unwrap();
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn a_dead_peer_is_named_in_the_error() {
+        let mut ranks = group(2);
+        let leaf = ranks.pop().unwrap();
+        drop(leaf); // rank 1 exits
+        let mut root = ranks.pop().unwrap();
+        let err = root
+            .all_reduce_sum(&mut [Tensor::from_slice(&[1f32])])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("rank 1"), "{err}");
+        assert!(
+            err.contains("closed the connection") || err.contains("reset"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn mismatched_collectives_are_reported() {
+        let ranks = group(2);
+        let mut it = ranks.into_iter();
+        let mut root = it.next().unwrap();
+        let mut leaf = it.next().unwrap();
+        let h = std::thread::spawn(move || {
+            leaf.all_reduce_sum(&mut [Tensor::from_slice(&[1f32, 2.0])])
+        });
+        let err = root
+            .all_reduce_sum(&mut [Tensor::from_slice(&[1f32])])
+            .unwrap_err();
+        assert!(
+            matches!(err, CollectiveError::Mismatch { peer: 1, .. }),
+            "{err}"
+        );
+        drop(root);
+        assert!(h.join().unwrap().is_err());
+    }
+
+    #[test]
+    fn connect_deadline_names_the_address() {
+        // Bind then drop to get a port that nothing listens on.
+        let addr = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let t = CpuCollectiveTimeouts {
+            connect: Duration::from_millis(300),
+            io: Duration::from_secs(1),
+        };
+        let err = CpuCollective::connect(addr, 1, 2, t)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains(&addr.to_string()), "{err}");
+        let rdv = CpuRendezvous::bind("127.0.0.1:0").unwrap();
+        let err = rdv.accept(3, t).err().unwrap().to_string();
+        assert!(err.contains("missing ranks: [1, 2]"), "{err}");
+    }
+}

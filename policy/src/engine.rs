@@ -1,0 +1,876 @@
+//! The serving engine: one thread owns the model and decodes every admitted request in one
+//! batch, with requests joining and leaving between decode steps (continuous batching).
+//!
+//! Requests arrive through a bounded channel (a full queue makes senders wait). Between
+//! decode steps the engine admits waiting requests in arrival order while the batch stays
+//! within `max_batch` rows and `max_cached_tokens` key/value slots, prefills them, and
+//! drops rows that finished or whose client went away. A request that does not fit waits
+//! (and the ones behind it too, so that a long request is not starved by short ones).
+//!
+//! Cache layout: every row's context is right-aligned at a shared slot `len`, as in
+//! [`Policy::generate`], so that one decode step writes one column for all rows. When the
+//! membership changes the cache is rebuilt around the rows that remain: the shared column
+//! moves to the longest context present (prompts longer than `len` shift the others right,
+//! departures of long rows shift them left), and the capacity is the most any row can
+//! still reach. The physical cache is `rows × capacity` slots, and that product is what
+//! `max_cached_tokens` bounds, so left padding counts against the budget as it costs
+//! memory.
+
+use std::collections::VecDeque;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tch::{Kind, Tensor};
+use tokio::sync::mpsc;
+
+use crate::generate::{sample, RowSampling, Sampled};
+use crate::model::{AttnMask, KvCache};
+use crate::{ChatTokenizer, FinishReason, GenParams, Policy};
+
+/// Limits of one engine; see `tutor serve --help`.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Most requests decoded together.
+    pub max_batch: usize,
+    /// Key/value slots the batch's cache may hold (rows × capacity, per layer).
+    pub max_cached_tokens: usize,
+    /// Requests that may wait in the channel before senders block.
+    pub queue: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_batch: 8,
+            max_cached_tokens: 32_768,
+            queue: 64,
+        }
+    }
+}
+
+/// One completion to run.
+#[derive(Debug)]
+pub struct EngineRequest {
+    pub prompt: Vec<u32>,
+    pub params: GenParams,
+    /// Text that ends the generation when it appears; the returned text stops before it.
+    pub stop: Vec<String>,
+    /// Alternatives listed per generated token (0 = none).
+    pub top_logprobs: usize,
+    /// Also report the log-probability of every prompt token after the first under the
+    /// model (`EngineEvent::Prompt`, before any token): scoring another policy's tokens,
+    /// e.g. a teacher's log-probs of a student's action for on-policy distillation.
+    pub prompt_logprobs: bool,
+    /// Where the engine reports; dropping the receiver cancels the request.
+    pub events: mpsc::UnboundedSender<EngineEvent>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    /// `log p(prompt[i] | prompt[..i])` for i = 1..len (unscaled: temperature 1), when
+    /// the request asked for `prompt_logprobs`.
+    Prompt(Vec<f32>),
+    Token(TokenEvent),
+    Done(DoneEvent),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenEvent {
+    pub id: u32,
+    /// Log-probability under the distribution the token was drawn from.
+    pub logprob: f32,
+    /// The most likely tokens of that distribution, most likely first.
+    pub top: Vec<(u32, f32)>,
+    /// Text that became final with this token (may be empty: text that could still turn
+    /// into a stop string, or an incomplete UTF-8 character, is held back).
+    pub text: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct DoneEvent {
+    /// `Stop` for a stop token or a stop string, `Length` for `max_new_tokens`.
+    pub finish: FinishReason,
+    /// The text held back until the end (never part of a stop string).
+    pub text: String,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// Why a request cannot be served at all (as opposed to having to wait).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RequestError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("max_tokens must be at least 1")]
+    NoNewTokens,
+    #[error(
+        "the prompt has {prompt} tokens and max_tokens is {max_new}: {} in all, more than the \
+         model's context of {context} tokens; lower max_tokens or shorten the messages",
+        prompt + max_new
+    )]
+    TooLongForContext {
+        prompt: usize,
+        max_new: usize,
+        context: usize,
+    },
+    #[error(
+        "the prompt has {prompt} tokens and max_tokens is {max_new}: {} in all, more than this \
+         server's cache budget of {budget} tokens (--max-cached-tokens)",
+        prompt + max_new
+    )]
+    OverBudget {
+        prompt: usize,
+        max_new: usize,
+        budget: usize,
+    },
+    #[error("token id {id} is outside the model's vocabulary of {vocab}")]
+    BadToken { id: u32, vocab: usize },
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+/// The sending side: cheap to clone, one per HTTP handler.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<EngineRequest>,
+    context: usize,
+    budget: usize,
+    vocab: usize,
+}
+
+impl EngineHandle {
+    /// The model's context length (`max_position_embeddings`).
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
+    /// Tokens the largest single request may occupy: prompt + max_new_tokens.
+    pub fn max_request_tokens(&self) -> usize {
+        self.context.min(self.budget)
+    }
+
+    /// Whether a request could ever run; checked before it is queued.
+    pub fn check(&self, prompt: &[u32], max_new: usize) -> Result<(), RequestError> {
+        if prompt.is_empty() {
+            return Err(RequestError::EmptyPrompt);
+        }
+        if max_new == 0 {
+            return Err(RequestError::NoNewTokens);
+        }
+        if let Some(&id) = prompt.iter().find(|&&t| t as usize >= self.vocab) {
+            return Err(RequestError::BadToken {
+                id,
+                vocab: self.vocab,
+            });
+        }
+        let total = prompt.len().saturating_add(max_new);
+        if total > self.context {
+            return Err(RequestError::TooLongForContext {
+                prompt: prompt.len(),
+                max_new,
+                context: self.context,
+            });
+        }
+        if total > self.budget {
+            return Err(RequestError::OverBudget {
+                prompt: prompt.len(),
+                max_new,
+                budget: self.budget,
+            });
+        }
+        Ok(())
+    }
+
+    /// Queues a request, waiting while the queue is full.
+    pub async fn submit(&self, request: EngineRequest) -> Result<(), RequestError> {
+        self.check(&request.prompt, request.params.max_new_tokens)?;
+        self.tx
+            .send(request)
+            .await
+            .map_err(|_| RequestError::Stopped)
+    }
+
+    /// [`EngineHandle::submit`] for threads outside an async runtime.
+    pub fn submit_blocking(&self, request: EngineRequest) -> Result<(), RequestError> {
+        self.check(&request.prompt, request.params.max_new_tokens)?;
+        self.tx
+            .blocking_send(request)
+            .map_err(|_| RequestError::Stopped)
+    }
+}
+
+/// Starts the engine thread. It runs until every [`EngineHandle`] is dropped and the
+/// admitted requests have finished.
+pub fn spawn_engine(
+    policy: Policy,
+    tokenizer: ChatTokenizer,
+    config: EngineConfig,
+) -> (EngineHandle, std::thread::JoinHandle<()>) {
+    let (tx, rx) = mpsc::channel(config.queue.max(1));
+    let handle = EngineHandle {
+        tx,
+        context: policy.config.max_position_embeddings,
+        budget: config.max_cached_tokens,
+        vocab: policy.config.vocab_size,
+    };
+    let thread = std::thread::Builder::new()
+        .name("tutor-engine".into())
+        .spawn(move || {
+            let mut engine = Engine::new(policy, tokenizer, config);
+            tch::no_grad(|| engine.run(rx));
+        })
+        .expect("spawning the engine thread");
+    (handle, thread)
+}
+
+/// One request in the batch.
+struct Row {
+    req: EngineRequest,
+    rng: ChaCha8Rng,
+    /// First cache slot holding this row's context.
+    start: i64,
+    prompt_len: usize,
+    tokens: Vec<u32>,
+    text: StopText,
+    /// Set when the row finished or its client left; it leaves before the next step.
+    gone: bool,
+}
+
+impl Row {
+    /// New tokens this row may still sample.
+    fn remaining(&self) -> usize {
+        self.req.params.max_new_tokens - self.tokens.len()
+    }
+}
+
+struct Engine {
+    policy: Policy,
+    tokenizer: ChatTokenizer,
+    config: EngineConfig,
+    rows: Vec<Row>,
+    cache: Option<KvCache>,
+    capacity: i64,
+    /// Next-token logits of every row, `[rows, V]`, float32.
+    logits: Option<Tensor>,
+    sampling: Option<RowSampling>,
+}
+
+impl Engine {
+    fn new(policy: Policy, tokenizer: ChatTokenizer, config: EngineConfig) -> Self {
+        Engine {
+            policy,
+            tokenizer,
+            config,
+            rows: Vec::new(),
+            cache: None,
+            capacity: 0,
+            logits: None,
+            sampling: None,
+        }
+    }
+
+    fn len(&self) -> i64 {
+        self.cache.as_ref().map_or(0, |c| c.len)
+    }
+
+    fn run(&mut self, mut rx: mpsc::Receiver<EngineRequest>) {
+        let mut waiting: VecDeque<EngineRequest> = VecDeque::new();
+        let mut open = true;
+        loop {
+            if self.rows.is_empty() && waiting.is_empty() {
+                if !open {
+                    return;
+                }
+                match rx.blocking_recv() {
+                    Some(r) => waiting.push_back(r),
+                    None => return,
+                }
+            }
+            // Take from the channel only what could join soon, so that a full batch leaves
+            // the backlog in the bounded channel, where it holds senders back.
+            while open && waiting.len() < self.config.max_batch {
+                match rx.try_recv() {
+                    Ok(r) => waiting.push_back(r),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => open = false,
+                }
+            }
+            waiting.retain(|r| !r.events.is_closed());
+            self.admit(&mut waiting);
+            if !self.rows.is_empty() {
+                self.step();
+            }
+        }
+    }
+
+    /// Moves waiting requests into the batch, in order, while they fit.
+    fn admit(&mut self, waiting: &mut VecDeque<EngineRequest>) {
+        let len = self.len();
+        let longest = self.rows.iter().map(|r| len - r.start).max().unwrap_or(0);
+        let mut new_len = longest;
+        let mut need = self
+            .rows
+            .iter()
+            .map(|r| r.remaining() as i64)
+            .max()
+            .unwrap_or(0);
+        let mut joining = 0;
+        for req in waiting.iter() {
+            let rows = self.rows.len() + joining + 1;
+            let l = new_len.max(req.prompt.len() as i64);
+            let n = need.max(req.params.max_new_tokens as i64);
+            if rows > self.config.max_batch
+                || rows as i64 * (l + n) > self.config.max_cached_tokens as i64
+            {
+                break;
+            }
+            new_len = l;
+            need = n;
+            joining += 1;
+        }
+        if joining == 0 {
+            return;
+        }
+        let new: Vec<EngineRequest> = waiting.drain(..joining).collect();
+        self.rebuild(new_len, new_len + need, new);
+    }
+
+    /// Lays the cache out again for the current rows plus `new` ones: every context
+    /// right-aligned at `new_len`, `capacity` slots per row.
+    fn rebuild(&mut self, new_len: i64, capacity: i64, new: Vec<EngineRequest>) {
+        let device = self.policy.device();
+        let kind = self.policy.model.compute_kind();
+        let old_rows = self.rows.len() as i64;
+        let total = old_rows + new.len() as i64;
+        let mut cache = KvCache::new(&self.policy.config, total, capacity, kind, device);
+        if let Some(old) = &self.cache {
+            let len = old.len;
+            let longest = self.rows.iter().map(|r| len - r.start).max().unwrap_or(0);
+            cache.copy_block(old, len - longest, new_len - longest, longest);
+            let shift = new_len - len;
+            for r in &mut self.rows {
+                r.start += shift;
+            }
+        }
+        cache.len = new_len;
+        let mut logits: Vec<Tensor> = self.logits.take().into_iter().collect();
+        for (i, req) in new.into_iter().enumerate() {
+            let row = old_rows + i as i64;
+            let p = req.prompt.len() as i64;
+            let ids: Vec<i64> = req.prompt.iter().map(|&t| t as i64).collect();
+            let ids = Tensor::from_slice(&ids).view([1, p]).to_device(device);
+            let positions = Tensor::arange(p, (Kind::Int64, device)).unsqueeze(0);
+            let mut row_cache = KvCache::new(&self.policy.config, 1, p, kind, device);
+            let hidden = self.policy.model.hidden_states(
+                &ids,
+                &positions,
+                &AttnMask::Causal,
+                Some(&mut row_cache),
+            );
+            if req.prompt_logprobs {
+                let scored = if p > 1 {
+                    let lp = self
+                        .policy
+                        .model
+                        .logits(&hidden.narrow(1, 0, p - 1))
+                        .log_softmax(-1, Kind::Float);
+                    let next = ids.narrow(1, 1, p - 1).unsqueeze(-1);
+                    Vec::<f32>::try_from(lp.gather(-1, &next, false).flatten(0, -1))
+                        .unwrap_or_default()
+                } else {
+                    Vec::new()
+                };
+                let _ = req.events.send(EngineEvent::Prompt(scored));
+            }
+            logits.push(self.policy.model.logits(&hidden.select(1, p - 1)));
+            cache.write_row(row, new_len - p, &row_cache);
+            self.rows.push(Row {
+                rng: ChaCha8Rng::seed_from_u64(req.params.seed),
+                start: new_len - p,
+                prompt_len: req.prompt.len(),
+                tokens: Vec::new(),
+                text: StopText::new(req.stop.clone()),
+                gone: false,
+                req,
+            });
+        }
+        self.logits = Some(Tensor::cat(&logits, 0));
+        self.cache = Some(cache);
+        self.capacity = capacity;
+        self.resample_settings();
+    }
+
+    fn resample_settings(&mut self) {
+        let params: Vec<&GenParams> = self.rows.iter().map(|r| &r.req.params).collect();
+        self.sampling = Some(RowSampling::new(&params, self.policy.device()));
+    }
+
+    /// Samples one token for every row, reports it, drops finished rows, and runs the
+    /// decode step that gives the remaining rows their next logits.
+    fn step(&mut self) {
+        let device = self.policy.device();
+        let logits = self.logits.take().expect("rows have logits");
+        let uniforms: Vec<f64> = self
+            .rows
+            .iter_mut()
+            .map(|r| {
+                if r.req.params.temperature > 0.0 {
+                    r.rng.gen::<f64>()
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let top_n = self
+            .rows
+            .iter()
+            .map(|r| r.req.top_logprobs)
+            .max()
+            .unwrap_or(0);
+        let Sampled {
+            tokens,
+            logprobs,
+            top,
+        } = sample(
+            &logits,
+            self.sampling.as_ref().expect("set with the rows"),
+            &uniforms,
+            top_n,
+        );
+        for (i, row) in self.rows.iter_mut().enumerate() {
+            let tok = tokens[i] as u32;
+            row.tokens.push(tok);
+            let mut finish = None;
+            let mut by_string = false;
+            let text = if row.req.params.stop_token_ids.contains(&tok) {
+                finish = Some(FinishReason::Stop);
+                String::new()
+            } else {
+                let decoded = self.tokenizer.decode(&row.tokens);
+                let (delta, stopped) = row.text.advance(&decoded);
+                if stopped {
+                    finish = Some(FinishReason::Stop);
+                    by_string = true;
+                }
+                delta
+            };
+            if finish.is_none() && row.remaining() == 0 {
+                finish = Some(FinishReason::Length);
+            }
+            let mut alternatives = top[i].clone();
+            alternatives.truncate(row.req.top_logprobs);
+            let sent = row.req.events.send(EngineEvent::Token(TokenEvent {
+                id: tok,
+                logprob: logprobs[i],
+                top: alternatives,
+                text,
+            }));
+            if sent.is_err() {
+                row.gone = true; // the client went away
+                continue;
+            }
+            if let Some(finish) = finish {
+                // Text held back for a stop string that never completed (or a trailing
+                // replacement character) is final now.
+                let rest = if by_string {
+                    String::new()
+                } else {
+                    row.text.flush(&self.tokenizer.decode(&row.tokens))
+                };
+                let _ = row.req.events.send(EngineEvent::Done(DoneEvent {
+                    finish,
+                    text: rest,
+                    prompt_tokens: row.prompt_len,
+                    completion_tokens: row.tokens.len(),
+                }));
+                row.gone = true;
+            }
+        }
+        let keep: Vec<i64> = (0..self.rows.len() as i64)
+            .filter(|&i| !self.rows[i as usize].gone)
+            .collect();
+        if keep.len() < self.rows.len() {
+            let mut i = 0;
+            self.rows.retain(|_| {
+                i += 1;
+                keep.contains(&(i - 1))
+            });
+            if self.rows.is_empty() {
+                self.cache = None;
+                self.sampling = None;
+                self.capacity = 0;
+                return;
+            }
+            let idx = Tensor::from_slice(&keep).to_device(device);
+            self.cache
+                .as_mut()
+                .expect("rows have a cache")
+                .select_rows(&idx);
+            self.resample_settings();
+        }
+        let next: Vec<i64> = keep.iter().map(|&i| tokens[i as usize]).collect();
+        self.decode(&next);
+    }
+
+    /// Feeds each row's last token through the model at the shared slot `len`.
+    fn decode(&mut self, next: &[i64]) {
+        let device = self.policy.device();
+        let b = self.rows.len() as i64;
+        let cache = self.cache.as_mut().expect("rows have a cache");
+        let slot = cache.len;
+        assert!(
+            slot < self.capacity,
+            "cache slot {slot} beyond the reserved capacity {}",
+            self.capacity
+        );
+        let starts: Vec<i64> = self.rows.iter().map(|r| r.start).collect();
+        let starts = Tensor::from_slice(&starts).to_device(device).unsqueeze(1);
+        let positions = (-&starts + slot).view([b, 1]);
+        let mask = Tensor::arange(slot + 1, (Kind::Int64, device))
+            .unsqueeze(0)
+            .ge_tensor(&starts)
+            .view([b, 1, 1, slot + 1]);
+        let ids = Tensor::from_slice(next).view([b, 1]).to_device(device);
+        let hidden = self.policy.model.hidden_states(
+            &ids,
+            &positions,
+            &AttnMask::Explicit(mask),
+            Some(cache),
+        );
+        self.logits = Some(self.policy.model.logits(&hidden.squeeze_dim(1)));
+    }
+}
+
+/// Turns the decoded text of a growing generation into safe increments, finding stop
+/// strings (which may span tokens) and holding back what could still become one.
+#[derive(Debug)]
+struct StopText {
+    stops: Vec<String>,
+    /// Bytes of the text already handed out.
+    emitted: usize,
+}
+
+impl StopText {
+    fn new(stops: Vec<String>) -> Self {
+        StopText {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            emitted: 0,
+        }
+    }
+
+    /// Given the whole text so far, returns the new text that is final, and whether a stop
+    /// string appeared (then the text ends just before it).
+    fn advance(&mut self, text: &str) -> (String, bool) {
+        let mut full = text.len();
+        // An incomplete UTF-8 character decodes as U+FFFD until its last byte arrives, so
+        // the trailing ones are neither final nor matched against stop strings.
+        while text[..full].ends_with(char::REPLACEMENT_CHARACTER) {
+            full -= char::REPLACEMENT_CHARACTER.len_utf8();
+        }
+        let settled = &text[..full];
+        if let Some(at) = self
+            .stops
+            .iter()
+            .filter_map(|s| settled.find(s.as_str()))
+            .min()
+        {
+            return (self.take(text, at), true);
+        }
+        let mut safe = full;
+        for s in &self.stops {
+            if let Some(k) = (1..s.len())
+                .rev()
+                .find(|&k| s.is_char_boundary(k) && text[..full].ends_with(&s[..k]))
+            {
+                safe = safe.min(full - k);
+            }
+        }
+        (self.take(text, safe), false)
+    }
+
+    /// Everything not yet handed out (at the end of the generation).
+    fn flush(&mut self, text: &str) -> String {
+        self.take(text, text.len())
+    }
+
+    fn take(&mut self, text: &str, end: usize) -> String {
+        if end <= self.emitted || !text.is_char_boundary(self.emitted) {
+            return String::new();
+        }
+        let out = text[self.emitted..end].to_string();
+        self.emitted = end;
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::tests::tiny_policy;
+    use tch::Device;
+
+    #[test]
+    fn stop_text_holds_back_partial_matches() {
+        let mut s = StopText::new(vec!["END".into(), "\n\n".into()]);
+        assert_eq!(s.advance("hello E"), ("hello ".into(), false));
+        assert_eq!(s.advance("hello EN"), ("".into(), false));
+        // The partial match did not complete: it becomes text.
+        assert_eq!(s.advance("hello ENx"), ("ENx".into(), false));
+        assert_eq!(s.advance("hello ENx\n"), ("".into(), false));
+        assert_eq!(s.advance("hello ENx\n\nmore"), ("".into(), true));
+        let mut s = StopText::new(vec!["END".into()]);
+        assert_eq!(s.advance("abENDcd"), ("ab".into(), true));
+        // An unfinished character is held back until complete.
+        let mut s = StopText::new(vec![]);
+        assert_eq!(s.advance("caf\u{FFFD}"), ("caf".into(), false));
+        assert_eq!(s.advance("café"), ("é".into(), false));
+        assert_eq!(s.flush("café!"), "!");
+    }
+
+    fn tokenizer() -> ChatTokenizer {
+        let corpus: Vec<String> = (0..30)
+            .map(|i| format!("line {i}: the quick brown fox {i} jumps"))
+            .collect();
+        ChatTokenizer::train(&corpus, 300).unwrap()
+    }
+
+    /// A tiny model whose vocabulary covers the trained tokenizer.
+    fn policy(seed: i64) -> Policy {
+        let p = tiny_policy(seed);
+        let mut c = p.config().clone();
+        c.vocab_size = 300;
+        Policy::new(c, Device::Cpu, seed)
+    }
+
+    fn greedy(n: usize) -> GenParams {
+        GenParams {
+            temperature: 0.0,
+            max_new_tokens: n,
+            ..GenParams::default()
+        }
+    }
+
+    struct Reply {
+        tokens: Vec<u32>,
+        logprobs: Vec<f32>,
+        text: String,
+        done: DoneEvent,
+    }
+
+    fn collect(mut rx: mpsc::UnboundedReceiver<EngineEvent>) -> Reply {
+        let mut r = Reply {
+            tokens: vec![],
+            logprobs: vec![],
+            text: String::new(),
+            done: DoneEvent {
+                finish: FinishReason::Length,
+                text: String::new(),
+                prompt_tokens: 0,
+                completion_tokens: 0,
+            },
+        };
+        while let Some(e) = rx.blocking_recv() {
+            match e {
+                EngineEvent::Prompt(_) => {}
+                EngineEvent::Token(t) => {
+                    r.tokens.push(t.id);
+                    r.logprobs.push(t.logprob);
+                    r.text.push_str(&t.text);
+                }
+                EngineEvent::Done(d) => {
+                    r.text.push_str(&d.text);
+                    r.done = d;
+                    return r;
+                }
+            }
+        }
+        panic!("the engine dropped a request without finishing it");
+    }
+
+    fn request(
+        prompt: Vec<u32>,
+        params: GenParams,
+    ) -> (EngineRequest, mpsc::UnboundedReceiver<EngineEvent>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (
+            EngineRequest {
+                prompt,
+                params,
+                stop: vec![],
+                top_logprobs: 0,
+                prompt_logprobs: false,
+                events: tx,
+            },
+            rx,
+        )
+    }
+
+    #[test]
+    fn prompt_logprobs_score_every_prompt_token_under_the_model() {
+        let tok = tokenizer();
+        let prompt: Vec<u32> = tok.render_prompt("s", "the quick brown fox jumps").unwrap();
+        let reference = policy(4);
+        let ids =
+            Tensor::from_slice(&prompt.iter().map(|&t| t as i64).collect::<Vec<_>>()).unsqueeze(0);
+        let logits = reference.forward(&ids, &ids.ones_like());
+        let lp = logits.log_softmax(-1, Kind::Float);
+        let want: Vec<f32> = (1..prompt.len())
+            .map(|i| lp.double_value(&[0, i as i64 - 1, prompt[i] as i64]) as f32)
+            .collect();
+        let (handle, thread) = spawn_engine(policy(4), tok, EngineConfig::default());
+        let (mut req, mut rx) = request(prompt.clone(), greedy(2));
+        req.prompt_logprobs = true;
+        handle.submit_blocking(req).unwrap();
+        let Some(EngineEvent::Prompt(got)) = rx.blocking_recv() else {
+            panic!("the prompt's log-probs come first");
+        };
+        assert_eq!(got.len(), prompt.len() - 1);
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+        }
+        assert_eq!(collect(rx).tokens.len(), 2, "and the completion follows");
+        drop(handle);
+        thread.join().unwrap();
+    }
+
+    #[test]
+    fn engine_matches_generate_under_concurrent_joins() {
+        // Requests of different lengths and budgets submitted at once and while others
+        // decode: each gets what Policy::generate gives it alone.
+        let tok = tokenizer();
+        let prompts: Vec<Vec<u32>> = vec![
+            tok.render_prompt("s", "the quick brown fox").unwrap(),
+            tok.render_prompt("system text that is longer", "line 3: jumps")
+                .unwrap(),
+            vec![5, 6, 7],
+            // Joins when the 3-token request leaves, while the others decode; the longest
+            // prompt, so the rows already in the batch shift right to make room.
+            (40u32..200).collect(),
+        ];
+        assert!(prompts[..3].iter().all(|p| p.len() < prompts[3].len()));
+        let params = [greedy(9), greedy(3), greedy(14), greedy(6)];
+        let reference = policy(3);
+        let want: Vec<_> = prompts
+            .iter()
+            .zip(&params)
+            .map(|(p, g)| {
+                reference.generate(std::slice::from_ref(p), std::slice::from_ref(g))[0].clone()
+            })
+            .collect();
+        let (handle, thread) = spawn_engine(
+            policy(3),
+            tok,
+            EngineConfig {
+                max_batch: 3,
+                max_cached_tokens: 4096,
+                queue: 8,
+            },
+        );
+        let mut rxs = Vec::new();
+        for (p, g) in prompts.iter().zip(&params) {
+            let (req, rx) = request(p.clone(), g.clone());
+            handle.submit_blocking(req).unwrap();
+            rxs.push(rx);
+        }
+        for (i, rx) in rxs.into_iter().enumerate() {
+            let got = collect(rx);
+            assert_eq!(got.tokens, want[i].tokens, "request {i}");
+            for (a, b) in got.logprobs.iter().zip(&want[i].logprobs) {
+                assert!((a - b).abs() < 1e-4, "request {i}: {a} vs {b}");
+            }
+            assert_eq!(got.done.completion_tokens, params[i].max_new_tokens);
+            assert_eq!(got.done.prompt_tokens, prompts[i].len());
+        }
+        drop(handle);
+        thread.join().unwrap();
+    }
+
+    #[test]
+    fn over_budget_requests_wait_instead_of_failing() {
+        // Room for one 40-token request at a time: the second waits for the first.
+        let tok = tokenizer();
+        let reference = policy(4);
+        let prompt: Vec<u32> = (10..30).collect();
+        let want = reference.generate(std::slice::from_ref(&prompt), &[greedy(20)])[0].clone();
+        let (handle, thread) = spawn_engine(
+            policy(4),
+            tok,
+            EngineConfig {
+                max_batch: 4,
+                max_cached_tokens: 50,
+                queue: 4,
+            },
+        );
+        let (a, rx_a) = request(prompt.clone(), greedy(20));
+        let (b, rx_b) = request(prompt.clone(), greedy(20));
+        handle.submit_blocking(a).unwrap();
+        handle.submit_blocking(b).unwrap();
+        assert_eq!(collect(rx_a).tokens, want.tokens);
+        assert_eq!(collect(rx_b).tokens, want.tokens);
+        let (c, _rx) = request(prompt.clone(), greedy(40));
+        assert_eq!(
+            handle.submit_blocking(c).unwrap_err(),
+            RequestError::OverBudget {
+                prompt: 20,
+                max_new: 40,
+                budget: 50
+            }
+        );
+        let (d, _rx) = request(prompt, greedy(300));
+        assert!(matches!(
+            handle.submit_blocking(d).unwrap_err(),
+            RequestError::TooLongForContext { context: 256, .. }
+        ));
+        drop(handle);
+        thread.join().unwrap();
+    }
+
+    #[test]
+    fn stop_strings_end_the_text_before_them() {
+        let tok = tokenizer();
+        let (handle, thread) = spawn_engine(policy(5), tok.clone(), EngineConfig::default());
+        let prompt = tok.render_prompt("s", "u").unwrap();
+        let (free, rx) = request(prompt.clone(), greedy(30));
+        handle.submit_blocking(free).unwrap();
+        let free = collect(rx);
+        assert_eq!(free.text, tok.decode(&free.tokens));
+        // Pick a stop string from the middle of the free text.
+        let chars: Vec<char> = free.text.chars().collect();
+        assert!(chars.len() >= 8, "{:?}", free.text);
+        let stop: String = chars[5..7].iter().collect();
+        let cut = free.text.find(&stop).unwrap();
+        let (mut req, rx) = request(prompt, greedy(30));
+        req.stop = vec![stop.clone()];
+        handle.submit_blocking(req).unwrap();
+        let stopped = collect(rx);
+        assert_eq!(stopped.text, free.text[..cut], "stop {stop:?}");
+        assert_eq!(stopped.done.finish, FinishReason::Stop);
+        assert!(stopped.tokens.len() < free.tokens.len());
+        assert_eq!(stopped.tokens[..], free.tokens[..stopped.tokens.len()]);
+        drop(handle);
+        thread.join().unwrap();
+    }
+
+    #[test]
+    fn a_client_that_leaves_frees_its_row() {
+        let tok = tokenizer();
+        let (handle, thread) = spawn_engine(
+            policy(6),
+            tok,
+            EngineConfig {
+                max_batch: 1,
+                max_cached_tokens: 4096,
+                queue: 4,
+            },
+        );
+        let (a, rx_a) = request(vec![3, 4, 5], greedy(200));
+        handle.submit_blocking(a).unwrap();
+        drop(rx_a);
+        // With one row, this completes only if the abandoned request left the batch.
+        let (b, rx_b) = request(vec![3, 4, 5], greedy(5));
+        handle.submit_blocking(b).unwrap();
+        assert_eq!(collect(rx_b).tokens.len(), 5);
+        drop(handle);
+        thread.join().unwrap();
+    }
+}

@@ -1,0 +1,130 @@
+//! Who acts in an episode: turn-level mixing (β per turn) and trajectory-level mixing
+//! (the student for the first κ turns, the teacher after), with the teacher labelling
+//! every visited state either way. Real episodes: a toy task in a local sandbox, a tiny
+//! random student, the oracle teacher.
+
+mod common;
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tutor_policy::{ChatTokenizer, ModelConfig};
+use tutor_proto::auth::ClientAuth;
+use tutor_proto::{episode_event, Actor, EpisodeLease, EpisodePurpose, SamplingParams, TurnRecord};
+use tutor_rollout::backend::SandboxFactory;
+use tutor_rollout::episode::{run_episode, EpisodeEnv, TeacherSource, DEFAULT_SYSTEM_PROMPT};
+use tutor_rollout::student::StudentHost;
+
+struct Setup {
+    _dir: tempfile::TempDir,
+    env: EpisodeEnv,
+    events: tokio::sync::mpsc::Receiver<tutor_proto::EpisodeEvent>,
+    task: tutor_proto::Task,
+}
+
+fn setup() -> Setup {
+    common::init_python();
+    let dir = tempfile::tempdir().unwrap();
+    let task = tutor_rollout::toy::generate(1, 11).remove(0);
+    let corpus = vec![
+        DEFAULT_SYSTEM_PROMPT.to_string(),
+        task.problem_statement.clone(),
+        task.patch.clone(),
+    ];
+    let tokenizer = ChatTokenizer::train(&corpus, 400).unwrap();
+    tokenizer.save(&dir.path().join("tokenizer.json")).unwrap();
+    ModelConfig::tiny(tokenizer.vocab_size())
+        .save(&dir.path().join("config.json"))
+        .unwrap();
+    let student = StudentHost::start(dir.path(), dir.path(), 1, ClientAuth::default()).unwrap();
+    let (tx, events) = tokio::sync::mpsc::channel(1024);
+    let env = EpisodeEnv {
+        worker_id: "w-test".into(),
+        tokenizer: Arc::new(tokenizer),
+        student,
+        events: tx,
+        system_prompt: DEFAULT_SYSTEM_PROMPT.to_string(),
+        sandboxes: SandboxFactory::Local {
+            root: Some(dir.path().to_path_buf()),
+            owner: None,
+        },
+        grade_timeout: Duration::from_secs(120),
+        teacher: TeacherSource::Oracle,
+        cancel: Arc::new(AtomicBool::new(false)),
+    };
+    Setup {
+        _dir: dir,
+        env,
+        events,
+        task: (&task).into(),
+    }
+}
+
+fn lease(task: &tutor_proto::Task, beta: f64, student_turns: Option<u32>) -> EpisodeLease {
+    EpisodeLease {
+        episode_id: "it000-train0000-g0a0".into(),
+        task: Some(task.clone()),
+        beta,
+        sampling: Some(SamplingParams {
+            temperature: 1.0,
+            max_new_tokens: 8,
+            seed: 5,
+            unbiased: false,
+        }),
+        max_turns: 5,
+        command_timeout_ms: 20_000,
+        observation_max_chars: 1500,
+        purpose: EpisodePurpose::Train as i32,
+        seed: 9,
+        student_turns,
+        ..Default::default()
+    }
+}
+
+fn turns(events: &mut tokio::sync::mpsc::Receiver<tutor_proto::EpisodeEvent>) -> Vec<TurnRecord> {
+    let mut out = Vec::new();
+    while let Ok(ev) = events.try_recv() {
+        if let Some(episode_event::Event::Turn(t)) = ev.event {
+            out.push(t);
+        }
+    }
+    out
+}
+
+/// (executed by the student, the student generated) per turn.
+fn actors(turns: &[TurnRecord]) -> Vec<(bool, bool)> {
+    turns
+        .iter()
+        .map(|t| (t.executed == Actor::Student as i32, t.student_generated))
+        .collect()
+}
+
+#[test]
+fn trajectory_mixing_lets_the_student_act_for_kappa_turns_then_the_teacher() {
+    let mut s = setup();
+    // κ = 2: the random student acts (and fails to submit) on turns 0 and 1; from turn 2
+    // the teacher acts and the student is not asked. β plays no part.
+    let outcome = run_episode(&s.env, &lease(&s.task, 1.0, Some(2)));
+    let t = turns(&mut s.events);
+    assert!(t.len() >= 3, "{outcome:?}");
+    let a = actors(&t);
+    assert_eq!(&a[..2], &[(true, true), (true, true)], "{a:?}");
+    assert!(a[2..].iter().all(|x| *x == (false, false)), "{a:?}");
+    // The teacher labelled every state, the student's ones included.
+    assert!(t.iter().all(|t| !t.teacher_tokens.is_empty()));
+
+    // κ = 0: the teacher acts throughout, the same as β = 1 at turn level.
+    let _ = run_episode(&s.env, &lease(&s.task, 0.0, Some(0)));
+    let a0 = actors(&turns(&mut s.events));
+    let _ = run_episode(&s.env, &lease(&s.task, 1.0, None));
+    let b1 = actors(&turns(&mut s.events));
+    assert!(a0.iter().all(|x| *x == (false, false)), "{a0:?}");
+    assert_eq!(a0, b1);
+
+    // Turn level with β = 0: the student acts on every turn.
+    let _ = run_episode(&s.env, &lease(&s.task, 0.0, None));
+    let s0 = actors(&turns(&mut s.events));
+    assert_eq!(s0.len(), 5, "the random student never submits: {s0:?}");
+    assert!(s0.iter().all(|x| *x == (true, true)), "{s0:?}");
+}

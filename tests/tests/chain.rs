@@ -1,0 +1,293 @@
+//! Runs chained as the papers chain them (BC, then RFT from the BC result): `[model]
+//! init_from` starts a run from an earlier run's last version, bit for bit, and `tutor
+//! export` writes a version as a directory that transformers loads.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+const BC: &str = r#"
+[run]
+name = "bc"
+workers = 1
+
+[tasks]
+source = "toy"
+toy_train = 4
+toy_heldout = 1
+seed = 5
+
+[model]
+vocab_size = 512
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 1
+num_attention_heads = 2
+num_key_value_heads = 1
+head_dim = 32
+
+[coordinator]
+algorithm = "bc"
+iterations = 1
+episodes_per_iteration = 4
+heldout_episodes = 1
+max_turns = 5
+max_new_tokens = 16
+epochs_per_iteration = 2
+max_steps_per_iteration = 2
+
+[learner]
+learning_rate = 5e-3
+warmup_steps = 0
+"#;
+
+/// RFT from the BC run: the `[model]` section names only where the student comes from.
+fn rft(init_from: &Path) -> String {
+    format!(
+        r#"
+[run]
+name = "rft"
+workers = 1
+
+[tasks]
+source = "toy"
+toy_train = 4
+toy_heldout = 1
+seed = 5
+
+[model]
+init_from = "{}"
+
+[coordinator]
+algorithm = "rft"
+samples_per_task = 2
+tasks_per_iteration = 2
+iterations = 1
+heldout_episodes = 1
+max_turns = 4
+max_new_tokens = 16
+epochs_per_iteration = 1
+max_steps_per_iteration = 1
+"#,
+        init_from.display()
+    )
+}
+
+/// `tutor run` on `config` with runs under `out_dir`; returns the run directory.
+fn run(dir: &Path, name: &str, config: &str) -> PathBuf {
+    let cfg = dir.join(format!("{name}.toml"));
+    let out_dir = dir.join(name);
+    std::fs::write(&cfg, config).unwrap();
+    let out = std::process::Command::new(common::tutor_bin())
+        .args(["run", "--config", cfg.to_str().unwrap()])
+        .env("TUTOR_PYTHON", common::python())
+        .env("TUTOR_RUN__OUT_DIR", &out_dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "tutor run ({name}) failed\nstdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let runs: Vec<PathBuf> = std::fs::read_dir(&out_dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    runs.into_iter().next().unwrap()
+}
+
+fn version_file(run: &Path, v: u64) -> PathBuf {
+    run.join(format!("learner/versions/policy-v{v:06}.safetensors"))
+}
+
+fn final_version(run: &Path) -> u64 {
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
+    summary["final_version"].as_u64().unwrap()
+}
+
+#[test]
+fn rft_starts_from_the_bc_result_and_exports_load_in_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let bc = run(dir.path(), "bc", BC);
+    let bc_final = final_version(&bc);
+    assert!(bc_final >= 1, "BC trained");
+
+    let rft_run = run(dir.path(), "rft", &rft(&bc));
+    // Version 0 of the RFT run is the BC run's last version, byte for byte, and the
+    // tokenizer is the one BC trained with.
+    assert_eq!(
+        std::fs::read(version_file(&rft_run, 0)).unwrap(),
+        std::fs::read(version_file(&bc, bc_final)).unwrap(),
+        "the RFT run did not start from the BC result"
+    );
+    assert_eq!(
+        std::fs::read(rft_run.join("model/tokenizer.json")).unwrap(),
+        std::fs::read(bc.join("model/tokenizer.json")).unwrap()
+    );
+
+    // The RFT result, exported, loads in transformers: model, tokenizer and chat template.
+    let export = dir.path().join("export");
+    let out = common::tutor(&[
+        "export",
+        rft_run.to_str().unwrap(),
+        "--out",
+        export.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let script = r#"
+import sys, torch, transformers
+d = sys.argv[1]
+model = transformers.AutoModelForCausalLM.from_pretrained(d)
+tok = transformers.AutoTokenizer.from_pretrained(d)
+msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "fix it"}]
+text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+assert text == "<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nfix it<|im_end|>\n<|im_start|>assistant\n", repr(text)
+ids = tok(text, return_tensors="pt").input_ids
+assert ids[0, 0].item() == tok.convert_tokens_to_ids("<|im_start|>"), ids
+with torch.no_grad():
+    logits = model(ids).logits
+assert torch.isfinite(logits).all()
+out = model.generate(ids, max_new_tokens=4, do_sample=False)
+print("ok", model.config.model_type, out.shape[1] - ids.shape[1])
+"#;
+    let py = std::process::Command::new(common::python())
+        .args(["-c", script, export.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        py.status.success(),
+        "transformers could not load the export:\n{}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    let said = String::from_utf8_lossy(&py.stdout);
+    assert!(said.starts_with("ok qwen3"), "{said}");
+}
+
+#[test]
+fn init_from_a_directory_that_is_no_model_is_a_clear_error_and_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("bad.toml");
+    let out_dir = dir.path().join("runs");
+    std::fs::write(&cfg, rft(dir.path())).unwrap();
+    let out = std::process::Command::new(common::tutor_bin())
+        .args(["run", "--config", cfg.to_str().unwrap()])
+        .env("TUTOR_PYTHON", common::python())
+        .env("TUTOR_RUN__OUT_DIR", &out_dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("model.init_from") && stderr.contains("neither a run directory"),
+        "{stderr}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&out_dir)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// On-policy distillation with the teacher behind `tutor serve` (OpenAI-compatible, vLLM's
+/// `prompt_logprobs`): student and teacher both start from the BC result, so at version 0
+/// the teacher's log-prob of every student token equals the student's own sampling
+/// log-prob (temperature 1, unbiased) and the reverse-KL advantage is 0 everywhere.
+#[test]
+fn distillation_scores_student_tokens_with_the_teacher_endpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let bc = run(dir.path(), "bc", BC);
+    let teacher_dir = dir.path().join("teacher");
+    let out = common::tutor(&[
+        "export",
+        bc.to_str().unwrap(),
+        "--out",
+        teacher_dir.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let teacher = common::serve(&teacher_dir, "teacher", dir.path(), &[]);
+    let addr = &teacher.addr;
+    let config = format!(
+        r#"
+[run]
+name = "distill"
+workers = 1
+
+[tasks]
+source = "toy"
+toy_train = 4
+toy_heldout = 1
+seed = 5
+
+[model]
+init_from = "{}"
+
+[coordinator]
+algorithm = "distill"
+iterations = 1
+episodes_per_iteration = 3
+heldout_episodes = 1
+max_turns = 3
+max_new_tokens = 12
+epochs_per_iteration = 1
+max_steps_per_iteration = 1
+
+[worker.teacher]
+kind = "endpoint"
+base_url = "http://{addr}/v1"
+model = "teacher"
+max_tokens = 24
+"#,
+        bc.display()
+    );
+    let run_dir = run(dir.path(), "distill", &config);
+    let (events, _) =
+        tutor_coordinator::store::scan(&run_dir.join("trajectories/events.log")).unwrap();
+    let mut scored = 0;
+    for ev in &events {
+        let Some(tutor_proto::episode_event::Event::Turn(t)) = &ev.event else {
+            continue;
+        };
+        if !ev.episode_id.contains("train") || !t.student_generated {
+            assert!(
+                t.teacher_logprobs_of_student.is_empty(),
+                "{}",
+                ev.episode_id
+            );
+            continue;
+        }
+        assert!(t.unbiased_sampling, "distillation samples unbiased");
+        assert_eq!(
+            t.teacher_logprobs_of_student.len(),
+            t.student_tokens.len(),
+            "{} turn {}",
+            ev.episode_id,
+            t.turn_index
+        );
+        for (teacher, student) in t
+            .teacher_logprobs_of_student
+            .iter()
+            .zip(&t.student_logprobs)
+        {
+            assert!(
+                (teacher - student).abs() < 2e-3,
+                "same weights, different log-probs: teacher {teacher} vs student {student}"
+            );
+        }
+        scored += t.student_tokens.len();
+    }
+    assert!(scored > 0, "no student token was scored");
+    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    let row: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    assert_eq!(row["algorithm"], "distill", "{row}");
+}

@@ -1,0 +1,790 @@
+//! `tutor serve`: an OpenAI-compatible chat-completions API over the policy's generation
+//! engine, so that a Tutor checkpoint can act as a teacher or be evaluated by any client.
+
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use clap::Args;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tch::Device;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tutor_policy::{
+    spawn_engine, ChatTokenizer, EngineConfig, EngineEvent, EngineHandle, EngineRequest,
+    FinishReason, GenParams, Policy, RequestError, TokenEvent,
+};
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Checkpoint directory in Hugging Face layout: config.json, model.safetensors (or
+    /// shards with their index) and tokenizer.json, e.g. a run's published checkpoint.
+    #[arg(long)]
+    model: PathBuf,
+    /// The name clients pass as `model` (default: the directory's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Write the bound address here once listening (use with --port 0).
+    #[arg(long, value_name = "PATH")]
+    addr_file: Option<PathBuf>,
+    /// Most requests decoded together.
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    /// Key/value cache budget in tokens (rows × slots); requests that do not fit wait.
+    #[arg(long, default_value_t = 32_768)]
+    max_cached_tokens: usize,
+    /// Requests waiting for the engine before new ones are held back.
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+    /// `cpu`, `cuda`, or `auto` (CUDA when available). Weights are bf16 on CUDA.
+    #[arg(long, default_value = "auto")]
+    device: String,
+}
+
+struct AppState {
+    engine: EngineHandle,
+    tokenizer: ChatTokenizer,
+    model: String,
+    created: u64,
+    next_id: AtomicU64,
+}
+
+pub async fn serve(
+    args: ServeArgs,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    if args.max_batch == 0 || args.max_cached_tokens == 0 {
+        anyhow::bail!("--max-batch and --max-cached-tokens must be at least 1");
+    }
+    let device = match args.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::Cuda(0),
+        "auto" => Device::cuda_if_available(),
+        other => anyhow::bail!("--device {other:?}: expected cpu, cuda or auto"),
+    };
+    let mut policy = Policy::load_dir(&args.model, device)
+        .with_context(|| format!("loading the model from {}", args.model.display()))?;
+    if device.is_cuda() {
+        policy.var_store_mut().bfloat16();
+    }
+    let tok_path = args.model.join("tokenizer.json");
+    // tokenizer.json, and the directory's chat template when it has one (else ChatML).
+    let tokenizer = ChatTokenizer::from_dir(&args.model)?;
+    if tokenizer.vocab_size() > policy.config().vocab_size {
+        anyhow::bail!(
+            "{} has {} tokens but config.json's vocab_size is {}: the tokenizer does not belong to this model",
+            tok_path.display(),
+            tokenizer.vocab_size(),
+            policy.config().vocab_size
+        );
+    }
+    let model = match args.served_model_name {
+        Some(n) => n,
+        None => args
+            .model
+            .canonicalize()
+            .unwrap_or(args.model.clone())
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "tutor".into()),
+    };
+    let (engine, _thread) = spawn_engine(
+        policy,
+        tokenizer.clone(),
+        EngineConfig {
+            max_batch: args.max_batch,
+            max_cached_tokens: args.max_cached_tokens,
+            queue: args.queue,
+        },
+    );
+    let state = Arc::new(AppState {
+        engine,
+        tokenizer,
+        model,
+        created: now(),
+        next_id: AtomicU64::new(0),
+    });
+    let app = router(state.clone());
+    let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))
+        .await
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let local = listener.local_addr()?;
+    if let Some(f) = &args.addr_file {
+        tutor_proto::net::write_addr_file(f, local)
+            .with_context(|| format!("writing {}", f.display()))?;
+    }
+    eprintln!(
+        "serving {} at http://{local}/v1 ({:?}, batch ≤ {}, cache ≤ {} tokens)",
+        state.model, device, args.max_batch, args.max_cached_tokens
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .context("serving HTTP")
+}
+
+fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/health", get(|| async { "ok" }))
+        .fallback(|| async {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "no such route; this server has GET /v1/models, POST /v1/chat/completions and \
+                 POST /v1/completions",
+            )
+        })
+        .with_state(state)
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs()
+}
+
+/// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    message: String,
+    param: Option<&'static str>,
+    code: Option<&'static str>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+            param: None,
+            code: None,
+        }
+    }
+
+    fn bad(param: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            param: Some(param),
+            ..Self::new(StatusCode::BAD_REQUEST, message)
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = if self.status.is_server_error() {
+            "server_error"
+        } else {
+            "invalid_request_error"
+        };
+        let body = json!({"error": {
+            "message": self.message,
+            "type": kind,
+            "param": self.param,
+            "code": self.code,
+        }});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<RequestError> for ApiError {
+    fn from(e: RequestError) -> Self {
+        match e {
+            RequestError::Stopped => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the generation engine has stopped",
+            ),
+            RequestError::EmptyPrompt | RequestError::BadToken { .. } => {
+                ApiError::bad("messages", e.to_string())
+            }
+            _ => ApiError::bad("max_tokens", e.to_string()),
+        }
+    }
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": s.model,
+            "object": "model",
+            "created": s.created,
+            "owned_by": "tutor",
+            "max_model_len": s.engine.context(),
+        }],
+    }))
+}
+
+#[derive(Deserialize)]
+struct ChatRequest {
+    model: String,
+    messages: Vec<Message>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    stop: Option<Stop>,
+    seed: Option<i64>,
+    logprobs: Option<bool>,
+    top_logprobs: Option<u64>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    n: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize)]
+struct Message {
+    role: String,
+    content: Option<Content>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Deserialize)]
+struct Part {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+}
+
+/// A validated request, ready for the engine.
+struct Prepared {
+    prompt: Vec<u32>,
+    params: GenParams,
+    stop: Vec<String>,
+    logprobs: bool,
+    top_logprobs: usize,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn prepare(s: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
+    let req: ChatRequest = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad("body", format!("invalid request body: {e}")))?;
+    if req.model != s.model {
+        return Err(ApiError {
+            code: Some("model_not_found"),
+            ..ApiError {
+                status: StatusCode::NOT_FOUND,
+                ..ApiError::bad(
+                    "model",
+                    format!(
+                        "the model `{}` does not exist; this server serves `{}`",
+                        req.model, s.model
+                    ),
+                )
+            }
+        });
+    }
+    if req.messages.is_empty() {
+        return Err(ApiError::bad("messages", "messages must not be empty"));
+    }
+    let mut turns: Vec<(&str, String)> = Vec::with_capacity(req.messages.len());
+    for (i, m) in req.messages.iter().enumerate() {
+        let role = match m.role.as_str() {
+            "system" | "developer" => "system",
+            "user" => "user",
+            "assistant" => "assistant",
+            other => {
+                return Err(ApiError::bad(
+                    "messages",
+                    format!("messages[{i}].role is {other:?}; expected system, user or assistant"),
+                ))
+            }
+        };
+        let text = match &m.content {
+            Some(Content::Text(t)) => t.clone(),
+            Some(Content::Parts(parts)) => {
+                let mut text = String::new();
+                for (j, p) in parts.iter().enumerate() {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => text.push_str(t),
+                        _ => {
+                            return Err(ApiError::bad(
+                                "messages",
+                                format!(
+                                    "messages[{i}].content[{j}] is of type {:?}; only text parts are supported",
+                                    p.kind
+                                ),
+                            ))
+                        }
+                    }
+                }
+                text
+            }
+            None => {
+                return Err(ApiError::bad(
+                    "messages",
+                    format!("messages[{i}] has no content"),
+                ))
+            }
+        };
+        turns.push((role, text));
+    }
+    if req.n.unwrap_or(1) != 1 {
+        return Err(ApiError::bad("n", "only n = 1 is supported"));
+    }
+    let temperature = req.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::bad(
+            "temperature",
+            format!("temperature {temperature} is outside [0, 2]"),
+        ));
+    }
+    let top_p = req.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad(
+            "top_p",
+            format!("top_p {top_p} is outside (0, 1]"),
+        ));
+    }
+    let stop = match req.stop {
+        None => vec![],
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) => v,
+    };
+    if stop.len() > 4 || stop.iter().any(|s| s.is_empty()) {
+        return Err(ApiError::bad(
+            "stop",
+            "stop takes at most 4 non-empty strings",
+        ));
+    }
+    let logprobs = req.logprobs.unwrap_or(false);
+    let top_logprobs = req.top_logprobs.unwrap_or(0);
+    if top_logprobs > 20 {
+        return Err(ApiError::bad(
+            "top_logprobs",
+            format!("top_logprobs {top_logprobs} is above 20"),
+        ));
+    }
+    if top_logprobs > 0 && !logprobs {
+        return Err(ApiError::bad(
+            "top_logprobs",
+            "top_logprobs needs logprobs: true",
+        ));
+    }
+    let prompt = s
+        .tokenizer
+        .render_chat(turns.iter().map(|(r, t)| (*r, t.as_str())))
+        .map_err(|e| ApiError::bad("messages", e.to_string()))?;
+    let limit = s.engine.max_request_tokens();
+    let max_new = match req.max_completion_tokens.or(req.max_tokens) {
+        Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+        None => {
+            if prompt.len() >= limit {
+                return Err(ApiError::bad(
+                    "messages",
+                    format!(
+                        "the messages are {} tokens, which leaves no room to generate within {limit} tokens (the model's context, or --max-cached-tokens)",
+                        prompt.len()
+                    ),
+                ));
+            }
+            limit - prompt.len()
+        }
+    };
+    let params = GenParams {
+        temperature: temperature as f32,
+        top_p: top_p as f32,
+        max_new_tokens: max_new,
+        seed: req.seed.map_or_else(rand::random::<u64>, |s| s as u64),
+        stop_token_ids: vec![s.tokenizer.im_end_id(), s.tokenizer.eos_id()],
+    };
+    s.engine.check(&prompt, max_new)?;
+    Ok(Prepared {
+        prompt,
+        params,
+        stop,
+        logprobs,
+        top_logprobs: if logprobs { top_logprobs as usize } else { 0 },
+        stream: req.stream.unwrap_or(false),
+        include_usage: req
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
+    })
+}
+
+fn finish_reason(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+/// JSON has no -inf; OpenAI reports impossible alternatives as -9999.
+fn finite(lp: f32) -> f32 {
+    if lp.is_finite() {
+        lp
+    } else {
+        -9999.0
+    }
+}
+
+fn token_entry(tok: &ChatTokenizer, id: u32, logprob: f32) -> Value {
+    let text = tok.token_text(id);
+    json!({"token": text, "logprob": finite(logprob), "bytes": text.as_bytes()})
+}
+
+/// One element of `logprobs.content`: the sampled token and its alternatives.
+fn logprob_content(tok: &ChatTokenizer, t: &TokenEvent) -> Value {
+    let mut entry = token_entry(tok, t.id, t.logprob);
+    entry["top_logprobs"] = Value::Array(
+        t.top
+            .iter()
+            .map(|&(id, lp)| token_entry(tok, id, lp))
+            .collect(),
+    );
+    entry
+}
+
+async fn chat_completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    match run_chat(s, &body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn run_chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
+    let p = prepare(&s, body)?;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    s.engine
+        .submit(EngineRequest {
+            prompt: p.prompt,
+            params: p.params,
+            stop: p.stop,
+            top_logprobs: p.top_logprobs,
+            prompt_logprobs: false,
+            events: tx,
+        })
+        .await?;
+    let id = format!(
+        "chatcmpl-{:x}{:04x}",
+        now(),
+        s.next_id.fetch_add(1, Ordering::Relaxed)
+    );
+    let created = now();
+    if p.stream {
+        return Ok(stream_response(
+            s,
+            rx,
+            id,
+            created,
+            p.logprobs,
+            p.include_usage,
+        ));
+    }
+    let mut content = String::new();
+    let mut entries = Vec::new();
+    while let Some(event) = rx.recv().await {
+        match event {
+            EngineEvent::Prompt(_) => {}
+            EngineEvent::Token(t) => {
+                content.push_str(&t.text);
+                if p.logprobs {
+                    entries.push(logprob_content(&s.tokenizer, &t));
+                }
+            }
+            EngineEvent::Done(d) => {
+                content.push_str(&d.text);
+                let logprobs = if p.logprobs {
+                    json!({"content": entries})
+                } else {
+                    Value::Null
+                };
+                return Ok(Json(json!({
+                    "id": id,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": s.model,
+                    "choices": [{
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content},
+                        "logprobs": logprobs,
+                        "finish_reason": finish_reason(d.finish),
+                    }],
+                    "usage": {
+                        "prompt_tokens": d.prompt_tokens,
+                        "completion_tokens": d.completion_tokens,
+                        "total_tokens": d.prompt_tokens + d.completion_tokens,
+                    },
+                }))
+                .into_response());
+            }
+        }
+    }
+    Err(ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the generation engine dropped the request",
+    ))
+}
+
+#[derive(Deserialize)]
+struct CompletionRequest {
+    model: String,
+    prompt: Prompt,
+    max_tokens: Option<u64>,
+    temperature: Option<f64>,
+    seed: Option<i64>,
+    /// vLLM's extension: the log-probability of every prompt token (the first has none),
+    /// as `choices[0].prompt_logprobs`, each entry `{token_id: {logprob, decoded_token}}`.
+    prompt_logprobs: Option<u64>,
+    stream: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    match run_completion(s, &body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The legacy completions API over the same engine, without streaming: a prompt as text
+/// or as token ids, and with `prompt_logprobs` the model's log-probability of each prompt
+/// token (how a teacher scores a student's tokens for on-policy distillation).
+async fn run_completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
+    let req: CompletionRequest = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad("body", format!("invalid request body: {e}")))?;
+    if req.model != s.model {
+        return Err(ApiError {
+            code: Some("model_not_found"),
+            ..ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "the model {:?} does not exist; this server serves {:?}",
+                    req.model, s.model
+                ),
+            )
+        });
+    }
+    if req.stream == Some(true) {
+        return Err(ApiError::bad(
+            "stream",
+            "/v1/completions does not stream here; use /v1/chat/completions",
+        ));
+    }
+    let prompt = match req.prompt {
+        Prompt::Text(t) => s.tokenizer.encode(&t),
+        Prompt::Ids(ids) => ids,
+    };
+    let temperature = req.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::bad(
+            "temperature",
+            "temperature must be in [0, 2]",
+        ));
+    }
+    let params = GenParams {
+        temperature: temperature as f32,
+        max_new_tokens: req.max_tokens.unwrap_or(16) as usize,
+        seed: req.seed.unwrap_or(0) as u64,
+        stop_token_ids: vec![s.tokenizer.im_end_id(), s.tokenizer.eos_id()],
+        ..GenParams::default()
+    };
+    s.engine.check(&prompt, params.max_new_tokens)?;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let want_prompt = req.prompt_logprobs.is_some();
+    s.engine
+        .submit(EngineRequest {
+            prompt: prompt.clone(),
+            params,
+            stop: vec![],
+            top_logprobs: 0,
+            prompt_logprobs: want_prompt,
+            events: tx,
+        })
+        .await?;
+    let id = format!(
+        "cmpl-{:x}{:04x}",
+        now(),
+        s.next_id.fetch_add(1, Ordering::Relaxed)
+    );
+    let mut text = String::new();
+    let mut scored = Value::Null;
+    while let Some(event) = rx.recv().await {
+        match event {
+            EngineEvent::Prompt(lps) => {
+                let mut entries = vec![Value::Null];
+                for (id, lp) in prompt.iter().skip(1).zip(lps) {
+                    let mut one = serde_json::Map::new();
+                    one.insert(
+                        id.to_string(),
+                        json!({"logprob": finite(lp), "decoded_token": s.tokenizer.token_text(*id)}),
+                    );
+                    entries.push(Value::Object(one));
+                }
+                scored = Value::Array(entries);
+            }
+            EngineEvent::Token(t) => text.push_str(&t.text),
+            EngineEvent::Done(d) => {
+                text.push_str(&d.text);
+                return Ok(Json(json!({
+                    "id": id,
+                    "object": "text_completion",
+                    "created": now(),
+                    "model": s.model,
+                    "choices": [{
+                        "index": 0,
+                        "text": text,
+                        "prompt_logprobs": scored,
+                        "finish_reason": finish_reason(d.finish),
+                    }],
+                    "usage": {
+                        "prompt_tokens": d.prompt_tokens,
+                        "completion_tokens": d.completion_tokens,
+                        "total_tokens": d.prompt_tokens + d.completion_tokens,
+                    },
+                }))
+                .into_response());
+            }
+        }
+    }
+    Err(ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the generation engine dropped the request",
+    ))
+}
+
+/// Server-sent events: a role chunk, one chunk per token (text and logprobs), a final
+/// chunk with the finish reason, optionally a usage chunk, then `data: [DONE]`.
+fn stream_response(
+    s: Arc<AppState>,
+    mut rx: mpsc::UnboundedReceiver<EngineEvent>,
+    id: String,
+    created: u64,
+    logprobs: bool,
+    include_usage: bool,
+) -> Response {
+    let (out, events) = mpsc::channel::<Result<Event, Infallible>>(16);
+    tokio::spawn(async move {
+        let chunk = |delta: Value, lp: Value, finish: Value| {
+            let mut c = json!({
+                "id": id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": s.model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+            });
+            if include_usage {
+                c["usage"] = Value::Null;
+            }
+            Event::default().data(c.to_string())
+        };
+        // A failed send means the client went away: returning drops `rx`, which cancels
+        // the request in the engine.
+        if out
+            .send(Ok(chunk(
+                json!({"role": "assistant", "content": ""}),
+                Value::Null,
+                Value::Null,
+            )))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        while let Some(event) = rx.recv().await {
+            match event {
+                EngineEvent::Prompt(_) => {}
+                EngineEvent::Token(t) => {
+                    if t.text.is_empty() && !logprobs {
+                        continue;
+                    }
+                    let lp = if logprobs {
+                        json!({"content": [logprob_content(&s.tokenizer, &t)]})
+                    } else {
+                        Value::Null
+                    };
+                    if out
+                        .send(Ok(chunk(json!({"content": t.text}), lp, Value::Null)))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+                EngineEvent::Done(d) => {
+                    if !d.text.is_empty() {
+                        let _ = out
+                            .send(Ok(chunk(
+                                json!({"content": d.text}),
+                                Value::Null,
+                                Value::Null,
+                            )))
+                            .await;
+                    }
+                    let _ = out
+                        .send(Ok(chunk(
+                            json!({}),
+                            Value::Null,
+                            json!(finish_reason(d.finish)),
+                        )))
+                        .await;
+                    if include_usage {
+                        let usage = json!({
+                            "id": id,
+                            "object": "chat.completion.chunk",
+                            "created": created,
+                            "model": s.model,
+                            "choices": [],
+                            "usage": {
+                                "prompt_tokens": d.prompt_tokens,
+                                "completion_tokens": d.completion_tokens,
+                                "total_tokens": d.prompt_tokens + d.completion_tokens,
+                            },
+                        });
+                        let _ = out.send(Ok(Event::default().data(usage.to_string()))).await;
+                    }
+                    let _ = out.send(Ok(Event::default().data("[DONE]"))).await;
+                    return;
+                }
+            }
+        }
+    });
+    Sse::new(ReceiverStream::new(events))
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
