@@ -144,7 +144,7 @@ pub struct LocalSandbox {
 }
 
 /// Rejects absolute paths and `..` so task files and `read_file` stay inside the repo.
-fn safe_rel(rel: &str) -> Option<PathBuf> {
+pub(crate) fn safe_rel(rel: &str) -> Option<PathBuf> {
     let p = Path::new(rel);
     let mut out = PathBuf::new();
     for c in p.components() {
@@ -165,12 +165,25 @@ impl LocalSandbox {
     /// Creates the sandbox under `root` (default: the system temp dir), writes the task's
     /// files and commits them as the base commit.
     pub fn create(task: &TaskRecord, root: Option<&Path>) -> Result<Self, SandboxError> {
+        Self::create_owned(task, root, None)
+    }
+
+    /// As `create`, with the directory named after `owner` (a worker), so that a
+    /// restarted owner finds what its killed predecessor left (`remove_local_orphans`).
+    pub fn create_owned(
+        task: &TaskRecord,
+        root: Option<&Path>,
+        owner: Option<&str>,
+    ) -> Result<Self, SandboxError> {
         if task.files.is_empty() {
             return Err(SandboxError::NoFiles(task.instance_id.clone()));
         }
+        let prefix = owner
+            .map(owned_prefix)
+            .unwrap_or_else(|| "tutor-sbx-".into());
         let builder = {
             let mut b = tempfile::Builder::new();
-            b.prefix("tutor-sbx-");
+            b.prefix(&prefix);
             b
         };
         let dir = match root {
@@ -195,6 +208,7 @@ impl LocalSandbox {
 
         let python = python_interpreter();
         write_shims(&bin, &python)?;
+        write_tools(&bin)?;
         let mut path_var = bin.display().to_string();
         if let Some(pdir) = python.parent().filter(|p| !p.as_os_str().is_empty()) {
             path_var.push(':');
@@ -243,6 +257,11 @@ impl LocalSandbox {
             // Tags every process of this sandbox, so Drop can find ones that left the
             // process group (setsid, daemons).
             (SANDBOX_TAG.into(), s(&home)),
+            // The tools (crate::tools) keep the viewer state here and show repository
+            // paths as `~/repo/...`.
+            ("TUTOR_STATE_DIR".into(), s(&state)),
+            ("TUTOR_REPO".into(), s(&repo)),
+            ("TUTOR_REPO_DISPLAY".into(), REPO_DISPLAY.into()),
         ];
 
         for f in &task.files {
@@ -332,6 +351,13 @@ impl LocalSandbox {
             return format!("~/{}", rel.display());
         }
         self.cwd.display().to_string()
+    }
+
+    /// The file the tools have open, as shown in the footer (`~/repo/...`), if any.
+    pub fn current_file(&self) -> Option<String> {
+        let f = std::fs::read_to_string(self.state.join("current_file")).ok()?;
+        let f = f.trim();
+        (!f.is_empty()).then(|| f.to_string())
     }
 
     /// Absolute current directory.
@@ -776,6 +802,17 @@ impl Capture {
     }
 }
 
+fn write_tools(bin: &Path) -> Result<(), SandboxError> {
+    use std::os::unix::fs::PermissionsExt;
+    for (name, body) in crate::tools::tool_files(&bin.display().to_string()) {
+        let p = bin.join(&name);
+        std::fs::write(&p, body).map_err(io_err(format!("writing tool {name}")))?;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))
+            .map_err(io_err(format!("chmod tool {name}")))?;
+    }
+    Ok(())
+}
+
 fn write_shims(bin: &Path, python: &Path) -> Result<(), SandboxError> {
     use std::os::unix::fs::PermissionsExt;
     // Shell shims rather than symlinks: a symlinked venv python would not find its
@@ -811,14 +848,93 @@ fn make_writable(p: &Path) {
     }
 }
 
+/// The directory-name prefix of `owner`'s sandboxes. The owner is reduced to
+/// `[A-Za-z0-9_-]` and closed by a dot, so no owner's prefix is another's.
+fn owned_prefix(owner: &str) -> String {
+    let clean: String = owner
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("tutor-sbx-{clean}.")
+}
+
+/// Removes the local sandboxes `owner` left under `root` (default: the system temp dir)
+/// when it was killed before it could drop them, with the processes still running in
+/// them. Call it before the owner creates any sandbox. Returns how many it removed.
+pub fn remove_local_orphans(root: Option<&Path>, owner: &str) -> usize {
+    let root = root
+        .map(Path::to_path_buf)
+        .unwrap_or_else(std::env::temp_dir);
+    let prefix = owned_prefix(owner);
+    let Ok(rd) = std::fs::read_dir(&root) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in rd.flatten() {
+        if !e.file_name().to_string_lossy().starts_with(&prefix) {
+            continue;
+        }
+        let path = e.path();
+        let home = path.canonicalize().unwrap_or_else(|_| path.clone());
+        kill_tagged(&format!("{SANDBOX_TAG}={}", home.display()));
+        make_writable(&path);
+        match std::fs::remove_dir_all(&path) {
+            Ok(()) => removed += 1,
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "could not remove an orphaned sandbox")
+            }
+        }
+    }
+    removed
+}
+
 /// Kills processes (other than this one) whose environment carries `tag`: the ones that
 /// escaped their command's process group. Linux only (reads /proc); best effort.
+///
+/// One scan of /proc is not enough. A process caught in the middle of `execve` shows an
+/// empty environment for a moment, and a process may fork while the scan runs; either
+/// would escape a single pass. So this scans again, with a growing pause, while the
+/// previous pass killed something or met a live process with an empty environment that
+/// has not yet been seen empty four times (one started with `env -i` stays empty and is
+/// then left alone); at least twice, for at most about a second.
 fn kill_tagged(tag: &str) {
+    const MIN_PASSES: usize = 2;
+    const EMPTY_SIGHTINGS: u32 = 4;
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let mut empty_seen: std::collections::HashMap<u32, u32> = Default::default();
+    let mut pause = Duration::from_millis(5);
+    for pass in 1.. {
+        let (killed, empty) = kill_tagged_once(tag);
+        let mut unsure = false;
+        for pid in empty {
+            let n = empty_seen.entry(pid).or_insert(0);
+            *n += 1;
+            unsure |= *n < EMPTY_SIGHTINGS;
+        }
+        let again = killed > 0 || unsure || pass < MIN_PASSES;
+        if !again || Instant::now() >= deadline {
+            return;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(100));
+    }
+}
+
+/// One pass of [`kill_tagged`]: how many processes it killed, and the live processes whose
+/// environment read back empty and so could not be checked.
+fn kill_tagged_once(tag: &str) -> (usize, Vec<u32>) {
     let Ok(rd) = std::fs::read_dir("/proc") else {
-        return;
+        return (0, Vec::new());
     };
     let me = std::process::id();
     let needle = tag.as_bytes();
+    let (mut killed, mut empty) = (0, Vec::new());
     for e in rd.flatten() {
         let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
             continue;
@@ -830,11 +946,36 @@ fn kill_tagged(tag: &str) {
         let Ok(env) = std::fs::read(e.path().join("environ")) else {
             continue;
         };
+        if env.is_empty() {
+            if live_user_process(&e.path()) {
+                empty.push(pid);
+            }
+            continue;
+        }
         if env.split(|&b| b == 0).any(|kv| kv == needle) {
             // SAFETY: plain syscall on a pid we just saw; ESRCH is fine.
             unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            killed += 1;
         }
     }
+    (killed, empty)
+}
+
+/// Whether /proc/PID describes a running user process: not a zombie, not a kernel thread
+/// (kernel threads and zombies have an empty environment for good).
+fn live_user_process(proc_dir: &Path) -> bool {
+    const PF_KTHREAD: u64 = 0x0020_0000;
+    let Ok(stat) = std::fs::read_to_string(proc_dir.join("stat")) else {
+        return false;
+    };
+    // Fields after the command name, which is in parentheses and may contain anything.
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+        return false;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let state = fields.first().copied().unwrap_or("Z");
+    let flags: u64 = fields.get(6).and_then(|f| f.parse().ok()).unwrap_or(PF_KTHREAD);
+    !matches!(state, "Z" | "X" | "x") && flags & PF_KTHREAD == 0
 }
 
 impl Drop for LocalSandbox {
@@ -854,6 +995,28 @@ impl Drop for LocalSandbox {
 
 #[cfg(test)]
 pub(crate) mod tests {
+
+    #[test]
+    fn a_restarted_owner_removes_only_its_own_orphans() {
+        let root = tempfile::tempdir().unwrap();
+        let mk = |name: &str| {
+            let d = root.path().join(name);
+            std::fs::create_dir_all(d.join("repo")).unwrap();
+            std::fs::write(d.join("repo/f"), "x").unwrap();
+        };
+        mk(&format!("{}abc", owned_prefix("run-w0")));
+        mk(&format!("{}def", owned_prefix("run-w0")));
+        mk(&format!("{}ghi", owned_prefix("run-w0-x")));
+        mk("tutor-sbx-anonymous");
+        assert_eq!(remove_local_orphans(Some(root.path()), "run-w0"), 2);
+        let mut left: Vec<String> = std::fs::read_dir(root.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, vec!["tutor-sbx-anonymous", "tutor-sbx-run-w0-x.ghi"]);
+        assert_eq!(remove_local_orphans(Some(root.path()), "run-w0"), 0);
+    }
     use super::*;
     use crate::tasks::RepoFileRecord;
 
@@ -880,6 +1043,7 @@ pub(crate) mod tests {
                 },
             ],
             image: String::new(),
+            test_cmd: String::new(),
         }
     }
 
@@ -1018,7 +1182,9 @@ pub(crate) mod tests {
                 .map(|s| !s.contains(") Z"))
                 .unwrap_or(false)
         };
-        for _ in 0..50 {
+        // SIGKILL is delivered asynchronously; on a loaded machine the state change can
+        // take a while to show, so wait (bounded) before concluding it survived.
+        for _ in 0..500 {
             if !alive() {
                 break;
             }
