@@ -36,6 +36,9 @@ pub struct EngineConfig {
     pub max_cached_tokens: usize,
     /// Requests that may wait in the channel before senders block.
     pub queue: usize,
+    /// libtorch intra-op threads of the engine thread (0: libtorch's default). Set on the
+    /// thread that decodes, since OpenMP thread counts are per thread.
+    pub torch_threads: u32,
 }
 
 impl Default for EngineConfig {
@@ -44,6 +47,7 @@ impl Default for EngineConfig {
             max_batch: 8,
             max_cached_tokens: 32_768,
             queue: 64,
+            torch_threads: 0,
         }
     }
 }
@@ -61,8 +65,23 @@ pub struct EngineRequest {
     /// model (`EngineEvent::Prompt`, before any token): scoring another policy's tokens,
     /// e.g. a teacher's log-probs of a student's action for on-policy distillation.
     pub prompt_logprobs: bool,
+    /// Decode text as tokens arrive (`TokenEvent::text`, `DoneEvent::text`). Callers that
+    /// only need token ids (the rollout worker) turn it off and save a detokenization per
+    /// token; stop strings need the text, so a request with any keeps it on.
+    pub text: bool,
     /// Where the engine reports; dropping the receiver cancels the request.
     pub events: mpsc::UnboundedSender<EngineEvent>,
+}
+
+/// What travels to the engine thread: a request, or new weights to swap in.
+enum Msg {
+    Request(EngineRequest),
+    /// Swap weights once the rows admitted before it have finished; requests that arrive
+    /// later wait and run under the new weights, so no generation mixes two versions.
+    Load {
+        path: std::path::PathBuf,
+        reply: tokio::sync::oneshot::Sender<Result<(), String>>,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -132,7 +151,7 @@ pub enum RequestError {
 /// The sending side: cheap to clone, one per HTTP handler.
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: mpsc::Sender<EngineRequest>,
+    tx: mpsc::Sender<Msg>,
     context: usize,
     budget: usize,
     vocab: usize,
@@ -185,7 +204,7 @@ impl EngineHandle {
     pub async fn submit(&self, request: EngineRequest) -> Result<(), RequestError> {
         self.check(&request.prompt, request.params.max_new_tokens)?;
         self.tx
-            .send(request)
+            .send(Msg::Request(request))
             .await
             .map_err(|_| RequestError::Stopped)
     }
@@ -194,8 +213,38 @@ impl EngineHandle {
     pub fn submit_blocking(&self, request: EngineRequest) -> Result<(), RequestError> {
         self.check(&request.prompt, request.params.max_new_tokens)?;
         self.tx
-            .blocking_send(request)
+            .blocking_send(Msg::Request(request))
             .map_err(|_| RequestError::Stopped)
+    }
+
+    /// Loads weights from a safetensors file into the engine's model. The engine lets the
+    /// requests admitted before this call finish, swaps, then admits the ones behind it:
+    /// every generation runs under one set of weights. A file that does not fit the model
+    /// is an error and the old weights stay.
+    pub async fn load_weights(&self, path: &std::path::Path) -> Result<(), String> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.tx
+            .send(Msg::Load {
+                path: path.to_path_buf(),
+                reply,
+            })
+            .await
+            .map_err(|_| "the engine has stopped".to_string())?;
+        rx.await
+            .map_err(|_| "the engine stopped before loading the weights".to_string())?
+    }
+
+    /// [`EngineHandle::load_weights`] for threads outside an async runtime.
+    pub fn load_weights_blocking(&self, path: &std::path::Path) -> Result<(), String> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.tx
+            .blocking_send(Msg::Load {
+                path: path.to_path_buf(),
+                reply,
+            })
+            .map_err(|_| "the engine has stopped".to_string())?;
+        rx.blocking_recv()
+            .map_err(|_| "the engine stopped before loading the weights".to_string())?
     }
 }
 
@@ -216,6 +265,9 @@ pub fn spawn_engine(
     let thread = std::thread::Builder::new()
         .name("tutor-engine".into())
         .spawn(move || {
+            if config.torch_threads > 0 {
+                tch::set_num_threads(config.torch_threads as i32);
+            }
             let mut engine = Engine::new(policy, tokenizer, config);
             tch::no_grad(|| engine.run(rx));
         })
@@ -240,6 +292,10 @@ impl Row {
     /// New tokens this row may still sample.
     fn remaining(&self) -> usize {
         self.req.params.max_new_tokens - self.tokens.len()
+    }
+
+    fn wants_text(&self) -> bool {
+        self.req.text || !self.req.stop.is_empty()
     }
 }
 
@@ -273,8 +329,8 @@ impl Engine {
         self.cache.as_ref().map_or(0, |c| c.len)
     }
 
-    fn run(&mut self, mut rx: mpsc::Receiver<EngineRequest>) {
-        let mut waiting: VecDeque<EngineRequest> = VecDeque::new();
+    fn run(&mut self, mut rx: mpsc::Receiver<Msg>) {
+        let mut waiting: VecDeque<Msg> = VecDeque::new();
         let mut open = true;
         loop {
             if self.rows.is_empty() && waiting.is_empty() {
@@ -282,7 +338,7 @@ impl Engine {
                     return;
                 }
                 match rx.blocking_recv() {
-                    Some(r) => waiting.push_back(r),
+                    Some(m) => waiting.push_back(m),
                     None => return,
                 }
             }
@@ -290,21 +346,35 @@ impl Engine {
             // the backlog in the bounded channel, where it holds senders back.
             while open && waiting.len() < self.config.max_batch {
                 match rx.try_recv() {
-                    Ok(r) => waiting.push_back(r),
+                    Ok(m) => waiting.push_back(m),
                     Err(mpsc::error::TryRecvError::Empty) => break,
                     Err(mpsc::error::TryRecvError::Disconnected) => open = false,
                 }
             }
-            waiting.retain(|r| !r.events.is_closed());
+            waiting.retain(|m| match m {
+                Msg::Request(r) => !r.events.is_closed(),
+                Msg::Load { .. } => true,
+            });
             self.admit(&mut waiting);
+            if self.rows.is_empty() && matches!(waiting.front(), Some(Msg::Load { .. })) {
+                if let Some(Msg::Load { path, reply }) = waiting.pop_front() {
+                    let r = self
+                        .policy
+                        .load_weights(&path)
+                        .map_err(|e| format!("loading {}: {e}", path.display()));
+                    let _ = reply.send(r);
+                }
+                continue;
+            }
             if !self.rows.is_empty() {
                 self.step();
             }
         }
     }
 
-    /// Moves waiting requests into the batch, in order, while they fit.
-    fn admit(&mut self, waiting: &mut VecDeque<EngineRequest>) {
+    /// Moves waiting requests into the batch, in order, while they fit; a weight swap in
+    /// the queue stops admission until the batch has drained.
+    fn admit(&mut self, waiting: &mut VecDeque<Msg>) {
         let len = self.len();
         let longest = self.rows.iter().map(|r| len - r.start).max().unwrap_or(0);
         let mut new_len = longest;
@@ -315,7 +385,8 @@ impl Engine {
             .max()
             .unwrap_or(0);
         let mut joining = 0;
-        for req in waiting.iter() {
+        for msg in waiting.iter() {
+            let Msg::Request(req) = msg else { break };
             let rows = self.rows.len() + joining + 1;
             let l = new_len.max(req.prompt.len() as i64);
             let n = need.max(req.params.max_new_tokens as i64);
@@ -331,7 +402,13 @@ impl Engine {
         if joining == 0 {
             return;
         }
-        let new: Vec<EngineRequest> = waiting.drain(..joining).collect();
+        let new: Vec<EngineRequest> = waiting
+            .drain(..joining)
+            .filter_map(|m| match m {
+                Msg::Request(r) => Some(r),
+                Msg::Load { .. } => None,
+            })
+            .collect();
         self.rebuild(new_len, new_len + need, new);
     }
 
@@ -445,6 +522,8 @@ impl Engine {
             let text = if row.req.params.stop_token_ids.contains(&tok) {
                 finish = Some(FinishReason::Stop);
                 String::new()
+            } else if !row.wants_text() {
+                String::new()
             } else {
                 let decoded = self.tokenizer.decode(&row.tokens);
                 let (delta, stopped) = row.text.advance(&decoded);
@@ -472,7 +551,7 @@ impl Engine {
             if let Some(finish) = finish {
                 // Text held back for a stop string that never completed (or a trailing
                 // replacement character) is final now.
-                let rest = if by_string {
+                let rest = if by_string || !row.wants_text() {
                     String::new()
                 } else {
                     row.text.flush(&self.tokenizer.decode(&row.tokens))
@@ -699,6 +778,7 @@ mod tests {
                 stop: vec![],
                 top_logprobs: 0,
                 prompt_logprobs: false,
+                text: true,
                 events: tx,
             },
             rx,
@@ -764,6 +844,7 @@ mod tests {
                 max_batch: 3,
                 max_cached_tokens: 4096,
                 queue: 8,
+                ..Default::default()
             },
         );
         let mut rxs = Vec::new();
@@ -786,6 +867,68 @@ mod tests {
     }
 
     #[test]
+    fn a_weight_swap_waits_for_running_rows_and_applies_to_later_ones() {
+        let tok = tokenizer();
+        let dir = tempfile::tempdir().unwrap();
+        let new_weights = dir.path().join("v1.safetensors");
+        policy(22).save_weights(&new_weights).unwrap();
+        let prompt: Vec<u32> = (10..30).collect();
+        let old = policy(21).generate(std::slice::from_ref(&prompt), &[greedy(24)])[0].clone();
+        let new = policy(22).generate(std::slice::from_ref(&prompt), &[greedy(24)])[0].clone();
+        assert_ne!(old.tokens, new.tokens, "the two models must differ for this test");
+
+        let (handle, thread) = spawn_engine(policy(21), tok, EngineConfig::default());
+        // In this order on the channel: A, the swap, B. A was admitted first and must
+        // finish under the old weights; B, queued behind the swap, runs under the new.
+        let (a, rx_a) = request(prompt.clone(), greedy(24));
+        let (b, rx_b) = request(prompt.clone(), greedy(24));
+        let (reply, loaded) = tokio::sync::oneshot::channel();
+        handle.tx.blocking_send(Msg::Request(a)).unwrap();
+        handle
+            .tx
+            .blocking_send(Msg::Load {
+                path: new_weights.clone(),
+                reply,
+            })
+            .unwrap();
+        handle.tx.blocking_send(Msg::Request(b)).unwrap();
+        let got_a = collect(rx_a);
+        assert_eq!(got_a.tokens, old.tokens);
+        assert_eq!(got_a.logprobs, old.logprobs);
+        assert_eq!(loaded.blocking_recv().unwrap(), Ok(()));
+        assert_eq!(collect(rx_b).tokens, new.tokens);
+
+        // A file that is not weights: an error naming it, and the weights stay.
+        let junk = dir.path().join("junk.safetensors");
+        std::fs::write(&junk, b"not safetensors").unwrap();
+        let err = handle.load_weights_blocking(&junk).unwrap_err();
+        assert!(err.contains("junk.safetensors"), "{err}");
+        let (c, rx_c) = request(prompt, greedy(24));
+        handle.submit_blocking(c).unwrap();
+        assert_eq!(collect(rx_c).tokens, new.tokens);
+        drop(handle);
+        thread.join().unwrap();
+    }
+
+    #[test]
+    fn requests_without_text_get_the_same_tokens_and_no_text() {
+        let tok = tokenizer();
+        let prompt: Vec<u32> = (10..30).collect();
+        let (handle, thread) = spawn_engine(policy(23), tok, EngineConfig::default());
+        let (with, rx_with) = request(prompt.clone(), greedy(16));
+        let (mut without, rx_without) = request(prompt, greedy(16));
+        without.text = false;
+        handle.submit_blocking(with).unwrap();
+        handle.submit_blocking(without).unwrap();
+        let (with, without) = (collect(rx_with), collect(rx_without));
+        assert_eq!(with.tokens, without.tokens);
+        assert!(!with.text.is_empty());
+        assert_eq!(without.text, "");
+        drop(handle);
+        thread.join().unwrap();
+    }
+
+    #[test]
     fn over_budget_requests_wait_instead_of_failing() {
         // Room for one 40-token request at a time: the second waits for the first.
         let tok = tokenizer();
@@ -799,6 +942,7 @@ mod tests {
                 max_batch: 4,
                 max_cached_tokens: 50,
                 queue: 4,
+                ..Default::default()
             },
         );
         let (a, rx_a) = request(prompt.clone(), greedy(20));
@@ -861,6 +1005,7 @@ mod tests {
                 max_batch: 1,
                 max_cached_tokens: 4096,
                 queue: 4,
+                ..Default::default()
             },
         );
         let (a, rx_a) = request(vec![3, 4, 5], greedy(200));

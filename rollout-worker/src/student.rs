@@ -1,39 +1,29 @@
-//! The student host: one thread owns the tch policy; episodes ask it for generations
-//! over a channel, and requests that arrive together are decoded as one batch. Weight
-//! swaps go through the same channel, so they happen between generations.
+//! The student host: the continuous-batching engine of the policy crate owns the tch
+//! policy on its own thread; episodes submit their turns to it, and a turn joins the
+//! running batch at the next decode step instead of waiting for the batch to finish.
+//! Weight swaps go through the engine too: it lets the generations already running
+//! finish, swaps, then admits the rest, so every generation has a single version.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use anyhow::{anyhow, Context, Result};
-use tokio::sync::{mpsc, oneshot};
-use tutor_policy::{GenParams, Generation, ModelConfig, Policy};
+use anyhow::{anyhow, bail, Context, Result};
+use tokio::sync::mpsc;
+use tutor_policy::{
+    spawn_engine, ChatTokenizer, EngineConfig, EngineEvent, EngineHandle, EngineRequest,
+    FinishReason, GenParams, Generation, ModelConfig, Policy,
+};
 use tutor_proto::auth::ClientAuth;
 use tutor_proto::PolicyVersion;
 
 /// Version number meaning "no weights loaded yet".
 pub const NO_VERSION: u64 = u64::MAX;
 
-/// Most requests decoded together in one batch.
-const MAX_BATCH: usize = 16;
-
-enum Cmd {
-    Generate {
-        prompt: Vec<u32>,
-        params: GenParams,
-        reply: oneshot::Sender<Generation>,
-    },
-    Load {
-        path: PathBuf,
-        reply: oneshot::Sender<Result<(), String>>,
-    },
-}
-
-/// Cheap to clone; every clone talks to the same model thread.
+/// Cheap to clone; every clone talks to the same engine.
 #[derive(Clone)]
 pub struct StudentHost {
-    tx: mpsc::Sender<Cmd>,
+    engine: EngineHandle,
     loaded: Arc<AtomicU64>,
     load_lock: Arc<tokio::sync::Mutex<()>>,
     cache_dir: PathBuf,
@@ -43,59 +33,26 @@ pub struct StudentHost {
 
 impl StudentHost {
     /// Builds the model from `model_dir/config.json` (random weights until a version is
-    /// loaded) on its own thread, with `torch_threads` intra-op threads (0: libtorch's
-    /// default). Weights are downloaded with `auth`.
+    /// loaded) and starts its engine with `engine`'s limits (batch rows, cached tokens,
+    /// intra-op threads). Weights are downloaded with `auth`.
     pub fn start(
         model_dir: &Path,
         cache_dir: &Path,
-        torch_threads: u32,
+        tokenizer: ChatTokenizer,
+        engine: EngineConfig,
         auth: ClientAuth,
     ) -> Result<Self> {
         let cfg_path = model_dir.join("config.json");
         let config = ModelConfig::load(&cfg_path)
             .with_context(|| format!("reading {}", cfg_path.display()))?;
-        let (tx, mut rx) = mpsc::channel::<Cmd>(64);
-        std::thread::Builder::new()
-            .name("student".into())
-            .spawn(move || {
-                // OpenMP thread counts are per thread: set it on the thread that decodes.
-                if torch_threads > 0 {
-                    tch::set_num_threads(torch_threads as i32);
-                }
-                let mut policy = Policy::new(config, tch::Device::Cpu, 0);
-                while let Some(first) = rx.blocking_recv() {
-                    let mut gens: Vec<(Vec<u32>, GenParams, oneshot::Sender<Generation>)> =
-                        Vec::new();
-                    let mut next = Some(first);
-                    // Collect what is already waiting; a Load ends the batch so a swap
-                    // never lands in the middle of one.
-                    while let Some(cmd) = next.take() {
-                        match cmd {
-                            Cmd::Generate {
-                                prompt,
-                                params,
-                                reply,
-                            } => {
-                                gens.push((prompt, params, reply));
-                                if gens.len() < MAX_BATCH {
-                                    next = rx.try_recv().ok();
-                                }
-                            }
-                            Cmd::Load { path, reply } => {
-                                run_batch(&policy, std::mem::take(&mut gens));
-                                let r = policy
-                                    .load_weights(&path)
-                                    .map_err(|e| format!("loading {}: {e}", path.display()));
-                                let _ = reply.send(r);
-                            }
-                        }
-                    }
-                    run_batch(&policy, gens);
-                }
-            })
-            .context("starting the student thread")?;
+        // Any single turn must fit, or it would wait for ever.
+        let mut engine = engine;
+        engine.max_cached_tokens = engine.max_cached_tokens.max(config.max_position_embeddings);
+        let policy = Policy::new(config, tch::Device::Cpu, 0);
+        // The engine thread ends when the last handle is dropped.
+        let (engine, _thread) = spawn_engine(policy, tokenizer, engine);
         Ok(Self {
-            tx,
+            engine,
             loaded: Arc::new(AtomicU64::new(NO_VERSION)),
             load_lock: Default::default(),
             cache_dir: cache_dir.to_path_buf(),
@@ -126,16 +83,9 @@ impl StudentHost {
             &self.auth,
         )
         .await?;
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Cmd::Load {
-                path: path.clone(),
-                reply,
-            })
+        self.engine
+            .load_weights(&path)
             .await
-            .map_err(|_| anyhow!("the student thread has stopped"))?;
-        rx.await
-            .map_err(|_| anyhow!("the student thread dropped a load"))?
             .map_err(|e| anyhow!(e))?;
         let _ = std::fs::remove_file(&path);
         self.loaded.store(policy.version, Ordering::SeqCst);
@@ -148,28 +98,50 @@ impl StudentHost {
     }
 
     /// Samples one assistant message. Blocking: call it from a blocking thread.
+    ///
+    /// A prompt longer than the model's context allows with `max_new_tokens` keeps its
+    /// last tokens, and `max_new_tokens` is capped below the context, as
+    /// [`Policy::generate`] does.
     pub fn generate_blocking(&self, prompt: Vec<u32>, params: GenParams) -> Result<Generation> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .blocking_send(Cmd::Generate {
+        let mut params = params;
+        let context = self.engine.max_request_tokens();
+        params.max_new_tokens = params.max_new_tokens.min(context.saturating_sub(1)).max(1);
+        let keep = context - params.max_new_tokens;
+        let prompt = if prompt.len() > keep {
+            prompt[prompt.len() - keep..].to_vec()
+        } else {
+            prompt
+        };
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        self.engine
+            .submit_blocking(EngineRequest {
                 prompt,
                 params,
-                reply,
+                stop: Vec::new(),
+                top_logprobs: 0,
+                prompt_logprobs: false,
+                text: false,
+                events: tx,
             })
-            .map_err(|_| anyhow!("the student thread has stopped"))?;
-        rx.blocking_recv()
-            .map_err(|_| anyhow!("the student thread dropped a generation"))
-    }
-}
-
-fn run_batch(policy: &Policy, gens: Vec<(Vec<u32>, GenParams, oneshot::Sender<Generation>)>) {
-    if gens.is_empty() {
-        return;
-    }
-    let prompts: Vec<Vec<u32>> = gens.iter().map(|g| g.0.clone()).collect();
-    let params: Vec<GenParams> = gens.iter().map(|g| g.1.clone()).collect();
-    let out = policy.generate(&prompts, &params);
-    for ((_, _, reply), g) in gens.into_iter().zip(out) {
-        let _ = reply.send(g);
+            .map_err(|e| anyhow!("the student cannot run this turn: {e}"))?;
+        let mut out = Generation {
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            finish: FinishReason::Length,
+        };
+        while let Some(event) = rx.blocking_recv() {
+            match event {
+                EngineEvent::Prompt(_) => {}
+                EngineEvent::Token(t) => {
+                    out.tokens.push(t.id);
+                    out.logprobs.push(t.logprob);
+                }
+                EngineEvent::Done(d) => {
+                    out.finish = d.finish;
+                    return Ok(out);
+                }
+            }
+        }
+        bail!("the student engine stopped in the middle of a generation")
     }
 }

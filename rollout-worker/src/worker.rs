@@ -58,6 +58,12 @@ pub struct WorkerConfig {
     /// libtorch intra-op threads for the student. Several workers share a machine's
     /// cores; more threads than cores makes OpenMP spin and everything crawl.
     pub torch_threads: u32,
+    /// The student's continuous batch: most turns decoded together.
+    pub student_max_batch: usize,
+    /// Key/value cache slots the student's batch may hold (rows × longest context). A
+    /// turn that does not fit waits for others to finish; it is raised to the model's
+    /// context when smaller, so that any single turn fits.
+    pub student_cache_tokens: usize,
 }
 
 impl Default for WorkerConfig {
@@ -77,6 +83,8 @@ impl Default for WorkerConfig {
             teacher: TeacherConfig::default(),
             rpc_timeout_s: 30.0,
             torch_threads: 1,
+            student_max_batch: 16,
+            student_cache_tokens: 65_536,
         }
     }
 }
@@ -102,6 +110,16 @@ impl std::str::FromStr for SandboxKind {
 }
 
 impl WorkerConfig {
+    /// The limits of the student's generation engine.
+    pub fn student_engine(&self) -> tutor_policy::EngineConfig {
+        tutor_policy::EngineConfig {
+            max_batch: self.student_max_batch.max(1),
+            max_cached_tokens: self.student_cache_tokens,
+            queue: 4 * self.student_max_batch.max(1),
+            torch_threads: self.torch_threads,
+        }
+    }
+
     /// The sandbox factory this configuration describes, after removing what a previous
     /// incarnation of this worker (same run and worker name) left behind: for Docker its
     /// labelled containers, for local sandboxes the directories named after it.
@@ -211,7 +229,8 @@ pub async fn run_worker(
     let student = StudentHost::start(
         &opts.model_dir,
         &opts.cache_dir,
-        opts.config.torch_threads,
+        (*tokenizer).clone(),
+        opts.config.student_engine(),
         opts.auth.clone(),
     )?;
     let rpc_timeout = Duration::from_secs_f64(opts.config.rpc_timeout_s);

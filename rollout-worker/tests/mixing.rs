@@ -37,7 +37,14 @@ fn setup() -> Setup {
     ModelConfig::tiny(tokenizer.vocab_size())
         .save(&dir.path().join("config.json"))
         .unwrap();
-    let student = StudentHost::start(dir.path(), dir.path(), 1, ClientAuth::default()).unwrap();
+    let student = StudentHost::start(
+        dir.path(),
+        dir.path(),
+        tokenizer.clone(),
+        tutor_rollout::worker::WorkerConfig::default().student_engine(),
+        ClientAuth::default(),
+    )
+    .unwrap();
     let (tx, events) = tokio::sync::mpsc::channel(1024);
     let env = EpisodeEnv {
         worker_id: "w-test".into(),

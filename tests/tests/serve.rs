@@ -52,13 +52,24 @@ fn start(extra: &[&str]) -> Server {
 
 /// One HTTP/1.1 exchange (Connection: close): status and body, de-chunked.
 fn http(addr: &str, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    http_with(addr, method, path, body, "")
+}
+
+/// [`http`] with extra header lines (each ending in `\r\n`).
+fn http_with(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &str,
+) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     let body = body.unwrap_or("");
     write!(
         s,
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+         {headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
@@ -356,6 +367,70 @@ fn bad_requests_get_openai_errors() {
     // The server still works after all that.
     let (status, v) = post(addr, &chat("hi", json!({"max_tokens": 3})));
     assert_eq!(status, 200, "{v}");
+}
+
+#[test]
+fn an_api_key_is_required_when_configured_and_never_logged() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = make_model(dir.path());
+    let key = "sk-tutor-test-0123456789abcdef";
+    let key_file = dir.path().join("api-key");
+    std::fs::write(&key_file, format!("{key}\n")).unwrap();
+    let served = common::serve(
+        &model,
+        MODEL,
+        dir.path(),
+        &["--api-key-file", key_file.to_str().unwrap()],
+    );
+    let addr = served.addr.clone();
+    let body = chat("hi", json!({"max_tokens": 2})).to_string();
+    let call = |headers: &str| {
+        http_with(
+            &addr,
+            "POST",
+            "/v1/chat/completions",
+            Some(&body),
+            headers,
+        )
+    };
+    // No key, a wrong key, a key without the Bearer scheme: 401 in OpenAI's shape.
+    for headers in [
+        "",
+        "Authorization: Bearer sk-wrong\r\n",
+        &format!("Authorization: {key}\r\n"),
+    ] {
+        let (status, text) = call(headers);
+        assert_eq!(status, 401, "{headers:?}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
+        assert!(!text.contains(key), "the error echoes the key: {text}");
+    }
+    let (status, _) = http_with(&addr, "GET", "/v1/models", None, "");
+    assert_eq!(status, 401);
+    // The right key works; probes need none.
+    let (status, text) = call(&format!("Authorization: Bearer {key}\r\n"));
+    assert_eq!(status, 200, "{text}");
+    let (status, text) = http(&addr, "GET", "/health", None);
+    assert_eq!((status, text.as_str()), (200, "ok"));
+    drop(served);
+    let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap();
+    assert!(!log.contains(key), "the key is in the server's log:\n{log}");
+
+    // An empty key file is refused at start, naming the file.
+    std::fs::write(&key_file, "\n").unwrap();
+    let out = Command::new(common::tutor_bin())
+        .args(["serve", "--device", "cpu", "--port", "0", "--model"])
+        .arg(&model)
+        .arg("--api-key-file")
+        .arg(&key_file)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("api-key") && err.contains("empty"),
+        "the error should name the empty file: {err}"
+    );
 }
 
 #[test]

@@ -55,10 +55,43 @@ pub struct ServeArgs {
     /// `cpu`, `cuda`, or `auto` (CUDA when available). Weights are bf16 on CUDA.
     #[arg(long, default_value = "auto")]
     device: String,
+    /// File holding the API key clients must send as `Authorization: Bearer KEY` (what
+    /// the `openai` client sends as `api_key`). The key can also come from the
+    /// TUTOR_SERVE_API_KEY environment variable. Without either, anyone who can reach the
+    /// port may use the model. `/health` never needs the key. The key is never logged.
+    #[arg(long, value_name = "PATH")]
+    api_key_file: Option<PathBuf>,
+}
+
+/// Environment variable holding `tutor serve`'s API key (alternative to --api-key-file).
+pub const SERVE_API_KEY_ENV: &str = "TUTOR_SERVE_API_KEY";
+
+/// The API key of `tutor serve`: from `file`, else from the environment value `env`.
+/// Errors name the file or the variable, never the key.
+fn load_api_key(file: Option<&std::path::Path>, env: Option<&str>) -> Result<Option<String>> {
+    let (raw, source) = match (file, env) {
+        (Some(path), _) => (
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the API key file {}", path.display()))?,
+            format!("the API key file {}", path.display()),
+        ),
+        (None, Some(v)) => (v.to_string(), SERVE_API_KEY_ENV.to_string()),
+        (None, None) => return Ok(None),
+    };
+    let key = raw.trim();
+    if key.is_empty() {
+        anyhow::bail!("{source} is empty: put the key in it (or leave it out to serve without one)");
+    }
+    if !key.bytes().all(|b| b.is_ascii_graphic()) {
+        anyhow::bail!("{source} holds characters an HTTP header cannot carry: use printable ASCII without spaces");
+    }
+    Ok(Some(key.to_string()))
 }
 
 struct AppState {
     engine: EngineHandle,
+    /// Clients must send `Authorization: Bearer <key>` when set.
+    api_key: Option<String>,
     tokenizer: ChatTokenizer,
     model: String,
     created: u64,
@@ -104,6 +137,15 @@ pub async fn serve(
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "tutor".into()),
     };
+    let env_key = std::env::var(SERVE_API_KEY_ENV).ok();
+    let api_key = load_api_key(args.api_key_file.as_deref(), env_key.as_deref())?;
+    if api_key.is_none() && !args.host.is_loopback() {
+        tracing::warn!(
+            host = %args.host,
+            "serving on a non-loopback address without an API key: anyone who can reach the port \
+             may use the model (--api-key-file or {SERVE_API_KEY_ENV})"
+        );
+    }
     let (engine, _thread) = spawn_engine(
         policy,
         tokenizer.clone(),
@@ -111,10 +153,12 @@ pub async fn serve(
             max_batch: args.max_batch,
             max_cached_tokens: args.max_cached_tokens,
             queue: args.queue,
+            ..Default::default()
         },
     );
     let state = Arc::new(AppState {
         engine,
+        api_key,
         tokenizer,
         model,
         created: now(),
@@ -144,7 +188,6 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
-        .route("/health", get(|| async { "ok" }))
         .fallback(|| async {
             ApiError::new(
                 StatusCode::NOT_FOUND,
@@ -152,7 +195,48 @@ fn router(state: Arc<AppState>) -> Router {
                  POST /v1/completions",
             )
         })
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ))
+        // After the layer: probes need no key.
+        .route("/health", get(|| async { "ok" }))
         .with_state(state)
+}
+
+/// Lets a request through when the server has no API key or the request carries it as a
+/// bearer token (compared in constant time); otherwise 401 in OpenAI's error shape.
+async fn require_api_key(
+    State(s): State<Arc<AppState>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    use subtle::ConstantTimeEq;
+    let Some(key) = &s.api_key else {
+        return next.run(request).await;
+    };
+    let sent = request
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match sent {
+        Some(sent) if bool::from(sent.as_bytes().ct_eq(key.as_bytes())) => next.run(request).await,
+        Some(_) => ApiError {
+            code: Some("invalid_api_key"),
+            ..ApiError::new(StatusCode::UNAUTHORIZED, "incorrect API key provided")
+        }
+        .into_response(),
+        None => ApiError {
+            code: Some("invalid_api_key"),
+            ..ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "this server requires an API key: send it as `Authorization: Bearer KEY`",
+            )
+        }
+        .into_response(),
+    }
 }
 
 fn now() -> u64 {
@@ -491,6 +575,7 @@ async fn run_chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             stop: p.stop,
             top_logprobs: p.top_logprobs,
             prompt_logprobs: false,
+            text: true,
             events: tx,
         })
         .await?;
@@ -634,6 +719,7 @@ async fn run_completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiEr
             stop: vec![],
             top_logprobs: 0,
             prompt_logprobs: want_prompt,
+            text: true,
             events: tx,
         })
         .await?;
