@@ -875,7 +875,10 @@ mod tests {
         let prompt: Vec<u32> = (10..30).collect();
         let old = policy(21).generate(std::slice::from_ref(&prompt), &[greedy(24)])[0].clone();
         let new = policy(22).generate(std::slice::from_ref(&prompt), &[greedy(24)])[0].clone();
-        assert_ne!(old.tokens, new.tokens, "the two models must differ for this test");
+        assert_ne!(
+            old.tokens, new.tokens,
+            "the two models must differ for this test"
+        );
 
         let (handle, thread) = spawn_engine(policy(21), tok, EngineConfig::default());
         // In this order on the channel: A, the swap, B. A was admitted first and must

@@ -974,7 +974,10 @@ fn live_user_process(proc_dir: &Path) -> bool {
     };
     let fields: Vec<&str> = rest.split_whitespace().collect();
     let state = fields.first().copied().unwrap_or("Z");
-    let flags: u64 = fields.get(6).and_then(|f| f.parse().ok()).unwrap_or(PF_KTHREAD);
+    let flags: u64 = fields
+        .get(6)
+        .and_then(|f| f.parse().ok())
+        .unwrap_or(PF_KTHREAD);
     !matches!(state, "Z" | "X" | "x") && flags & PF_KTHREAD == 0
 }
 

@@ -384,15 +384,8 @@ fn an_api_key_is_required_when_configured_and_never_logged() {
     );
     let addr = served.addr.clone();
     let body = chat("hi", json!({"max_tokens": 2})).to_string();
-    let call = |headers: &str| {
-        http_with(
-            &addr,
-            "POST",
-            "/v1/chat/completions",
-            Some(&body),
-            headers,
-        )
-    };
+    let call =
+        |headers: &str| http_with(&addr, "POST", "/v1/chat/completions", Some(&body), headers);
     // No key, a wrong key, a key without the Bearer scheme: 401 in OpenAI's shape.
     for headers in [
         "",

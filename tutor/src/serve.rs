@@ -80,7 +80,9 @@ fn load_api_key(file: Option<&std::path::Path>, env: Option<&str>) -> Result<Opt
     };
     let key = raw.trim();
     if key.is_empty() {
-        anyhow::bail!("{source} is empty: put the key in it (or leave it out to serve without one)");
+        anyhow::bail!(
+            "{source} is empty: put the key in it (or leave it out to serve without one)"
+        );
     }
     if !key.bytes().all(|b| b.is_ascii_graphic()) {
         anyhow::bail!("{source} holds characters an HTTP header cannot carry: use printable ASCII without spaces");
