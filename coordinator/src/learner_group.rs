@@ -158,10 +158,16 @@ mod tests {
         };
         let g1 = publish(&s, cpu("127.0.0.1:9")).await.unwrap();
         let got = waiter.await.unwrap().unwrap();
-        assert_eq!((got.generation, got.cpu_address.as_str()), (g1, "127.0.0.1:9"));
+        assert_eq!(
+            (got.generation, got.cpu_address.as_str()),
+            (g1, "127.0.0.1:9")
+        );
 
         // A rank that lost generation g1 waits for a newer one.
-        assert_eq!(get(&s, g1, 10).await.unwrap_err().code(), tonic::Code::NotFound);
+        assert_eq!(
+            get(&s, g1, 10).await.unwrap_err().code(),
+            tonic::Code::NotFound
+        );
         let g2 = publish(&s, cpu("127.0.0.1:10")).await.unwrap();
         assert!(g2 > g1);
         assert_eq!(get(&s, g1, 10).await.unwrap().cpu_address, "127.0.0.1:10");

@@ -528,7 +528,9 @@ impl Collective for CpuCollective {
         } else {
             Vec::new()
         };
-        *data = self.exchange(Op::BroadcastBytes, payload, |mut parts| parts.swap_remove(0))?;
+        *data = self.exchange(Op::BroadcastBytes, payload, |mut parts| {
+            parts.swap_remove(0)
+        })?;
         Ok(())
     }
 
@@ -948,7 +950,9 @@ mod nccl {
             self.broadcast(&mut buf)?;
             if self.rank != 0 {
                 data.resize(n, 0);
-                buf[0].to_device(Device::Cpu).copy_data(data.as_mut_slice(), n);
+                buf[0]
+                    .to_device(Device::Cpu)
+                    .copy_data(data.as_mut_slice(), n);
             }
             Ok(())
         }

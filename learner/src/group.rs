@@ -120,9 +120,7 @@ impl GroupOptions {
     }
 }
 
-async fn client(
-    opts: &GroupOptions,
-) -> Result<LearnerGroupClient<tutor_proto::auth::AuthChannel>> {
+async fn client(opts: &GroupOptions) -> Result<LearnerGroupClient<tutor_proto::auth::AuthChannel>> {
     let channel = opts
         .auth
         .endpoint(&opts.coordinator)?
@@ -137,7 +135,10 @@ async fn client(
 fn is_final(code: Code) -> bool {
     matches!(
         code,
-        Code::Unauthenticated | Code::PermissionDenied | Code::InvalidArgument | Code::Unimplemented
+        Code::Unauthenticated
+            | Code::PermissionDenied
+            | Code::InvalidArgument
+            | Code::Unimplemented
     )
 }
 
@@ -295,7 +296,9 @@ impl GroupLead {
                 tracing::info!(generation, %addr, world_size = o.world_size, "learner group rendezvous published: waiting for the other ranks");
                 let c = rdv
                     .accept(o.world_size, o.cpu_timeouts())
-                    .with_context(|| format!("forming the learner group of generation {generation}"))?;
+                    .with_context(|| {
+                        format!("forming the learner group of generation {generation}")
+                    })?;
                 (Box::new(c), generation)
             }
             CollectiveChoice::Nccl => self.form_nccl()?,
@@ -329,7 +332,11 @@ impl GroupLead {
                 nccl_unique_id: id.to_vec(),
             },
         ))?;
-        tracing::info!(generation, world_size = o.world_size, "NCCL unique id published: waiting for the other ranks");
+        tracing::info!(
+            generation,
+            world_size = o.world_size,
+            "NCCL unique id published: waiting for the other ranks"
+        );
         let c = NcclCollective::new(&id, 0, o.world_size, o.gpu)?;
         Ok((Box::new(c), generation))
     }
@@ -428,7 +435,11 @@ pub async fn run_follower(opts: GroupOptions) -> Result<()> {
                 opts.coordinator
             );
         }
-        tracing::info!(generation = rdv.generation, rank = opts.rank, "joining the learner group");
+        tracing::info!(
+            generation = rdv.generation,
+            rank = opts.rank,
+            "joining the learner group"
+        );
         // A thread of its own (not the runtime's blocking pool): the process may exit while
         // it waits on a socket.
         let (tx, rx) = tokio::sync::oneshot::channel();

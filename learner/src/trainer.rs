@@ -231,10 +231,7 @@ impl Trainer {
     /// group is formed again (a rank restarted), so a rank never needs a checkpoint.
     pub fn lead_group(&mut self, mut collective: Box<dyn Collective>) -> Result<()> {
         if collective.rank() != 0 {
-            bail!(
-                "lead_group is for rank 0, got rank {}",
-                collective.rank()
-            );
+            bail!("lead_group is for rank 0, got rank {}", collective.rank());
         }
         let state = GroupState {
             model: self.policy.config().clone(),

@@ -188,7 +188,11 @@ enum Cmd {
         coordinator: Option<String>,
         /// CPU collective, rank 0: the address it listens on for the other ranks (port
         /// 0: any free port).
-        #[arg(long, env = "TUTOR_LEARNER_COLLECTIVE_LISTEN", default_value = "127.0.0.1:0")]
+        #[arg(
+            long,
+            env = "TUTOR_LEARNER_COLLECTIVE_LISTEN",
+            default_value = "127.0.0.1:0"
+        )]
         collective_listen: SocketAddr,
         /// CPU collective, rank 0: the host:port the other ranks connect to (default: the
         /// bound address; needed when --collective-listen is 0.0.0.0).
