@@ -131,7 +131,7 @@ enum Op {
 
 impl Op {
     /// Rank 0 alone contributes: the others send an empty payload.
-    fn from_root_only(self) -> bool {
+    fn root_only(self) -> bool {
         matches!(self, Op::Broadcast | Op::BroadcastBytes)
     }
 }
@@ -401,7 +401,7 @@ impl CpuCollective {
                                 });
                                 break;
                             }
-                            if !op.from_root_only() && data.len() != own_len {
+                            if !op.root_only() && data.len() != own_len {
                                 failure = Some(CollectiveError::Mismatch {
                                     rank,
                                     peer,
@@ -451,7 +451,7 @@ impl CpuCollective {
                     source,
                 };
                 // Broadcast receivers have nothing to contribute.
-                let sent: &[u8] = if op.from_root_only() { &[] } else { &payload };
+                let sent: &[u8] = if op.root_only() { &[] } else { &payload };
                 write_frame(root, op, seq, sent)
                     .map_err(|e| peer_err("sending a collective payload", e))?;
                 match read_frame(root) {
