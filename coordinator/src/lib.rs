@@ -6,6 +6,7 @@ pub mod algorithms;
 pub mod config;
 pub mod dataset;
 pub mod driver;
+pub mod learner_group;
 pub mod metrics;
 pub mod rewards;
 pub mod scheduler;
@@ -22,6 +23,7 @@ use anyhow::{Context, Result};
 use tokio::sync::Notify;
 use tutor_proto::auth::{AuthToken, ClientAuth, ServerAuth};
 use tutor_proto::control_server::ControlServer;
+use tutor_proto::learner_group_server::LearnerGroupServer;
 use tutor_proto::rollout_server::RolloutServer;
 use tutor_proto::Task;
 
@@ -37,7 +39,7 @@ pub struct ServeOptions {
     pub heldout_tasks: Vec<Task>,
     /// Written with the bound address once the socket listens (useful with port 0).
     pub addr_file: Option<PathBuf>,
-    /// Required on every Rollout and Control call, and sent to the learner. `None`:
+    /// Required on every Rollout, Control and LearnerGroup call, and sent to the learner. `None`:
     /// no authentication (single-role development), with a warning at start.
     pub auth_token: Option<AuthToken>,
     /// Serve Prometheus metrics over HTTP (`GET /metrics`) here; `None`: off.
@@ -215,6 +217,9 @@ pub async fn serve(
     health
         .set_serving::<ControlServer<service::ControlService>>()
         .await;
+    health
+        .set_serving::<LearnerGroupServer<learner_group::LearnerGroupService>>()
+        .await;
     let server = server_builder
         .add_service(health_service)
         .add_service(
@@ -225,6 +230,10 @@ pub async fn serve(
             ),
         )
         .add_service(auth.intercept(ControlServer::new(control)))
+        // Data-parallel learner ranks find rank 0's collective here.
+        .add_service(auth.intercept(LearnerGroupServer::new(
+            learner_group::LearnerGroupService::default(),
+        )))
         // TCP_NODELAY, as tonic sets it on the sockets it binds itself (it does not on a
         // listener handed in): without it Nagle holds back small acks until the peer's
         // delayed ACK, ~40 ms on Linux, whenever a stream is not busy.

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 
 #[cfg(feature = "nccl")]
-pub use self::nccl::NcclCollective;
+pub use self::nccl::{NcclCollective, NcclUniqueId};
 
 /// Why a collective failed. Messages name the peer so a hung or dead rank can be found.
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +90,11 @@ pub trait Collective: Send {
     /// Overwrites each tensor on every rank with rank 0's values.
     fn broadcast(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError>;
 
+    /// Replaces `data` on every rank with rank 0's bytes, whatever their length (what
+    /// the other ranks pass in is ignored). Rank 0 shares batches and its training state
+    /// with it.
+    fn broadcast_bytes(&mut self, data: &mut Vec<u8>) -> Result<(), CollectiveError>;
+
     /// Returns once every rank has called it.
     fn barrier(&mut self) -> Result<(), CollectiveError>;
 
@@ -121,6 +126,14 @@ enum Op {
     AllReduceSum = 1,
     Broadcast = 2,
     Barrier = 3,
+    BroadcastBytes = 4,
+}
+
+impl Op {
+    /// Rank 0 alone contributes: the others send an empty payload.
+    fn root_only(self) -> bool {
+        matches!(self, Op::Broadcast | Op::BroadcastBytes)
+    }
 }
 
 /// Defaults for the CPU collective's deadlines.
@@ -388,7 +401,7 @@ impl CpuCollective {
                                 });
                                 break;
                             }
-                            if op != Op::Broadcast && data.len() != own_len {
+                            if !op.root_only() && data.len() != own_len {
                                 failure = Some(CollectiveError::Mismatch {
                                     rank,
                                     peer,
@@ -438,7 +451,7 @@ impl CpuCollective {
                     source,
                 };
                 // Broadcast receivers have nothing to contribute.
-                let sent: &[u8] = if op == Op::Broadcast { &[] } else { &payload };
+                let sent: &[u8] = if op.root_only() { &[] } else { &payload };
                 write_frame(root, op, seq, sent)
                     .map_err(|e| peer_err("sending a collective payload", e))?;
                 match read_frame(root) {
@@ -503,6 +516,21 @@ impl Collective for CpuCollective {
         if self.rank != 0 {
             layout.decode_into(&data, tensors);
         }
+        Ok(())
+    }
+
+    fn broadcast_bytes(&mut self, data: &mut Vec<u8>) -> Result<(), CollectiveError> {
+        if self.world_size == 1 {
+            return Ok(());
+        }
+        let payload = if self.rank == 0 {
+            std::mem::take(data)
+        } else {
+            Vec::new()
+        };
+        *data = self.exchange(Op::BroadcastBytes, payload, |mut parts| {
+            parts.swap_remove(0)
+        })?;
         Ok(())
     }
 
@@ -784,6 +812,7 @@ mod nccl {
                 Kind::Half => sys::ncclDataType_t::ncclFloat16,
                 Kind::BFloat16 => sys::ncclDataType_t::ncclBfloat16,
                 Kind::Int64 => sys::ncclDataType_t::ncclInt64,
+                Kind::Uint8 => sys::ncclDataType_t::ncclUint8,
                 other => {
                     return Err(CollectiveError::Setup(format!(
                         "NCCL collective: unsupported tensor kind {other:?}"
@@ -822,6 +851,39 @@ mod nccl {
                 .map_err(|e| CollectiveError::Nccl(format!("synchronising after {what}: {e:?}")))?;
             Ok(())
         }
+
+        /// `each` on tensors that may live on the host: those are staged through this
+        /// rank's GPU and copied back (the trainer keeps its tensors on the CPU today).
+        fn staged(
+            &self,
+            tensors: &mut [Tensor],
+            what: &str,
+            f: impl Fn(*mut c_void, usize, sys::ncclDataType_t) -> sys::ncclResult_t,
+        ) -> Result<(), CollectiveError> {
+            let gpu = Device::Cuda(self.ordinal);
+            if tensors.iter().all(|t| t.device() == gpu) {
+                return self.each(tensors, what, f);
+            }
+            let mut work: Vec<Tensor> = tensors
+                .iter()
+                .map(|t| {
+                    if t.device() == gpu {
+                        t.shallow_clone()
+                    } else {
+                        t.to_device(gpu).contiguous()
+                    }
+                })
+                .collect();
+            self.each(&mut work, what, f)?;
+            tch::no_grad(|| {
+                for (t, w) in tensors.iter_mut().zip(&work) {
+                    if t.device() != gpu {
+                        t.copy_(w);
+                    }
+                }
+            });
+            Ok(())
+        }
     }
 
     impl Collective for NcclCollective {
@@ -839,7 +901,7 @@ mod nccl {
 
         fn all_reduce_sum(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError> {
             let comm = self.comm;
-            self.each(tensors, "ncclAllReduce", |ptr, n, kind| unsafe {
+            self.staged(tensors, "ncclAllReduce", |ptr, n, kind| unsafe {
                 sys::ncclAllReduce(
                     ptr as *const c_void,
                     ptr,
@@ -854,7 +916,7 @@ mod nccl {
 
         fn broadcast(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError> {
             let comm = self.comm;
-            self.each(tensors, "ncclBroadcast", |ptr, n, kind| unsafe {
+            self.staged(tensors, "ncclBroadcast", |ptr, n, kind| unsafe {
                 sys::ncclBroadcast(
                     ptr as *const c_void,
                     ptr,
@@ -865,6 +927,34 @@ mod nccl {
                     std::ptr::null_mut(),
                 )
             })
+        }
+
+        fn broadcast_bytes(&mut self, data: &mut Vec<u8>) -> Result<(), CollectiveError> {
+            if self.world_size == 1 {
+                return Ok(());
+            }
+            // The length first, so the other ranks can size their buffer.
+            let gpu = Device::Cuda(self.ordinal);
+            let mut len = [Tensor::from_slice(&[data.len() as i64]).to_device(gpu)];
+            self.broadcast(&mut len)?;
+            let n = len[0].int64_value(&[0]) as usize;
+            if n == 0 {
+                data.clear();
+                return Ok(());
+            }
+            let mut buf = [if self.rank == 0 {
+                Tensor::from_slice(data.as_slice()).to_device(gpu)
+            } else {
+                Tensor::zeros([n as i64], (Kind::Uint8, gpu))
+            }];
+            self.broadcast(&mut buf)?;
+            if self.rank != 0 {
+                data.resize(n, 0);
+                buf[0]
+                    .to_device(Device::Cpu)
+                    .copy_data(data.as_mut_slice(), n);
+            }
+            Ok(())
         }
 
         fn barrier(&mut self) -> Result<(), CollectiveError> {
@@ -933,6 +1023,16 @@ mod tests {
                     c.broadcast(&mut bc).unwrap();
                     let v: Vec<f32> = Vec::try_from(&bc[0]).unwrap();
                     assert_eq!(v, vec![7.0, 0.0]);
+                    let mut bytes = if c.rank() == 0 {
+                        b"a batch".to_vec()
+                    } else {
+                        vec![9; 3]
+                    };
+                    c.broadcast_bytes(&mut bytes).unwrap();
+                    assert_eq!(bytes, b"a batch");
+                    let mut empty = Vec::new();
+                    c.broadcast_bytes(&mut empty).unwrap();
+                    assert!(empty.is_empty());
                     c.barrier().unwrap();
                 })
             })

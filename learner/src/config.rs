@@ -49,6 +49,29 @@ pub struct LearnerConfig {
     /// `"tree"`: the most slots in one packed row (a prefix tree larger than this gets a
     /// row of its own). Attention in a row is dense [L, L].
     pub pack_row_tokens: usize,
+    /// Data-parallel learner ranks (`tutor learner --world-size` overrides it; each
+    /// process's rank comes from `--rank`). 1: one learner, no rendezvous.
+    pub world_size: usize,
+    /// How the ranks exchange gradients and batches: `"cpu"` (TCP through rank 0) or
+    /// `"nccl"` (one GPU per rank; needs a build with the `nccl` feature).
+    pub collective: CollectiveChoice,
+    /// How long a rank waits for the group to form: rank 0 for the coordinator to take
+    /// its rendezvous and for every other rank to join; the others for rank 0's
+    /// rendezvous (also after losing rank 0, for the next one).
+    pub rendezvous_timeout_s: f64,
+    /// The longest one collective operation may wait for another rank (a step of the
+    /// slowest rank, or rank 0's next batch; rank 0 sends a keepalive every
+    /// `collective_timeout_s / 4`, at most every 10 s, while the coordinator sends none).
+    pub collective_timeout_s: f64,
+}
+
+/// Which collective the learner ranks use (see `LearnerConfig::collective`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CollectiveChoice {
+    #[default]
+    Cpu,
+    Nccl,
 }
 
 /// How a cross-entropy step lays its examples out (see `LearnerConfig::packing`).
@@ -80,6 +103,10 @@ impl Default for LearnerConfig {
             clip_eps_high: 0.28,
             packing: Packing::None,
             pack_row_tokens: 4096,
+            world_size: 1,
+            collective: CollectiveChoice::Cpu,
+            rendezvous_timeout_s: 300.0,
+            collective_timeout_s: 600.0,
         }
     }
 }
@@ -118,6 +145,16 @@ impl LearnerConfig {
                 "learner.clip_eps_low must be in [0, 1) and learner.clip_eps_high at least 0, \
                  got {} and {}",
                 self.clip_eps_low, self.clip_eps_high
+            ));
+        }
+        if self.world_size == 0 {
+            return Err("learner.world_size must be at least 1".into());
+        }
+        if !(self.rendezvous_timeout_s > 0.0 && self.collective_timeout_s > 0.0) {
+            return Err(format!(
+                "learner.rendezvous_timeout_s and learner.collective_timeout_s must be above 0, \
+                 got {} and {}",
+                self.rendezvous_timeout_s, self.collective_timeout_s
             ));
         }
         if self.schedule == ScheduleKind::Cosine && self.total_steps <= self.warmup_steps as u64 {

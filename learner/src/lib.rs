@@ -4,6 +4,7 @@
 pub mod checkpoint;
 pub mod collective;
 pub mod config;
+pub mod group;
 pub mod loss;
 pub mod objectives;
 pub mod optim;
@@ -15,7 +16,7 @@ pub mod trainer;
 pub mod weights;
 
 pub use collective::{Collective, CollectiveError, CpuCollective};
-pub use config::LearnerConfig;
+pub use config::{CollectiveChoice, LearnerConfig};
 pub use service::{serve, LearnerHandle, ServeOptions};
 pub use trainer::{StepReport, Trainer};
 pub use weights::WeightsStore;

@@ -8,7 +8,7 @@ use tch::{Device, Kind, Tensor};
 use tutor_proto::{LossKind, TrainExample};
 
 use crate::objectives::{dapo_clip_fraction, dapo_loss, ClipFraction};
-use crate::trainer::{micro_batch_ranges, StepReport, Trainer};
+use crate::trainer::{micro_batch_ranges, rank_shard, StepReport, Trainer};
 
 /// One trajectory for a policy-gradient step. All vectors are aligned with `tokens`:
 /// `loss_mask[j]` says whether token j is trained, `advantages[j]` is its Â and
@@ -41,6 +41,16 @@ impl StepExamples {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// This rank's share of the batch (`trainer::rank_shard`).
+    pub fn shard(&self, rank: usize, world_size: usize) -> Self {
+        match self {
+            StepExamples::CrossEntropy(e) => {
+                StepExamples::CrossEntropy(rank_shard(e, rank, world_size))
+            }
+            StepExamples::Dapo(e) => StepExamples::Dapo(rank_shard(e, rank, world_size)),
+        }
     }
 
     /// The step a batch's examples ask for. Every example of a batch must have the same

@@ -43,8 +43,9 @@ use tutor_proto::{
 use crate::checkpoint;
 use crate::collective::CpuCollective;
 use crate::config::LearnerConfig;
+use crate::group::{encode_batch, GroupLead, GroupOptions};
 use crate::rl::StepExamples;
-use crate::trainer::{StepReport, Trainer};
+use crate::trainer::{is_collective_error, StepReport, Trainer};
 use crate::weights::{PublishedVersion, WeightsStore};
 
 /// The learner's checkpoint inside its `out_dir`.
@@ -118,6 +119,8 @@ struct StepRequest {
     examples: StepExamples,
     episodes: Vec<String>,
     publish: bool,
+    /// The batch as the other learner ranks receive it (empty without a group).
+    wire: Vec<u8>,
 }
 
 struct StepDone {
@@ -138,12 +141,18 @@ enum Command {
     Status {
         reply: oneshot::Sender<(u64, Option<PublishedVersion>)>,
     },
+    /// Time passes: rank 0 sends the other ranks a keepalive when it is due.
+    Tick,
+    /// The run is over: rank 0 tells the other ranks to exit.
+    StopGroup { reply: oneshot::Sender<()> },
 }
 
 /// Sends commands to the trainer thread.
 #[derive(Clone)]
 pub struct LearnerHandle {
     tx: mpsc::Sender<Command>,
+    /// Learner ranks (1: no group); above 1 this process is rank 0.
+    world_size: usize,
 }
 
 /// The trainer thread's state beside the trainer: versions, cursor, checkpoint policy.
@@ -155,6 +164,8 @@ struct TrainerHost {
     cursor: TrainCursor,
     checkpoint_every: u64,
     since_checkpoint: u64,
+    /// Rank 0's side of a data-parallel group; `None`: this learner trains alone.
+    group: Option<GroupLead>,
 }
 
 impl LearnerHandle {
@@ -168,6 +179,21 @@ impl LearnerHandle {
         config: LearnerConfig,
         store: WeightsStore,
     ) -> Result<Self> {
+        Ok(Self::start_with_group(model_dir, out_dir, config, store, None)?.0)
+    }
+
+    /// `start` as rank 0 of a data-parallel group (`None`: alone). The trainer thread
+    /// forms the group before it takes any command; the receiver says whether that
+    /// worked (an error there should end the process: the other ranks never came).
+    pub fn start_with_group(
+        model_dir: &Path,
+        out_dir: &Path,
+        config: LearnerConfig,
+        store: WeightsStore,
+        group: Option<GroupLead>,
+    ) -> Result<(Self, oneshot::Receiver<Result<()>>)> {
+        let world_size = group.as_ref().map_or(1, |g| g.world_size());
+        let keepalive = group.as_ref().map(|g| g.keepalive());
         let ckpt = out_dir.join(CHECKPOINT_DIR);
         let checkpoint_every = config.checkpoint_every_steps;
         let host = if checkpoint::exists(&ckpt) {
@@ -198,6 +224,7 @@ impl LearnerHandle {
                 cursor,
                 checkpoint_every,
                 since_checkpoint: 0,
+                group: None,
             }
         } else {
             let trainer = Trainer::from_model_dir(model_dir, config)?;
@@ -212,6 +239,7 @@ impl LearnerHandle {
                 cursor: TrainCursor::default(),
                 checkpoint_every,
                 since_checkpoint: 0,
+                group: None,
             };
             host.save_checkpoint(&ckpt)?;
             host
@@ -221,10 +249,21 @@ impl LearnerHandle {
             "learner model ready"
         );
         let (tx, mut rx) = mpsc::channel::<Command>(8);
+        let (ready_tx, ready) = oneshot::channel();
+        let mut host = host;
+        host.group = group;
         std::thread::Builder::new()
             .name("trainer".into())
             .spawn(move || {
-                let mut host = host;
+                let formed = match &mut host.group {
+                    Some(g) => g.ensure(&mut host.trainer),
+                    None => Ok(()),
+                };
+                let failed = formed.is_err();
+                let _ = ready_tx.send(formed);
+                if failed {
+                    return;
+                }
                 while let Some(cmd) = rx.blocking_recv() {
                     match cmd {
                         Command::Step { request, reply } => {
@@ -240,11 +279,51 @@ impl LearnerHandle {
                         Command::Status { reply } => {
                             let _ = reply.send((host.trainer.steps(), host.store.latest()));
                         }
+                        Command::Tick => {
+                            if let Some(g) = &mut host.group {
+                                g.tick(&mut host.trainer);
+                            }
+                        }
+                        Command::StopGroup { reply } => {
+                            if let Some(g) = &mut host.group {
+                                g.stop(&mut host.trainer);
+                            }
+                            let _ = reply.send(());
+                        }
                     }
                 }
             })
             .context("starting the trainer thread")?;
-        Ok(Self { tx })
+        if let Some(every) = keepalive {
+            // Holds no sender between ticks: the trainer thread still ends when the
+            // handles are dropped.
+            let weak = tx.downgrade();
+            std::thread::Builder::new()
+                .name("group-keepalive".into())
+                .spawn(move || loop {
+                    std::thread::sleep(every);
+                    let Some(tx) = weak.upgrade() else { return };
+                    // Busy trainer: it is training, which the other ranks see anyway.
+                    let _ = tx.try_send(Command::Tick);
+                })
+                .context("starting the keepalive thread")?;
+        }
+        Ok((Self { tx, world_size }, ready))
+    }
+
+    /// Rank 0 at the end of the run: tells the other ranks to exit (bounded wait).
+    pub async fn stop_group(&self) {
+        if self.world_size < 2 {
+            return;
+        }
+        let stopped = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            self.call(|reply| Command::StopGroup { reply }),
+        )
+        .await;
+        if !matches!(stopped, Ok(Ok(()))) {
+            tracing::warn!("could not tell the other learner ranks to stop in time");
+        }
     }
 
     async fn call<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, Status> {
@@ -324,10 +403,27 @@ impl TrainerHost {
                 already_applied: true,
             });
         }
-        let report = self
-            .trainer
-            .train_step(&r.examples)
-            .context("training step")?;
+        let report = match &mut self.group {
+            None => self
+                .trainer
+                .train_step(&r.examples)
+                .context("training step")?,
+            Some(group) => {
+                // Every rank gets the whole batch and trains its share; the gradients
+                // are summed over the ranks in the step.
+                group.send_step(&mut self.trainer, &r.wire)?;
+                let share = r.examples.shard(0, group.world_size());
+                match self.trainer.train_step(&share) {
+                    Ok(report) => report,
+                    Err(e) => {
+                        if is_collective_error(&e) {
+                            group.broken(&mut self.trainer, &format!("{e:#}"));
+                        }
+                        return Err(e.context("training step"));
+                    }
+                }
+            }
+        };
         self.cursor.last = Some((r.iteration, r.step));
         let published = if r.publish {
             let pv = publish_next(&self.trainer, &self.store).context("publishing weights")?;
@@ -436,6 +532,11 @@ impl Learner for LearnerHandle {
                         return;
                     }
                 };
+                let wire = if handle.world_size > 1 {
+                    encode_batch(&batch)
+                } else {
+                    Vec::new()
+                };
                 let episodes: BTreeSet<String> = batch
                     .examples
                     .iter()
@@ -449,6 +550,7 @@ impl Learner for LearnerHandle {
                     }
                 };
                 let request = StepRequest {
+                    wire,
                     run_id: batch.run_id.clone(),
                     iteration: batch.iteration,
                     step: batch.step,
@@ -535,6 +637,8 @@ pub struct ServeOptions {
     /// TLS: `cert`/`key` serve over TLS, `ca` requires client certificates signed by it
     /// (the coordinator's and the workers'). Empty: plaintext.
     pub tls: tutor_proto::tls::TlsFiles,
+    /// This learner as rank 0 of a data-parallel group (see `group`); `None`: alone.
+    pub group: Option<GroupOptions>,
 }
 
 /// Runs the learner until `shutdown` resolves.
@@ -546,12 +650,27 @@ pub async fn serve(
     let server_tls = opts.tls.server()?;
     let mut server_builder = tutor_proto::tls::server_builder(server_tls.as_ref())?;
     let store = WeightsStore::new(&opts.out_dir.join("versions"))?;
-    let handle = LearnerHandle::start(
+    let group = opts
+        .group
+        .map(|g| GroupLead::new(g, tokio::runtime::Handle::current()))
+        .transpose()?;
+    let (handle, group_ready) = LearnerHandle::start_with_group(
         &opts.model_dir,
         &opts.out_dir,
         opts.config.clone(),
         store.clone(),
+        group,
     )?;
+    // The group forms while the server already answers (the coordinator's calls wait
+    // for the trainer thread); when it cannot form, the learner exits with the reason.
+    let group_failed = async move {
+        match group_ready.await {
+            Ok(Err(e)) => e,
+            Ok(Ok(())) => std::future::pending().await,
+            Err(_) => anyhow::anyhow!("the trainer thread stopped before the group formed"),
+        }
+    };
+    let stopper = handle.clone();
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .with_context(|| format!("binding the learner to {}", opts.listen))?;
@@ -578,7 +697,7 @@ pub async fn serve(
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<LearnerServer<LearnerHandle>>().await;
     health.set_serving::<WeightsServer<WeightsStore>>().await;
-    server_builder
+    let server = server_builder
         .add_service(health_service)
         .add_service(
             auth.intercept(
@@ -598,9 +717,12 @@ pub async fn serve(
                     .set_service_status("", tonic_health::ServingStatus::NotServing)
                     .await;
             },
-        )
-        .await
-        .context("learner server")?;
+        );
+    tokio::select! {
+        r = server => r.context("learner server")?,
+        e = group_failed => return Err(e.context("forming the data-parallel learner group")),
+    }
+    stopper.stop_group().await;
     tracing::info!("learner stopped");
     Ok(())
 }

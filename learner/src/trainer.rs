@@ -12,11 +12,29 @@ use tch::{Device, Tensor};
 use tutor_policy::{ModelConfig, Policy};
 
 use crate::checkpoint::{self, RngState, TrainerState};
-use crate::collective::{Collective, CpuCollective};
+use crate::collective::{Collective, CollectiveError, CpuCollective};
 use crate::config::{LearnerConfig, Packing};
 use crate::loss::{masked_cross_entropy, masked_nll_sum, PaddedBatch};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::packing::{pack_examples, packed_nll_sum, PackedBatch};
+
+/// What rank 0 sends a joining rank before the tensors: everything of the training state
+/// that is not a tensor, so the other ranks need no checkpoint or model directory.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct GroupState {
+    model: ModelConfig,
+    config: LearnerConfig,
+    steps: u64,
+    optimizer_steps: u64,
+    rng: RngState,
+    parameters: Vec<String>,
+}
+
+/// Whether `e` (or what it wraps) is a collective's failure: the group is broken (a rank
+/// died, hung or went out of step) and must be formed again.
+pub fn is_collective_error(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<CollectiveError>())
+}
 
 /// What one optimizer step did (over all ranks).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -205,6 +223,93 @@ impl Trainer {
             }
             Ok(())
         })
+    }
+
+    /// Rank 0: makes `collective` this trainer's group and brings the other ranks, which
+    /// call `join_group` at the same time, to this trainer's exact state: weights, AdamW
+    /// moments and step, schedule position, RNG, config. Used at start and whenever the
+    /// group is formed again (a rank restarted), so a rank never needs a checkpoint.
+    pub fn lead_group(&mut self, mut collective: Box<dyn Collective>) -> Result<()> {
+        if collective.rank() != 0 {
+            bail!("lead_group is for rank 0, got rank {}", collective.rank());
+        }
+        let state = GroupState {
+            model: self.policy.config().clone(),
+            config: self.config.clone(),
+            steps: self.steps,
+            optimizer_steps: self.optimizer.steps_taken(),
+            rng: RngState::of(&self.rng),
+            parameters: self.param_names.clone(),
+        };
+        let mut header = serde_json::to_vec(&state)?;
+        collective
+            .broadcast_bytes(&mut header)
+            .context("sending the training state to the other ranks")?;
+        collective
+            .broadcast(&mut self.params)
+            .context("sending the weights to the other ranks")?;
+        let mut moments: Vec<Tensor> = self
+            .optimizer
+            .exp_avg()
+            .iter()
+            .chain(self.optimizer.exp_avg_sq())
+            .map(Tensor::shallow_clone)
+            .collect();
+        collective
+            .broadcast(&mut moments)
+            .context("sending the optimizer state to the other ranks")?;
+        self.collective = collective;
+        Ok(())
+    }
+
+    /// Ranks 1..K−1: joins the group rank 0 leads (`lead_group`) and returns a trainer in
+    /// rank 0's exact state.
+    pub fn join_group(mut collective: Box<dyn Collective>) -> Result<Self> {
+        let rank = collective.rank();
+        let mut header = Vec::new();
+        collective
+            .broadcast_bytes(&mut header)
+            .context("receiving the training state from rank 0")?;
+        let state: GroupState = serde_json::from_slice(&header)
+            .context("rank 0 sent a training state this learner cannot read (same tutor version on every rank?)")?;
+        // Rank 0 built its model from this config: it is valid.
+        let policy = Policy::new(state.model.clone(), Device::Cpu, 0);
+        let mut trainer = Self::with_collective(policy, state.config, collective)
+            .with_context(|| format!("rank {rank}: receiving rank 0's weights"))?;
+        if trainer.param_names != state.parameters {
+            bail!("rank {rank}: the model's parameters differ from rank 0's list");
+        }
+        let mut moments: Vec<Tensor> = trainer
+            .params
+            .iter()
+            .chain(trainer.params.iter())
+            .map(|p| Tensor::zeros(p.size(), (tch::Kind::Float, p.device())))
+            .collect();
+        trainer
+            .collective
+            .broadcast(&mut moments)
+            .with_context(|| format!("rank {rank}: receiving rank 0's optimizer state"))?;
+        let exp_avg_sq = moments.split_off(trainer.params.len());
+        trainer.optimizer = AdamW::from_state(
+            adamw_config(&trainer.config),
+            state.optimizer_steps,
+            moments,
+            exp_avg_sq,
+        );
+        trainer.steps = state.steps;
+        trainer.rng = state.rng.restore().context("rank 0's rng state")?;
+        Ok(trainer)
+    }
+
+    /// Leaves a broken group: the trainer goes on alone (rank 0 keeps its state and
+    /// leads a new group later).
+    pub fn leave_group(&mut self) {
+        self.collective = Box::new(CpuCollective::solo());
+    }
+
+    /// Rank 0's `data` to every rank of the group (see `Collective::broadcast_bytes`).
+    pub fn broadcast_bytes(&mut self, data: &mut Vec<u8>) -> Result<(), CollectiveError> {
+        self.collective.broadcast_bytes(data)
     }
 
     /// The trainer's random stream (restored exactly on resume).

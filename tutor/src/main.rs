@@ -38,6 +38,13 @@ struct Cli {
     command: Cmd,
 }
 
+/// `tutor learner --collective`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum CollectiveArg {
+    Cpu,
+    Nccl,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
     Human,
@@ -141,19 +148,59 @@ enum Cmd {
         tls: TlsArgs,
     },
     /// Start the learner: trains on batches from the coordinator, serves the weights.
+    ///
+    /// Data parallel: start K processes with the same --config, --world-size K,
+    /// --coordinator and each its own --rank. Rank 0 serves the coordinator (its --listen,
+    /// --model-dir, --out-dir), publishes its collective's address (CPU) or NCCL unique id
+    /// at the coordinator and sends every batch to the other ranks; ranks 1..K-1 fetch it
+    /// there, train their share of each batch in lockstep (gradients summed over the
+    /// ranks) and exit when rank 0 ends the run. See docs/internals.md.
+    #[command(verbatim_doc_comment)]
     Learner {
         #[arg(long)]
         config: PathBuf,
-        /// Student model directory: config.json (+ tokenizer.json, optional model.safetensors).
+        /// Student model directory: config.json (+ tokenizer.json, optional
+        /// model.safetensors). Rank 0 only (the others get the model from rank 0).
         #[arg(long)]
-        model_dir: PathBuf,
-        /// Published versions are written here.
+        model_dir: Option<PathBuf>,
+        /// Published versions and the checkpoint are written here. Rank 0 only.
         #[arg(long)]
-        out_dir: PathBuf,
+        out_dir: Option<PathBuf>,
+        /// The learner's gRPC address (rank 0; the other ranks serve nothing).
         #[arg(long, default_value = "127.0.0.1:7301")]
         listen: SocketAddr,
         #[arg(long)]
         addr_file: Option<PathBuf>,
+        /// This process's rank in the data-parallel group, 0..world size-1.
+        #[arg(long, env = "TUTOR_LEARNER_RANK", default_value_t = 0)]
+        rank: usize,
+        /// Learner processes in the group (default: [learner] world_size of the config,
+        /// which defaults to 1: one learner, no group).
+        #[arg(long, env = "TUTOR_LEARNER_WORLD_SIZE")]
+        world_size: Option<usize>,
+        /// How the ranks exchange gradients (default: [learner] collective, `cpu`).
+        /// `nccl` needs a build with the `nccl` feature and one GPU per rank.
+        #[arg(long, env = "TUTOR_LEARNER_COLLECTIVE", value_enum)]
+        collective: Option<CollectiveArg>,
+        /// The coordinator's gRPC endpoint, where rank 0 publishes the rendezvous and the
+        /// other ranks fetch it (needed when the world size is above 1).
+        #[arg(long, env = "TUTOR_COORDINATOR")]
+        coordinator: Option<String>,
+        /// CPU collective, rank 0: the address it listens on for the other ranks (port
+        /// 0: any free port).
+        #[arg(
+            long,
+            env = "TUTOR_LEARNER_COLLECTIVE_LISTEN",
+            default_value = "127.0.0.1:0"
+        )]
+        collective_listen: SocketAddr,
+        /// CPU collective, rank 0: the host:port the other ranks connect to (default: the
+        /// bound address; needed when --collective-listen is 0.0.0.0).
+        #[arg(long, env = "TUTOR_LEARNER_COLLECTIVE_ADVERTISE")]
+        collective_advertise: Option<String>,
+        /// NCCL: this rank's CUDA device.
+        #[arg(long, env = "TUTOR_LEARNER_GPU", default_value_t = 0)]
+        gpu: usize,
         /// File holding the shared token every gRPC call must carry (else TUTOR_AUTH_TOKEN;
         /// neither: no authentication).
         #[arg(long, value_name = "PATH")]
@@ -375,11 +422,70 @@ async fn dispatch(cli: Cli) -> Result<()> {
             out_dir,
             listen,
             addr_file,
+            rank,
+            world_size,
+            collective,
+            coordinator,
+            collective_listen,
+            collective_advertise,
+            gpu,
             auth_token_file,
             tls,
         } => {
             let (cfg, _) = RunConfig::load(&config)?;
             let auth_token = load_token(auth_token_file.as_deref())?;
+            let world_size = world_size.unwrap_or(cfg.learner.world_size);
+            if world_size == 0 {
+                anyhow::bail!("--world-size must be at least 1");
+            }
+            if rank >= world_size {
+                anyhow::bail!(
+                    "--rank {rank} is not below the world size {world_size} (--world-size or \
+                     [learner] world_size in {})",
+                    config.display()
+                );
+            }
+            let tls = tls.files();
+            let group = (world_size > 1)
+                .then(|| -> Result<tutor_learner::group::GroupOptions> {
+                    Ok(tutor_learner::group::GroupOptions {
+                        rank,
+                        world_size,
+                        collective: match collective {
+                            Some(CollectiveArg::Cpu) => tutor_learner::CollectiveChoice::Cpu,
+                            Some(CollectiveArg::Nccl) => tutor_learner::CollectiveChoice::Nccl,
+                            None => cfg.learner.collective,
+                        },
+                        coordinator: coordinator.clone().unwrap_or_default(),
+                        auth: ClientAuth::new(auth_token.as_ref()).with_tls(match tls.ca {
+                            Some(_) => tls.client()?,
+                            None => None,
+                        }),
+                        collective_listen,
+                        collective_advertise: collective_advertise.clone(),
+                        gpu,
+                        rendezvous_timeout: std::time::Duration::from_secs_f64(
+                            cfg.learner.rendezvous_timeout_s,
+                        ),
+                        collective_timeout: std::time::Duration::from_secs_f64(
+                            cfg.learner.collective_timeout_s,
+                        ),
+                    })
+                })
+                .transpose()?;
+            if let Some(g) = &group {
+                g.validate()?;
+            }
+            if rank > 0 {
+                let group = group.expect("rank > 0 implies a group");
+                return tokio::select! {
+                    r = tutor_learner::group::run_follower(group) => r,
+                    _ = shutdown_signal() => Ok(()),
+                };
+            }
+            let (Some(model_dir), Some(out_dir)) = (model_dir, out_dir) else {
+                anyhow::bail!("the learner (rank 0) needs --model-dir and --out-dir");
+            };
             tutor_learner::serve(
                 tutor_learner::ServeOptions {
                     listen,
@@ -388,7 +494,8 @@ async fn dispatch(cli: Cli) -> Result<()> {
                     config: cfg.learner,
                     addr_file,
                     auth_token,
-                    tls: tls.files(),
+                    tls,
+                    group,
                 },
                 shutdown_signal(),
             )

@@ -172,6 +172,15 @@ pub fn row(s: &IterationSummary) -> String {
 
 pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
     let (config, text) = RunConfig::load(config_path)?;
+    if config.learner.world_size > 1 {
+        bail!(
+            "{}: [learner] world_size = {}, but `tutor run` starts one learner: start the ranks \
+             yourself (`tutor prepare`, then `tutor learner --rank R --world-size K \
+             --coordinator URL` per rank; see docs/internals.md), or set world_size = 1",
+            config_path.display(),
+            config.learner.world_size
+        );
+    }
     // [tls]: checked here (files named on error) before the run directory is made.
     let tls_files = config.tls.files()?;
     let client_tls = tls_files

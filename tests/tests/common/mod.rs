@@ -73,6 +73,7 @@ pub struct Role {
     log: PathBuf,
     child: Option<Child>,
     starts: u32,
+    env: Vec<(String, String)>,
 }
 
 impl Role {
@@ -83,7 +84,14 @@ impl Role {
             log: logs.join(format!("{name}.log")),
             child: None,
             starts: 0,
+            env: Vec::new(),
         }
+    }
+
+    /// Sets an environment variable for every start.
+    pub fn with_env(mut self, key: &str, value: &str) -> Self {
+        self.env.push((key.into(), value.into()));
+        self
     }
 
     pub fn start(&mut self) {
@@ -96,6 +104,7 @@ impl Role {
         cmd.args(&self.args)
             .env("TUTOR_PYTHON", python())
             .env("RUST_LOG", "info")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log);
