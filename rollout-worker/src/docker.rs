@@ -189,7 +189,10 @@ pub struct DockerSandbox {
     docker: Docker,
     id: String,
     user: String,
-    shell: Option<Shell>,
+    /// In a Mutex only so that the sandbox is `Sync` (a `&DockerSandbox` held across an
+    /// await in a spawned task, as the warm pool does); it is never locked, only reached
+    /// through `get_mut`.
+    shell: Option<std::sync::Mutex<Shell>>,
     cwd: String,
     current_file: Option<String>,
     /// Hash of the commit every diff is taken against.
@@ -198,6 +201,10 @@ pub struct DockerSandbox {
     base_files: std::sync::Mutex<HashMap<String, Option<String>>>,
     counter: u64,
     removed: bool,
+    /// uid and gid the shell runs as and the task files belong to.
+    owner: (u32, u32),
+    /// Taken from the warm pool (its container carries the pool label, not the episode's).
+    pooled: bool,
 }
 
 impl DockerSandbox {
@@ -208,14 +215,30 @@ impl DockerSandbox {
         spec: &ContainerSpec,
         task: &TaskRecord,
     ) -> Result<Self, DockerError> {
-        if docker.inspect_image(&spec.image).await.is_err() {
-            return Err(DockerError::MissingImage(spec.image.clone()));
-        }
         let labels = HashMap::from([
             (LABEL_RUN.to_string(), spec.run.clone()),
             (LABEL_WORKER.to_string(), spec.worker.clone()),
             (LABEL_EPISODE.to_string(), spec.episode.clone()),
         ]);
+        let mut sb = Self::launch(docker, spec, labels).await?;
+        if let Err(e) = sb.setup_task(task).await {
+            sb.remove().await;
+            return Err(e);
+        }
+        Ok(sb)
+    }
+
+    /// Creates and starts a container labelled `labels`, with the tools installed and the
+    /// shell running but no task yet: everything of [`Self::create`] that does not depend on
+    /// the task, which is what the warm pool (crate::pool) does ahead of demand.
+    pub(crate) async fn launch(
+        docker: &Docker,
+        spec: &ContainerSpec,
+        labels: HashMap<String, String>,
+    ) -> Result<Self, DockerError> {
+        if docker.inspect_image(&spec.image).await.is_err() {
+            return Err(DockerError::MissingImage(spec.image.clone()));
+        }
         let body = ContainerCreateBody {
             image: Some(spec.image.clone()),
             cmd: Some(vec!["sleep".into(), "infinity".into()]),
@@ -245,6 +268,7 @@ impl DockerSandbox {
             docker: docker.clone(),
             id: created.id,
             user: format!("{}:{}", spec.user.0, spec.user.1),
+            owner: spec.user,
             shell: None,
             cwd: WORKDIR.into(),
             current_file: None,
@@ -252,21 +276,31 @@ impl DockerSandbox {
             base_files: Default::default(),
             counter: 0,
             removed: false,
+            pooled: false,
         };
-        if let Err(e) = sb.init(task, spec.user).await {
+        if let Err(e) = sb.prepare().await {
             sb.remove().await;
             return Err(e);
         }
         Ok(sb)
     }
 
-    async fn init(&mut self, task: &TaskRecord, (uid, gid): (u32, u32)) -> Result<(), DockerError> {
+    /// Starts the container, installs the tools and starts the shell.
+    async fn prepare(&mut self) -> Result<(), DockerError> {
         self.docker
             .start_container(
                 &self.id,
                 None::<bollard::query_parameters::StartContainerOptions>,
             )
             .await?;
+        self.install_tools(self.owner.0, self.owner.1).await?;
+        self.start_shell().await
+    }
+
+    /// Copies the task's files into /testbed and commits them as the base of the diff
+    /// (or tags the image's own checkout as the base).
+    pub(crate) async fn setup_task(&mut self, task: &TaskRecord) -> Result<(), DockerError> {
+        let (uid, gid) = self.owner;
         // Directories get entries of their own: ones the engine creates implicitly would
         // belong to root, and the unprivileged shell could not write into them.
         let mut builder = tar::Builder::new(Vec::new());
@@ -303,12 +337,10 @@ impl DockerSandbox {
         let tar = builder
             .into_inner()
             .map_err(|e| DockerError::Shell(format!("packing the task files: {e}")))?;
-        self.install_tools(uid, gid).await?;
         let uploading = !task.files.is_empty();
         if uploading {
             self.upload(WORKDIR, tar).await?;
         }
-        self.start_shell().await?;
         // Our own tasks are committed here as the base; images that ship the repository
         // (SWE-bench) are at the base commit already.
         let setup = if uploading {
@@ -438,7 +470,7 @@ impl DockerSandbox {
                     .write_all(SHELL_PRELUDE.as_bytes())
                     .await
                     .map_err(|e| DockerError::Shell(format!("starting the shell: {e}")))?;
-                self.shell = Some(Shell { input, output });
+                self.shell = Some(std::sync::Mutex::new(Shell { input, output }));
                 Ok(())
             }
             bollard::exec::StartExecResults::Detached => {
@@ -449,6 +481,26 @@ impl DockerSandbox {
 
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// True when the container came from the warm pool (crate::pool).
+    pub fn pooled(&self) -> bool {
+        self.pooled
+    }
+
+    pub(crate) fn set_pooled(&mut self) {
+        self.pooled = true;
+    }
+
+    /// Asks the engine whether the container is still running (not exited, killed,
+    /// paused or restarting).
+    pub(crate) async fn is_running(&self) -> bool {
+        match self.docker.inspect_container(&self.id, None).await {
+            Ok(c) => c.state.is_some_and(|s| {
+                s.running == Some(true) && s.paused != Some(true) && s.restarting != Some(true)
+            }),
+            Err(_) => false,
+        }
     }
 
     /// The directory the last command ended in.
@@ -484,7 +536,12 @@ impl DockerSandbox {
         let marker = format!("__TUTOR_DONE_{}_{}__", self.counter, std::process::id());
         let secs = timeout.as_secs().max(1);
         let line = format!("__tutor_run {secs} {marker} <<'{marker}'\n{command}\n{marker}\n");
-        let shell = self.shell.as_mut().expect("started above");
+        let shell = self
+            .shell
+            .as_mut()
+            .expect("started above")
+            .get_mut()
+            .expect("never locked");
         shell
             .input
             .write_all(line.as_bytes())
