@@ -11,6 +11,7 @@ use bollard::Docker;
 use tokio::runtime::Handle;
 
 use crate::docker::{ContainerSpec, DockerSandbox};
+use crate::pool::WarmPool;
 use crate::sandbox::{shell_quote, CommandOutput, LocalSandbox, REPO_DISPLAY};
 use crate::tasks::TaskRecord;
 
@@ -247,6 +248,27 @@ pub struct DockerSettings {
     pub pids_limit: i64,
     pub network: bool,
     pub user: (u32, u32),
+    /// Started containers kept ready per image (`[worker] warm_pool`); `None`: every
+    /// sandbox is created on demand.
+    pub pool: Option<WarmPool>,
+}
+
+impl DockerSettings {
+    /// The container an episode (or a grading) of `task` gets.
+    pub fn spec(&self, task: &TaskRecord, episode: &str) -> ContainerSpec {
+        let mut spec = ContainerSpec::new(
+            &self.image.image_for(task),
+            &self.run,
+            &self.worker,
+            episode,
+        );
+        spec.memory_bytes = self.memory_bytes;
+        spec.nano_cpus = self.nano_cpus;
+        spec.pids_limit = self.pids_limit;
+        spec.network = self.network;
+        spec.user = self.user;
+        spec
+    }
 }
 
 /// Creates the sandboxes of a worker (or of `tutor eval`).
@@ -274,18 +296,25 @@ impl SandboxFactory {
                 let rt = Handle::try_current().map_err(|_| {
                     "a Docker sandbox must be created inside the worker's runtime".to_string()
                 })?;
-                let mut spec =
-                    ContainerSpec::new(&d.image.image_for(task), &d.run, &d.worker, episode);
-                spec.memory_bytes = d.memory_bytes;
-                spec.nano_cpus = d.nano_cpus;
-                spec.pids_limit = d.pids_limit;
-                spec.network = d.network;
-                spec.user = d.user;
-                let sb = rt
-                    .block_on(DockerSandbox::create(&d.docker, &spec, task))
-                    .map_err(|e| format!("{e} (image {})", spec.image))?;
+                let spec = d.spec(task, episode);
+                let sb = match &d.pool {
+                    Some(pool) => rt.block_on(pool.acquire(&spec, task)),
+                    None => rt.block_on(DockerSandbox::create(&d.docker, &spec, task)),
+                }
+                .map_err(|e| format!("{e} (image {})", spec.image))?;
                 Ok(Box::new(BlockingDocker::new(sb, rt)))
             }
+        }
+    }
+
+    /// Removes what the factory keeps between sandboxes (the warm pool's containers).
+    /// Sandboxes created afterwards are made on demand.
+    pub async fn shutdown(&self) {
+        if let SandboxFactory::Docker(DockerSettings {
+            pool: Some(pool), ..
+        }) = self
+        {
+            pool.shutdown().await;
         }
     }
 

@@ -3,11 +3,12 @@
 //! The shell is one `docker exec` of bash kept open for the whole episode (not one exec
 //! per command, which costs a round trip through the daemon each time). Each command is
 //! sent as a here-document (delimited by a unique marker) to a helper function that runs it
-//! in a forked subshell, a background job with a process group of its own, next to a
-//! watchdog job that kills that group at the deadline (Docker has no API to kill an exec,
-//! so the deadline is enforced inside the container; no process is exec'd per command,
-//! which keeps the round trip short). The function records the directory the command
-//! ended in and prints a marker line with the exit code.
+//! in a forked subshell, a background job with a process group of its own, armed on the
+//! shell's one watchdog job, which kills that group at the deadline (Docker has no API to
+//! kill an exec, so the deadline is enforced inside the container). One fork and no exec
+//! per command, and per-command files on the container's tmpfs, keep the round trip
+//! short. The function records the directory the command ended in and prints a marker
+//! line with the exit code.
 //! The caller reads until the marker; if the marker does not come in time the shell is
 //! replaced. Containers carry labels (run, worker, episode) so a restarted worker can
 //! remove the orphans of its predecessor.
@@ -145,34 +146,59 @@ const SHELL_PRELUDE: &str = r#"
 # The shell's own stderr carries only its notices (job status, "Killed"); every command's
 # stderr is merged into its stdout below.
 exec 2>/dev/null
-# Job control: each command (and each watchdog) runs as a background job in a process
-# group of its own, so a timeout or the clean-up after it kills the whole group.
+# Job control: each command runs as a background job in a process group of its own, so
+# a timeout or the clean-up after it kills the whole group.
 set -m
-mkdir -p /tmp/.tutor; echo /testbed > /tmp/.tutor/cwd; __tutor_cwd=/testbed
-rm -f /tmp/.tutor/fifo; mkfifo /tmp/.tutor/fifo
-export PATH="/tmp/.tutor/bin:$PATH" TUTOR_STATE_DIR=/tmp/.tutor TUTOR_REPO=/testbed TUTOR_REPO_DISPLAY=/testbed
+# Per-command state (the command, the directory it ended in, the tools' state) lives on
+# the container's tmpfs when it has a writable one: the root filesystem can be
+# fuse-overlayfs, where each open, write and stat is a trip through a userspace daemon
+# (that cost several ms per command). Read-only, so no command can redirect it.
+__tutor_s=/dev/shm/.tutor
+{ mkdir -p "$__tutor_s" && [ -w "$__tutor_s" ]; } 2>/dev/null || __tutor_s=/tmp/.tutor
+readonly __tutor_s
+mkdir -p /tmp/.tutor "$__tutor_s"; echo /testbed > "$__tutor_s/cwd"; __tutor_cwd=/testbed
+export PATH="/tmp/.tutor/bin:$PATH" TUTOR_STATE_DIR="$__tutor_s" TUTOR_REPO=/testbed TUTOR_REPO_DISPLAY=/testbed
+# The watchdog: one job for the whole shell, not one per command. It reads
+# "<process group> <seconds>" to arm and any line to disarm from a FIFO the shell keeps
+# open read-write on fd 9, and kills the group at the deadline (`read -t` is its timer,
+# so it never execs; it exists before the command, so a fork bomb that exhausts the pid
+# limit cannot stop it).
+__tutor_watchdog() {
+  local pid secs ack
+  while read -r pid secs; do
+    read -r -t "$secs" ack || { kill -KILL -- -"$pid"; read -r ack; }
+  done
+}
+__tutor_start_watchdog() {
+  rm -f "$__tutor_s/wd"; mkfifo "$__tutor_s/wd"; exec 9<> "$__tutor_s/wd"
+  __tutor_watchdog <&9 >/dev/null 2>&1 &
+  __tutor_wd=$!
+}
+__tutor_start_watchdog
 __tutor_run() {
   # The command arrives as a here-document (delimited by the unique marker) on the
   # function's stdin; `read` and `printf` are builtins, so no process is spawned for it.
   local __cmd; IFS= read -r -d '' __cmd
-  printf '%s' "$__cmd" > /tmp/.tutor/cmd.sh
+  if ! printf '%s' "$__cmd" > "$__tutor_s/cmd.sh"; then
+    printf 'sandbox: could not write the command to %s (is it full?)\n\n%s %d\t%s\t\n' "$__tutor_s" "$2" 126 "$__tutor_cwd"
+    return
+  fi
+  # A watchdog that died (a command may kill it) is replaced before it is needed.
+  kill -0 "$__tutor_wd" 2>/dev/null || __tutor_start_watchdog
   cd "$__tutor_cwd" 2>/dev/null || cd /testbed
   # The command: a forked subshell (no exec), job control off inside so everything it
-  # starts stays in its group; the EXIT trap records where it ended.
-  ( set +m; trap 'pwd > /tmp/.tutor/cwd' EXIT; . /tmp/.tutor/cmd.sh ) </dev/null 2>&1 &
+  # starts stays in its group, without the watchdog's FIFO; the EXIT trap records where
+  # it ended.
+  ( set +m; trap 'pwd > "$__tutor_s/cwd"' EXIT; . "$__tutor_s/cmd.sh" ) </dev/null 9>&- 2>&1 &
   local __pid=$!
-  # The watchdog: `read -t` on a FIFO nobody writes is a sleep without an exec; at the
-  # deadline it kills the command's whole group (it already exists, so a fork bomb that
-  # exhausts the pid limit cannot stop it).
-  ( read -t "$1" <> /tmp/.tutor/fifo; kill -KILL -- -"$__pid" ) </dev/null >/dev/null 2>&1 &
-  local __wd=$!
+  echo "$__pid $1" >&9
   wait "$__pid"; local rc=$?
-  # Stop the watchdog, and whatever the command left running in the background.
-  kill -KILL -- -"$__wd" -"$__pid" 2>/dev/null
-  wait "$__wd" 2>/dev/null
+  echo >&9
+  # Whatever the command left running in the background goes with it.
+  kill -KILL -- -"$__pid" 2>/dev/null
   local __file=
-  read -r __tutor_cwd < /tmp/.tutor/cwd
-  [ -f /tmp/.tutor/current_file ] && read -r __file < /tmp/.tutor/current_file
+  read -r __tutor_cwd < "$__tutor_s/cwd"
+  [ -f "$__tutor_s/current_file" ] && read -r __file < "$__tutor_s/current_file"
   printf '\n%s %d\t%s\t%s\n' "$2" "$rc" "$__tutor_cwd" "$__file"
 }
 "#;
@@ -189,7 +215,10 @@ pub struct DockerSandbox {
     docker: Docker,
     id: String,
     user: String,
-    shell: Option<Shell>,
+    /// In a Mutex only so that the sandbox is `Sync` (a `&DockerSandbox` held across an
+    /// await in a spawned task, as the warm pool does); it is never locked, only reached
+    /// through `get_mut`.
+    shell: Option<std::sync::Mutex<Shell>>,
     cwd: String,
     current_file: Option<String>,
     /// Hash of the commit every diff is taken against.
@@ -198,6 +227,10 @@ pub struct DockerSandbox {
     base_files: std::sync::Mutex<HashMap<String, Option<String>>>,
     counter: u64,
     removed: bool,
+    /// uid and gid the shell runs as and the task files belong to.
+    owner: (u32, u32),
+    /// Taken from the warm pool (its container carries the pool label, not the episode's).
+    pooled: bool,
 }
 
 impl DockerSandbox {
@@ -208,14 +241,30 @@ impl DockerSandbox {
         spec: &ContainerSpec,
         task: &TaskRecord,
     ) -> Result<Self, DockerError> {
-        if docker.inspect_image(&spec.image).await.is_err() {
-            return Err(DockerError::MissingImage(spec.image.clone()));
-        }
         let labels = HashMap::from([
             (LABEL_RUN.to_string(), spec.run.clone()),
             (LABEL_WORKER.to_string(), spec.worker.clone()),
             (LABEL_EPISODE.to_string(), spec.episode.clone()),
         ]);
+        let mut sb = Self::launch(docker, spec, labels).await?;
+        if let Err(e) = sb.setup_task(task).await {
+            sb.remove().await;
+            return Err(e);
+        }
+        Ok(sb)
+    }
+
+    /// Creates and starts a container labelled `labels`, with the tools installed and the
+    /// shell running but no task yet: everything of [`Self::create`] that does not depend on
+    /// the task, which is what the warm pool (crate::pool) does ahead of demand.
+    pub(crate) async fn launch(
+        docker: &Docker,
+        spec: &ContainerSpec,
+        labels: HashMap<String, String>,
+    ) -> Result<Self, DockerError> {
+        if docker.inspect_image(&spec.image).await.is_err() {
+            return Err(DockerError::MissingImage(spec.image.clone()));
+        }
         let body = ContainerCreateBody {
             image: Some(spec.image.clone()),
             cmd: Some(vec!["sleep".into(), "infinity".into()]),
@@ -245,6 +294,7 @@ impl DockerSandbox {
             docker: docker.clone(),
             id: created.id,
             user: format!("{}:{}", spec.user.0, spec.user.1),
+            owner: spec.user,
             shell: None,
             cwd: WORKDIR.into(),
             current_file: None,
@@ -252,21 +302,31 @@ impl DockerSandbox {
             base_files: Default::default(),
             counter: 0,
             removed: false,
+            pooled: false,
         };
-        if let Err(e) = sb.init(task, spec.user).await {
+        if let Err(e) = sb.prepare().await {
             sb.remove().await;
             return Err(e);
         }
         Ok(sb)
     }
 
-    async fn init(&mut self, task: &TaskRecord, (uid, gid): (u32, u32)) -> Result<(), DockerError> {
+    /// Starts the container, installs the tools and starts the shell.
+    async fn prepare(&mut self) -> Result<(), DockerError> {
         self.docker
             .start_container(
                 &self.id,
                 None::<bollard::query_parameters::StartContainerOptions>,
             )
             .await?;
+        self.install_tools(self.owner.0, self.owner.1).await?;
+        self.start_shell().await
+    }
+
+    /// Copies the task's files into /testbed and commits them as the base of the diff
+    /// (or tags the image's own checkout as the base).
+    pub(crate) async fn setup_task(&mut self, task: &TaskRecord) -> Result<(), DockerError> {
+        let (uid, gid) = self.owner;
         // Directories get entries of their own: ones the engine creates implicitly would
         // belong to root, and the unprivileged shell could not write into them.
         let mut builder = tar::Builder::new(Vec::new());
@@ -303,12 +363,10 @@ impl DockerSandbox {
         let tar = builder
             .into_inner()
             .map_err(|e| DockerError::Shell(format!("packing the task files: {e}")))?;
-        self.install_tools(uid, gid).await?;
         let uploading = !task.files.is_empty();
         if uploading {
             self.upload(WORKDIR, tar).await?;
         }
-        self.start_shell().await?;
         // Our own tasks are committed here as the base; images that ship the repository
         // (SWE-bench) are at the base commit already.
         let setup = if uploading {
@@ -438,7 +496,7 @@ impl DockerSandbox {
                     .write_all(SHELL_PRELUDE.as_bytes())
                     .await
                     .map_err(|e| DockerError::Shell(format!("starting the shell: {e}")))?;
-                self.shell = Some(Shell { input, output });
+                self.shell = Some(std::sync::Mutex::new(Shell { input, output }));
                 Ok(())
             }
             bollard::exec::StartExecResults::Detached => {
@@ -449,6 +507,26 @@ impl DockerSandbox {
 
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// True when the container came from the warm pool (crate::pool).
+    pub fn pooled(&self) -> bool {
+        self.pooled
+    }
+
+    pub(crate) fn set_pooled(&mut self) {
+        self.pooled = true;
+    }
+
+    /// Asks the engine whether the container is still running (not exited, killed,
+    /// paused or restarting).
+    pub(crate) async fn is_running(&self) -> bool {
+        match self.docker.inspect_container(&self.id, None).await {
+            Ok(c) => c.state.is_some_and(|s| {
+                s.running == Some(true) && s.paused != Some(true) && s.restarting != Some(true)
+            }),
+            Err(_) => false,
+        }
     }
 
     /// The directory the last command ended in.
@@ -484,7 +562,12 @@ impl DockerSandbox {
         let marker = format!("__TUTOR_DONE_{}_{}__", self.counter, std::process::id());
         let secs = timeout.as_secs().max(1);
         let line = format!("__tutor_run {secs} {marker} <<'{marker}'\n{command}\n{marker}\n");
-        let shell = self.shell.as_mut().expect("started above");
+        let shell = self
+            .shell
+            .as_mut()
+            .expect("started above")
+            .get_mut()
+            .expect("never locked");
         shell
             .input
             .write_all(line.as_bytes())
@@ -505,6 +588,9 @@ impl DockerSandbox {
         let mut head: Vec<u8> = Vec::new();
         let mut tail: Vec<u8> = Vec::new();
         let mut dropped = 0usize;
+        // Bytes of `tail` already searched for the marker: each chunk is searched once
+        // (with an overlap the length of the marker), not the whole window again.
+        let mut scanned = 0usize;
         let mut new_cwd = None;
         let (exit_code, new_file) = loop {
             let chunk = match tokio::time::timeout_at(deadline, shell.output.next()).await {
@@ -518,7 +604,8 @@ impl DockerSandbox {
                 Ok(Some(Ok(c))) => c.into_bytes(),
             };
             tail.extend_from_slice(&chunk);
-            if let Some(i) = find(&tail, needle.as_bytes()) {
+            let from = scanned.saturating_sub(needle.len() - 1);
+            if let Some(i) = find(&tail[from..], needle.as_bytes()).map(|i| from + i) {
                 let rest = &tail[i + needle.len()..];
                 if let Some(nl) = rest.iter().position(|&b| b == b'\n') {
                     // "<exit code>\t<directory the command ended in>\t<current file>"
@@ -535,6 +622,7 @@ impl DockerSandbox {
                 }
                 continue; // the exit code is still on its way
             }
+            scanned = tail.len();
             if tail.len() > CAPTURE_BYTES {
                 let excess = tail.len() - CAPTURE_BYTES / 2;
                 if head.is_empty() {
@@ -544,6 +632,7 @@ impl DockerSandbox {
                     dropped += excess;
                 }
                 tail.drain(..excess);
+                scanned = tail.len();
             }
         };
         let mut text = String::from_utf8_lossy(&head).into_owned();

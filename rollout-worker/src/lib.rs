@@ -9,6 +9,7 @@ pub mod episode;
 pub mod eval;
 pub mod grade;
 pub mod observation;
+pub mod pool;
 pub mod sandbox;
 pub mod student;
 pub mod tasks;

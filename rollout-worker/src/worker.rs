@@ -21,6 +21,7 @@ use tutor_proto::{EpisodeEvent, HeartbeatRequest, LeaseRequest, RegisterRequest}
 use crate::backend::{DockerSettings, ImageRule, SandboxFactory};
 use crate::endpoint::{ChatEndpoint, TeacherConfig, TeacherKind};
 use crate::episode::{run_episode, EpisodeEnv, TeacherSource, DEFAULT_SYSTEM_PROMPT};
+use crate::pool::WarmPool;
 use crate::student::StudentHost;
 
 /// The worker's typed configuration (section `[worker]` of a run config).
@@ -48,6 +49,13 @@ pub struct WorkerConfig {
     pub network: bool,
     /// Docker: uid:gid the agent's shell runs as (the task image's unprivileged user).
     pub container_user: String,
+    /// Docker: containers per image (and per worker) created and started ahead of
+    /// demand (tools installed, shell running), so an episode or a grading only copies its
+    /// task in; taken ones are refilled in the background and all are removed when the
+    /// worker stops. Same limits and labels (run, worker, plus `tutor.pool`) as on-demand
+    /// containers. Pools are kept for the 4 most recently used images. 0 (default): every
+    /// container is created when an episode starts.
+    pub warm_pool: u32,
     /// System prompt; empty means the built-in one. `{repo}` and `{tools}` are filled in.
     pub system_prompt: String,
     /// Who labels states (`[worker.teacher]`): the gold-patch oracle (default) or an
@@ -79,6 +87,7 @@ impl Default for WorkerConfig {
             pids_limit: 512,
             network: false,
             container_user: "1000:1000".into(),
+            warm_pool: 0,
             system_prompt: String::new(),
             teacher: TeacherConfig::default(),
             rpc_timeout_s: 30.0,
@@ -156,7 +165,7 @@ impl WorkerConfig {
                         "removed containers a previous worker left behind"
                     );
                 }
-                Ok(SandboxFactory::Docker(DockerSettings {
+                let mut settings = DockerSettings {
                     docker,
                     image: ImageRule::parse(&self.image),
                     run: run.to_string(),
@@ -166,7 +175,25 @@ impl WorkerConfig {
                     pids_limit: self.pids_limit,
                     network: self.network,
                     user,
-                }))
+                    pool: None,
+                };
+                if self.warm_pool > 0 {
+                    let template = settings.spec(&Default::default(), "");
+                    let pool =
+                        WarmPool::start(&settings.docker, &template, self.warm_pool as usize);
+                    // One image for every task: fill now. Otherwise an image's pool
+                    // fills at its first request.
+                    if let ImageRule::Fixed(image) = &settings.image {
+                        pool.warm(image).await;
+                    }
+                    tracing::info!(
+                        size = self.warm_pool,
+                        pool = pool.name(),
+                        "warm container pool started"
+                    );
+                    settings.pool = Some(pool);
+                }
+                Ok(SandboxFactory::Docker(settings))
             }
         }
     }
@@ -292,6 +319,7 @@ pub async fn run_worker(
     let capacity = opts.config.capacity.max(1) as usize;
     let slots = Arc::new(Semaphore::new(capacity));
     let mut failures = 0u32;
+    let mut lost = None;
     while !cancel.load(Ordering::SeqCst) {
         let first = slots.clone().acquire_owned().await.expect("semaphore open");
         let free = slots.available_permits() as u32 + 1;
@@ -309,10 +337,11 @@ pub async fn run_worker(
                 failures += 1;
                 drop(first);
                 if failures > 60 {
-                    anyhow::bail!(
+                    lost = Some(anyhow::anyhow!(
                         "the coordinator at {} stopped answering: {status}",
                         opts.coordinator
-                    );
+                    ));
+                    break;
                 }
                 tracing::warn!(%status, "lease failed; retrying");
                 tokio::time::sleep(Duration::from_millis(500)).await;
@@ -361,6 +390,10 @@ pub async fn run_worker(
             });
         }
     }
+    if let Some(e) = lost {
+        env.sandboxes.shutdown().await;
+        return Err(e);
+    }
     // Let running episodes end (they stop early when cancelled), then deliver every event.
     let _all = slots
         .acquire_many(capacity as u32)
@@ -374,6 +407,8 @@ pub async fn run_worker(
     };
     sink.flush(Duration::from_secs(grace)).await;
     heartbeat.abort();
+    // The warm pool's containers go with the worker.
+    env.sandboxes.shutdown().await;
     tracing::info!(worker = %worker_id, version = student.loaded_version(), "worker stopped");
     Ok(())
 }

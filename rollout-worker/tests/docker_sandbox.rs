@@ -297,3 +297,25 @@ async fn background_jobs_end_with_their_command_as_in_the_local_sandbox() {
     );
     sb.remove().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_that_kills_the_watchdog_does_not_lift_the_deadline() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-watchdog-{}", std::process::id());
+    let mut sb = sandbox(&d, &run).await;
+    // The shell's one watchdog job is a process the agent can see and kill.
+    let out = sb
+        .run(
+            "kill -KILL \"$__tutor_wd\" && echo killed",
+            Duration::from_secs(20),
+        )
+        .await;
+    assert_eq!(out.output.trim(), "killed", "{out:?}");
+    // The next command gets a new watchdog, so its deadline still holds: killed in the
+    // container (exit 137), not abandoned by the caller's own deadline (a sandbox error).
+    let out = sb.run("sleep 1000", Duration::from_secs(2)).await;
+    assert!(out.timed_out, "{out:?}");
+    let out = sb.run("echo alive", Duration::from_secs(10)).await;
+    assert_eq!(out.output.trim(), "alive");
+    sb.remove().await;
+}

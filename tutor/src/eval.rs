@@ -44,6 +44,10 @@ pub struct EvalArgs {
     /// Episodes run at once.
     #[arg(long, short = 'j', default_value_t = 2)]
     jobs: usize,
+    /// Docker: keep N started containers per image ready ahead of demand (episodes and
+    /// gradings take one and only copy their task in); 0 creates each on demand.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    warm_pool: u32,
     /// Turn limit per episode.
     #[arg(long, default_value_t = 30)]
     max_turns: u32,
@@ -90,6 +94,7 @@ pub async fn eval(args: EvalArgs) -> Result<()> {
     let worker = WorkerConfig {
         sandbox: args.sandbox,
         image: args.image.clone(),
+        warm_pool: args.warm_pool,
         ..Default::default()
     };
     let run = format!("eval-{}", std::process::id());
@@ -159,8 +164,17 @@ pub async fn eval(args: EvalArgs) -> Result<()> {
         }));
     }
     let mut results: Vec<EvalResult> = Vec::new();
+    let mut panicked = None;
     for h in handles {
-        results.push(h.await.context("an evaluation task panicked")?);
+        match h.await {
+            Ok(r) => results.push(r),
+            Err(e) => panicked = Some(e),
+        }
+    }
+    // The warm pool's containers (if any) go before the report.
+    factory.shutdown().await;
+    if let Some(e) = panicked {
+        return Err(e).context("an evaluation task panicked");
     }
     bar.finish_and_clear();
 

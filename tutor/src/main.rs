@@ -228,6 +228,12 @@ enum Cmd {
         /// Where downloaded weights are staged.
         #[arg(long)]
         cache_dir: Option<PathBuf>,
+        /// Docker sandboxes: keep N started containers per image ready ahead of demand
+        /// (tools and shell in place; an episode only copies its task in). Overrides
+        /// `[worker] warm_pool`; 0 creates every container on demand. Pooled containers
+        /// carry the run and worker labels and are removed when the worker stops.
+        #[arg(long, value_name = "N")]
+        warm_pool: Option<u32>,
         /// File holding the shared token sent to the coordinator and the learner (else
         /// TUTOR_AUTH_TOKEN).
         #[arg(long, value_name = "PATH")]
@@ -508,10 +514,14 @@ async fn dispatch(cli: Cli) -> Result<()> {
             name,
             run,
             cache_dir,
+            warm_pool,
             auth_token_file,
             tls,
         } => {
-            let (cfg, _) = RunConfig::load(&config)?;
+            let (mut cfg, _) = RunConfig::load(&config)?;
+            if let Some(n) = warm_pool {
+                cfg.worker.warm_pool = n;
+            }
             let auth = ClientAuth::new(load_token(auth_token_file.as_deref())?.as_ref())
                 .with_tls(tls.files().client()?);
             let cache_dir = match cache_dir {

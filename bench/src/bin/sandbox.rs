@@ -5,7 +5,10 @@
 //! For the same trivial command (`true`), p50/p99 over N runs of: the Docker sandbox's
 //! persistent shell, one `docker exec` per command (how mini-swe-agent runs commands:
 //! create exec, start, read to the end, inspect the exit code), and the local sandbox.
-//! Then container create+start(+repository set-up) latency over a few containers.
+//! Then how long an episode waits for its sandbox: container create+start+repository
+//! set-up on demand, and the same sandbox taken from a warm pool (`--pool` containers
+//! created ahead; each acquisition waits, untimed, until the pool is full again, so this is
+//! the pool's best case: episodes that arrive faster than it refills wait as on demand).
 //! Needs `make images`; everything talks to the local Docker engine only.
 
 use std::time::{Duration, Instant};
@@ -14,6 +17,7 @@ use bollard::models::ExecConfig;
 use clap::Parser;
 use futures::StreamExt;
 use tutor_rollout::docker::{self, ContainerSpec, DockerSandbox};
+use tutor_rollout::pool::WarmPool;
 use tutor_rollout::sandbox::LocalSandbox;
 
 #[derive(Parser)]
@@ -26,13 +30,16 @@ struct Args {
     containers: usize,
     #[arg(long, default_value = "tutor/python-task:latest")]
     image: String,
+    /// Warm-pool size for the acquisition figure (0 skips it).
+    #[arg(long, default_value_t = 2)]
+    pool: usize,
 }
 
 fn summary(name: &str, mut v: Vec<Duration>) -> f64 {
     v.sort();
     let p = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize].as_secs_f64() * 1e3;
     println!(
-        "{name:<34} n={:<5} p50 {:>8.3} ms   p99 {:>8.3} ms   max {:>8.3} ms",
+        "{name:<40} n={:<5} p50 {:>8.3} ms   p99 {:>8.3} ms   max {:>8.3} ms",
         v.len(),
         p(0.5),
         p(0.99),
@@ -132,13 +139,42 @@ async fn main() -> anyhow::Result<()> {
         startup.push(t.elapsed());
         c.remove().await;
     }
+
+    // The same sandbox taken from a warm pool.
+    let mut pooled = Vec::new();
+    if args.pool > 0 {
+        let spec = ContainerSpec::new(&args.image, &run, "bench", "");
+        let pool = WarmPool::start(&d, &spec, args.pool);
+        pool.warm(&args.image).await;
+        for k in 0..args.containers {
+            let ready = pool.wait_ready(&args.image, Duration::from_secs(300)).await;
+            anyhow::ensure!(ready == args.pool, "the pool did not fill ({ready} ready)");
+            let t = Instant::now();
+            let mut c = pool
+                .acquire(
+                    &ContainerSpec::new(&args.image, &run, "bench", &format!("p{k}")),
+                    &task,
+                )
+                .await?;
+            pooled.push(t.elapsed());
+            anyhow::ensure!(c.pooled(), "the pool handed out no warm container");
+            c.remove().await;
+        }
+        pool.shutdown().await;
+    }
     docker::remove_orphans(&d, &run, None).await?;
 
     println!("command round trip of `true` ({} each):", args.commands);
     let s = summary("docker persistent shell", shell);
     let e = summary("docker exec per command", exec);
     summary("local sandbox", local);
-    summary("container create+start+git setup", startup);
+    summary("sandbox on demand (create+start+setup)", startup);
+    if !pooled.is_empty() {
+        summary(
+            &format!("sandbox from a warm pool of {}", args.pool),
+            pooled,
+        );
+    }
     println!("persistent shell / docker exec (p50): {:.3}", s / e);
     Ok(())
 }
