@@ -63,6 +63,23 @@ pub struct LearnerConfig {
     /// slowest rank, or rank 0's next batch; rank 0 sends a keepalive every
     /// `collective_timeout_s / 4`, at most every 10 s, while the coordinator sends none).
     pub collective_timeout_s: f64,
+    /// Where the student trains: `"cpu"`, `"cuda"` (GPU 0, or in an NCCL group the
+    /// rank's `--gpu`) or `"cuda:N"`.
+    pub device: String,
+    /// Number format of the weights during training: `"auto"` (bf16 on a GPU, f32 on the
+    /// CPU), `"f32"`, or `"bf16"`: bf16 parameters and activations, with fp32 master
+    /// weights, fp32 gradient sums across micro-batches and ranks, and fp32 AdamW state.
+    pub precision: Precision,
+}
+
+/// See `LearnerConfig::precision`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    #[default]
+    Auto,
+    F32,
+    Bf16,
 }
 
 /// Which collective the learner ranks use (see `LearnerConfig::collective`).
@@ -107,6 +124,8 @@ impl Default for LearnerConfig {
             collective: CollectiveChoice::Cpu,
             rendezvous_timeout_s: 300.0,
             collective_timeout_s: 600.0,
+            device: "cpu".into(),
+            precision: Precision::Auto,
         }
     }
 }
@@ -128,9 +147,40 @@ impl LearnerConfig {
         self.lr_schedule().lr_at(step, self.total_steps)
     }
 
+    /// The device `device` names. `"cuda"` without an index is `default_gpu` (the rank's
+    /// GPU in an NCCL group, else 0). Whether that GPU exists is checked by the trainer.
+    pub fn device(&self, default_gpu: usize) -> Result<tch::Device, String> {
+        let d = self.device.trim();
+        match d {
+            "cpu" => Ok(tch::Device::Cpu),
+            "cuda" => Ok(tch::Device::Cuda(default_gpu)),
+            _ => d
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse::<usize>().ok())
+                .map(tch::Device::Cuda)
+                .ok_or_else(|| {
+                    format!(
+                        "learner.device must be \"cpu\", \"cuda\" or \"cuda:N\", got {:?}",
+                        self.device
+                    )
+                }),
+        }
+    }
+
+    /// Whether training on `device` keeps bf16 parameters with fp32 master weights
+    /// (see `precision`).
+    pub fn mixed_precision(&self, device: tch::Device) -> bool {
+        match self.precision {
+            Precision::Auto => device.is_cuda(),
+            Precision::F32 => false,
+            Precision::Bf16 => true,
+        }
+    }
+
     /// Checks the schedule settings: a cosine needs `total_steps > warmup_steps`, and
     /// `min_lr_ratio` must lie in [0, 1].
     pub fn validate(&self) -> Result<(), String> {
+        self.device(0)?;
         if !(0.0..=1.0).contains(&self.min_lr_ratio) {
             return Err(format!(
                 "learner.min_lr_ratio must be in [0, 1], got {}",
@@ -207,5 +257,28 @@ mod tests {
         };
         assert!(bad_floor.validate().is_err());
         assert!(serde_json::from_str::<LearnerConfig>(r#"{"schedule": "linear"}"#).is_err());
+    }
+
+    #[test]
+    fn device_and_precision_are_parsed_and_validated() {
+        let c = LearnerConfig::default();
+        assert_eq!(c.device(3), Ok(tch::Device::Cpu));
+        assert!(!c.mixed_precision(tch::Device::Cpu), "auto: f32 on the CPU");
+        assert!(
+            c.mixed_precision(tch::Device::Cuda(0)),
+            "auto: bf16 on a GPU"
+        );
+        let gpu: LearnerConfig =
+            serde_json::from_str(r#"{"device": "cuda", "precision": "f32"}"#).unwrap();
+        assert_eq!(gpu.device(3), Ok(tch::Device::Cuda(3)));
+        assert!(!gpu.mixed_precision(tch::Device::Cuda(3)));
+        let one: LearnerConfig = serde_json::from_str(r#"{"device": "cuda:1"}"#).unwrap();
+        assert_eq!(one.device(3), Ok(tch::Device::Cuda(1)));
+        let bf16: LearnerConfig = serde_json::from_str(r#"{"precision": "bf16"}"#).unwrap();
+        assert!(bf16.mixed_precision(tch::Device::Cpu));
+        let bad: LearnerConfig = serde_json::from_str(r#"{"device": "gpu0"}"#).unwrap();
+        let e = bad.validate().unwrap_err();
+        assert!(e.contains("learner.device") && e.contains("gpu0"), "{e}");
+        assert!(serde_json::from_str::<LearnerConfig>(r#"{"precision": "fp16"}"#).is_err());
     }
 }

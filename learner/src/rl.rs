@@ -216,7 +216,7 @@ impl Trainer {
                 eps_high,
             ) * batch.label_tokens as f64;
             local_sum += sum.double_value(&[]);
-            sum.backward();
+            self.backward(&sum);
             local_tokens += batch.label_tokens;
             passes += 1;
         }

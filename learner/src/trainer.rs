@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 use tutor_policy::{ModelConfig, Policy};
 
 use crate::checkpoint::{self, RngState, TrainerState};
@@ -48,6 +48,14 @@ pub struct StepReport {
     pub micro_batches: usize,
 }
 
+/// Mixed precision (`LearnerConfig::precision`): the fp32 weights AdamW updates (the
+/// model's bf16 parameters are their rounding) and the fp32 sums of the current step's
+/// gradients, in the same order as `Trainer::params`.
+struct Master {
+    weights: Vec<Tensor>,
+    grads: Vec<Tensor>,
+}
+
 pub struct Trainer {
     policy: Policy,
     /// The policy's parameters in name order (handles sharing the VarStore's storage), so
@@ -55,6 +63,8 @@ pub struct Trainer {
     param_names: Vec<String>,
     params: Vec<Tensor>,
     optimizer: AdamW,
+    /// `Some` when training in bf16.
+    master: Option<Master>,
     config: LearnerConfig,
     steps: u64,
     collective: Box<dyn Collective>,
@@ -88,11 +98,33 @@ impl Trainer {
 
     /// One rank of a data-parallel group. Every rank must call this (it broadcasts rank
     /// 0's weights, so all ranks start from the same point) and then `step` in lockstep.
+    ///
+    /// Moves the policy to `config.device` and, for mixed precision, keeps fp32 master
+    /// copies of its (f32) weights and casts the model to bf16.
     pub fn with_collective(
-        policy: Policy,
+        mut policy: Policy,
         config: LearnerConfig,
         mut collective: Box<dyn Collective>,
     ) -> Result<Self> {
+        let default_gpu = match collective.device() {
+            Device::Cuda(n) => n,
+            _ => 0,
+        };
+        let device = config.device(default_gpu).map_err(anyhow::Error::msg)?;
+        if let Device::Cuda(n) = device {
+            let count = tch::Cuda::device_count();
+            if n as i64 >= count {
+                bail!(
+                    "learner.device = {:?} (cuda:{n}), but libtorch sees {count} CUDA device(s) \
+                     (a CPU-only libtorch, no driver, or CUDA_VISIBLE_DEVICES hides it); \
+                     use device = \"cpu\" on a machine without one",
+                    config.device
+                );
+            }
+        }
+        if policy.device() != device {
+            policy.var_store_mut().set_device(device);
+        }
         let mut named: Vec<(String, Tensor)> = policy.var_store().variables().into_iter().collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
         let (param_names, mut params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
@@ -101,13 +133,31 @@ impl Trainer {
                 .broadcast(&mut params)
                 .context("broadcasting rank 0's initial weights")?;
         }
-        let optimizer = AdamW::new(adamw_config(&config), &params);
+        let master = if config.mixed_precision(device) {
+            let weights: Vec<Tensor> = tch::no_grad(|| {
+                params
+                    .iter()
+                    .map(|p| p.detach().to_kind(Kind::Float).copy())
+                    .collect()
+            });
+            let grads = weights.iter().map(Tensor::zeros_like).collect();
+            // Casts every parameter in place (all handles share it), `params` included.
+            policy.var_store_mut().bfloat16();
+            Some(Master { weights, grads })
+        } else {
+            None
+        };
+        let optimizer = AdamW::new(
+            adamw_config(&config),
+            master.as_ref().map_or(&params, |m| &m.weights),
+        );
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
         Ok(Self {
             policy,
             param_names,
             params,
             optimizer,
+            master,
             config,
             steps: 0,
             collective,
@@ -160,6 +210,20 @@ impl Trainer {
             exp_avg.push(take(format!("exp_avg.{name}"), p)?);
             exp_avg_sq.push(take(format!("exp_avg_sq.{name}"), p)?);
         }
+        if let Some(master) = &mut trainer.master {
+            tch::no_grad(|| -> Result<()> {
+                for ((name, w), p) in trainer
+                    .param_names
+                    .iter()
+                    .zip(master.weights.iter_mut())
+                    .zip(trainer.params.iter_mut())
+                {
+                    w.copy_(&take(format!("master.{name}"), w)?);
+                    p.copy_(w);
+                }
+                Ok(())
+            })?;
+        }
         trainer.optimizer = AdamW::from_state(
             adamw_config(&trainer.config),
             state.optimizer_steps,
@@ -199,6 +263,9 @@ impl Trainer {
                     format!("exp_avg_sq.{name}"),
                     host(&self.optimizer.exp_avg_sq()[i]),
                 ));
+                if let Some(master) = &self.master {
+                    moments.push((format!("master.{name}"), host(&master.weights[i])));
+                }
             }
             let opt_path = tmp.join(checkpoint::OPTIMIZER_FILE);
             Tensor::write_safetensors(&moments, &opt_path)
@@ -245,8 +312,13 @@ impl Trainer {
         collective
             .broadcast_bytes(&mut header)
             .context("sending the training state to the other ranks")?;
+        // The fp32 weights: a joining rank casts them as `with_collective` does here.
+        let mut weights: Vec<Tensor> = match &self.master {
+            Some(m) => m.weights.iter().map(Tensor::shallow_clone).collect(),
+            None => self.params.iter().map(Tensor::shallow_clone).collect(),
+        };
         collective
-            .broadcast(&mut self.params)
+            .broadcast(&mut weights)
             .context("sending the weights to the other ranks")?;
         let mut moments: Vec<Tensor> = self
             .optimizer
@@ -274,7 +346,12 @@ impl Trainer {
             .context("rank 0 sent a training state this learner cannot read (same tutor version on every rank?)")?;
         // Rank 0 built its model from this config: it is valid.
         let policy = Policy::new(state.model.clone(), Device::Cpu, 0);
-        let mut trainer = Self::with_collective(policy, state.config, collective)
+        let mut config = state.config;
+        // Rank 0's GPU is rank 0's: on a GPU, each rank trains on its collective's.
+        if let (Ok(Device::Cuda(_)), Device::Cuda(own)) = (config.device(0), collective.device()) {
+            config.device = format!("cuda:{own}");
+        }
+        let mut trainer = Self::with_collective(policy, config, collective)
             .with_context(|| format!("rank {rank}: receiving rank 0's weights"))?;
         if trainer.param_names != state.parameters {
             bail!("rank {rank}: the model's parameters differ from rank 0's list");
@@ -372,8 +449,7 @@ impl Trainer {
             let logits = self.policy.forward(&batch.input_ids, &batch.attention_mask);
             let nll = masked_nll_sum(&logits, &batch.input_ids, &batch.loss_mask);
             local_nll += nll.double_value(&[]);
-            // Gradients of the sums accumulate in `.grad` across passes.
-            nll.backward();
+            self.backward(&nll);
             local_labels += batch.label_tokens;
             passes += 1;
         }
@@ -405,7 +481,7 @@ impl Trainer {
                     .forward_tree(&batch.input_ids, &batch.position_ids, &batch.allowed);
             let nll = packed_nll_sum(&logits, &batch);
             local_nll += nll.double_value(&[]);
-            nll.backward();
+            self.backward(&nll);
             local_labels += batch.label_tokens;
             passes += 1;
         }
@@ -433,7 +509,30 @@ impl Trainer {
         for p in self.params.iter_mut() {
             p.zero_grad();
         }
+        if let Some(m) = &mut self.master {
+            for g in m.grads.iter_mut() {
+                let _ = g.zero_();
+            }
+        }
         Some(Instant::now())
+    }
+
+    /// Backward of one pass's summed loss. Gradients of the passes add up: in `.grad`
+    /// for f32 parameters; for bf16 ones each pass's gradient is added to the fp32 sums
+    /// and `.grad` cleared, so the sum over micro-batches is not rounded to bf16.
+    pub(crate) fn backward(&mut self, loss: &Tensor) {
+        loss.backward();
+        if let Some(m) = &mut self.master {
+            tch::no_grad(|| {
+                for (p, sum) in self.params.iter().zip(m.grads.iter_mut()) {
+                    let mut g = p.grad();
+                    if g.defined() {
+                        let _ = sum.g_add_(&g.to_kind(Kind::Float));
+                        let _ = g.zero_();
+                    }
+                }
+            });
+        }
     }
 
     /// Ends a step whose passes accumulated the gradients of summed per-token losses in
@@ -460,18 +559,21 @@ impl Trainer {
             // Nothing to learn from (e.g. only format-error labels): no update, no step.
             return Ok(idle);
         }
-        let mut grads: Vec<Tensor> = self
-            .params
-            .iter()
-            .map(|p| {
-                let g = p.grad();
-                if g.defined() {
-                    g
-                } else {
-                    p.zeros_like()
-                }
-            })
-            .collect();
+        let mut grads: Vec<Tensor> = match &self.master {
+            Some(m) => m.grads.iter().map(Tensor::shallow_clone).collect(),
+            None => self
+                .params
+                .iter()
+                .map(|p| {
+                    let g = p.grad();
+                    if g.defined() {
+                        g
+                    } else {
+                        p.zeros_like()
+                    }
+                })
+                .collect(),
+        };
         if !solo {
             self.collective
                 .all_reduce_sum(&mut grads)
@@ -495,7 +597,17 @@ impl Trainer {
             }
             norm
         });
-        self.optimizer.step(&mut self.params, &grads, lr);
+        match &mut self.master {
+            Some(m) => {
+                self.optimizer.step(&mut m.weights, &grads, lr);
+                tch::no_grad(|| {
+                    for (p, w) in self.params.iter_mut().zip(&m.weights) {
+                        p.copy_(w);
+                    }
+                });
+            }
+            None => self.optimizer.step(&mut self.params, &grads, lr),
+        }
         self.steps += 1;
         Ok(StepReport {
             loss: totals[0] / totals[1],
@@ -504,6 +616,17 @@ impl Trainer {
             learning_rate: lr,
             seconds: start.elapsed().as_secs_f64(),
             micro_batches: passes,
+        })
+    }
+
+    /// The fp32 master weights in name order when training in bf16 (what AdamW updates;
+    /// the parameters are their bf16 rounding), else `None`.
+    pub fn master_weights(&self) -> Option<impl Iterator<Item = (&str, &Tensor)>> {
+        self.master.as_ref().map(|m| {
+            self.param_names
+                .iter()
+                .map(String::as_str)
+                .zip(m.weights.iter())
         })
     }
 
@@ -769,6 +892,151 @@ mod tests {
             })
             .collect();
         assert!(counts.iter().any(|&c| c != counts[0]), "{counts:?}");
+    }
+
+    /// bf16 matrix products on the CPU run in oneDNN, whose AMX kernels have crashed
+    /// (SIGILL) on some virtual machines that advertise AMX: cap it below AMX. Takes
+    /// effect when called before the process's first oneDNN call (nextest runs each test
+    /// in a process of its own).
+    pub(crate) fn cap_onednn_isa() {
+        if std::env::var_os("ONEDNN_MAX_CPU_ISA").is_none() {
+            std::env::set_var("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16");
+        }
+    }
+
+    fn bf16_trainer(lr: f64) -> Trainer {
+        cap_onednn_isa();
+        let mut t = tiny_trainer();
+        t.config.precision = crate::config::Precision::Bf16;
+        t.config.learning_rate = lr;
+        let policy = Policy::new(t.policy.config().clone(), Device::Cpu, 3);
+        Trainer::new(policy, t.config.clone()).unwrap()
+    }
+
+    fn as_f32(t: &Tensor) -> Tensor {
+        t.to_kind(Kind::Float)
+    }
+
+    fn repeated_examples() -> Vec<(Vec<u32>, Vec<bool>)> {
+        vec![
+            (
+                vec![1u32, 5, 9, 13, 17, 21, 25, 2],
+                vec![false, false, false, true, true, true, true, true],
+            ),
+            (
+                vec![1u32, 7, 11, 3, 2],
+                vec![false, false, true, true, true],
+            ),
+            (
+                vec![4u32, 8, 15, 16, 23, 42, 3],
+                vec![false, true, true, true, true, true, true],
+            ),
+        ]
+    }
+
+    /// Mixed precision: bf16 parameters, fp32 master weights, gradient sums and AdamW
+    /// moments; after every step the parameters are exactly the master's rounding; it
+    /// learns, and stays close to the same run in f32.
+    #[test]
+    fn bf16_training_keeps_fp32_master_weights_gradients_and_moments() {
+        let mut t = bf16_trainer(1e-2);
+        t.config.micro_batch_tokens = 16; // several passes: sums across micro-batches
+        let mut f32_run = tiny_trainer();
+        f32_run.config.micro_batch_tokens = 16;
+        let m = t.master.as_ref().expect("bf16 keeps master weights");
+        assert!(t.params.iter().all(|p| p.kind() == Kind::BFloat16));
+        assert!(m.weights.iter().all(|w| w.kind() == Kind::Float));
+        assert!(m.grads.iter().all(|g| g.kind() == Kind::Float));
+        // The master starts as the f32 initialization itself, not its bf16 rounding.
+        for ((_, w), (_, f)) in t.master_weights().unwrap().zip(f32_run.named_parameters()) {
+            assert!(w.equal(f));
+        }
+        let ex = repeated_examples();
+        let first = t.step(&ex).unwrap();
+        f32_run.step(&ex).unwrap();
+        for _ in 0..2 {
+            t.step(&ex).unwrap();
+            f32_run.step(&ex).unwrap();
+        }
+        // Close to the f32 run after a few steps (bf16 keeps ~3 significant digits of the
+        // activations; over many steps at this learning rate the runs diverge).
+        let (mut num, mut den) = (0.0, 0.0);
+        for ((_, w), (_, f)) in t.master_weights().unwrap().zip(f32_run.named_parameters()) {
+            num += (w - f).square().sum(Kind::Double).double_value(&[]);
+            den += f.square().sum(Kind::Double).double_value(&[]);
+        }
+        let rel = (num / den).sqrt();
+        println!("relative distance to the f32 run after 3 steps: {rel:e}");
+        assert!(rel < 0.02, "bf16 run drifted from the f32 run: {rel}");
+        let mut last = first;
+        for _ in 0..28 {
+            last = t.step(&ex).unwrap();
+        }
+        assert!(first.micro_batches >= 2, "{}", first.micro_batches);
+        assert!(
+            t.optimizer
+                .exp_avg()
+                .iter()
+                .chain(t.optimizer.exp_avg_sq())
+                .all(|m| m.kind() == Kind::Float),
+            "AdamW moments are fp32"
+        );
+        assert!(
+            last.loss < first.loss * 0.5,
+            "loss {} -> {}",
+            first.loss,
+            last.loss
+        );
+        for ((name, p), (_, w)) in t.named_parameters().zip(t.master_weights().unwrap()) {
+            assert_eq!(p.kind(), Kind::BFloat16, "{name}");
+            assert!(
+                p.equal(&w.to_kind(Kind::BFloat16)),
+                "{name}: the parameter is not the master's rounding"
+            );
+        }
+        assert!(last.grad_norm.is_finite());
+    }
+
+    /// An update smaller than half a bf16 step is kept in the master (and adds up over
+    /// steps) where bf16 parameters alone would round it away.
+    #[test]
+    fn updates_below_bf16_resolution_are_kept_in_the_master() {
+        let mut t = bf16_trainer(1e-5);
+        t.config.warmup_steps = 0;
+        let name = "model.layers.0.mlp.down_proj.weight";
+        let idx = t.param_names.iter().position(|n| n == name).unwrap();
+        let w0 = t.master.as_ref().unwrap().weights[idx].copy();
+        let p0 = t.params[idx].copy();
+        t.step(&repeated_examples()).unwrap();
+        let w1 = &t.master.as_ref().unwrap().weights[idx];
+        let p1 = &t.params[idx];
+        let n = w0.numel() as f64;
+        let changed = |a: &Tensor, b: &Tensor| {
+            f64::try_from(as_f32(a).ne_tensor(&as_f32(b)).sum(Kind::Double)).unwrap() / n
+        };
+        let master_moved = changed(&w0, w1);
+        let bf16_moved = changed(&p0, p1);
+        assert!(
+            master_moved > 0.95,
+            "master changed in {master_moved} of elements"
+        );
+        assert!(
+            bf16_moved < 0.3,
+            "bf16 parameters changed in {bf16_moved} of elements (the test needs updates below bf16 resolution)"
+        );
+        let step = (w1 - &w0).abs().max().double_value(&[]);
+        assert!(step <= 1.2e-5, "AdamW's first step is about lr: {step}");
+    }
+
+    #[test]
+    fn a_missing_gpu_is_a_clear_error() {
+        let config = LearnerConfig {
+            device: "cuda:63".into(),
+            ..Default::default()
+        };
+        let policy = Policy::new(ModelConfig::tiny(64), Device::Cpu, 0);
+        let e = format!("{:#}", Trainer::new(policy, config).err().unwrap());
+        assert!(e.contains("learner.device") && e.contains("cuda:63"), "{e}");
     }
 
     #[test]

@@ -132,6 +132,85 @@ fn resumed_run_equals_uninterrupted_run() {
     assert!(params(&weights_only) != params(&straight));
 }
 
+fn master(t: &Trainer) -> Vec<(String, Vec<f32>)> {
+    t.master_weights()
+        .expect("bf16 training keeps master weights")
+        .map(|(n, p)| (n.to_string(), Vec::try_from(p.reshape([-1])).unwrap()))
+        .collect()
+}
+
+fn bf16_params(t: &Trainer) -> Vec<(String, Vec<f32>)> {
+    t.named_parameters()
+        .map(|(n, p)| {
+            assert_eq!(p.kind(), tch::Kind::BFloat16, "{n}");
+            let f = p.to_kind(tch::Kind::Float).reshape([-1]);
+            (n.to_string(), Vec::try_from(f).unwrap())
+        })
+        .collect()
+}
+
+/// Mixed precision resumes exactly too: the checkpoint holds the fp32 master weights
+/// beside the bf16 model (a Hugging Face checkpoint in bfloat16).
+#[test]
+fn bf16_resumed_run_equals_uninterrupted_run() {
+    // See trainer.rs `cap_onednn_isa`: bf16 products on the CPU stay off AMX.
+    if std::env::var_os("ONEDNN_MAX_CPU_ISA").is_none() {
+        std::env::set_var("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16");
+    }
+    let bf16 = || LearnerConfig {
+        precision: tutor_learner::config::Precision::Bf16,
+        ..config()
+    };
+    let mut straight = Trainer::new(tiny_policy(), bf16()).unwrap();
+    for k in 0..N {
+        straight.step(&batch(k)).unwrap();
+    }
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("ckpt");
+    let k = 3;
+    let mut first = Trainer::new(tiny_policy(), bf16()).unwrap();
+    for s in 0..k {
+        first.step(&batch(s)).unwrap();
+    }
+    first
+        .save_checkpoint(&dir, &json!({ "next_step": k }), &[])
+        .unwrap();
+    let hf: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(hf["torch_dtype"], "bfloat16");
+    let saved = tch::Tensor::read_safetensors(dir.join("model.safetensors")).unwrap();
+    assert!(saved.iter().all(|(_, t)| t.kind() == tch::Kind::BFloat16));
+    drop(first);
+
+    let (mut resumed, _) = Trainer::resume(&dir, Box::new(CpuCollective::solo())).unwrap();
+    for s in k..N {
+        resumed.step(&batch(s)).unwrap();
+    }
+    assert!(
+        master(&resumed) == master(&straight),
+        "master weights differ after resume"
+    );
+    assert!(bf16_params(&resumed) == bf16_params(&straight));
+
+    // The master is read from the checkpoint, not rebuilt from the bf16 weights (which
+    // lose its low bits): without it, resuming is an error that names what is missing.
+    let opt = dir.join("optimizer.safetensors");
+    let kept: Vec<(String, tch::Tensor)> = tch::Tensor::read_safetensors(&opt)
+        .unwrap()
+        .into_iter()
+        .filter(|(n, _)| !n.starts_with("master."))
+        .collect();
+    tch::Tensor::write_safetensors(&kept, &opt).unwrap();
+    let err = Trainer::resume(&dir, Box::new(CpuCollective::solo()))
+        .err()
+        .unwrap();
+    let err = format!("{err:#}");
+    assert!(
+        err.contains("master.") && err.contains("optimizer.safetensors"),
+        "{err}"
+    );
+}
+
 #[test]
 fn resume_reports_what_is_missing() {
     let root = tempfile::tempdir().unwrap();

@@ -228,3 +228,69 @@ fn a_rank_joining_later_continues_from_rank_zeros_exact_state() {
     // Without the optimizer state (fresh AdamW moments on rank 1) the ranks would apply
     // different updates and the assertion above would fail.
 }
+
+/// Mixed precision in a group: a joining rank gets rank 0's fp32 master weights (not the
+/// bf16 parameters' rounding), and the ranks stay equal to the bit.
+#[test]
+fn a_bf16_rank_joining_later_gets_rank_zeros_fp32_master() {
+    if std::env::var_os("ONEDNN_MAX_CPU_ISA").is_none() {
+        std::env::set_var("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16");
+    }
+    let config = LearnerConfig {
+        precision: tutor_learner::config::Precision::Bf16,
+        ..config()
+    };
+    let batches = batches(3);
+    let master = |t: &Trainer| -> Snapshot {
+        t.master_weights()
+            .expect("bf16 keeps master weights")
+            .map(|(n, p)| (n.to_string(), Vec::try_from(p.reshape([-1])).unwrap()))
+            .collect()
+    };
+    let mut lead = Trainer::new(tiny_policy(3), config).unwrap();
+    lead.step(&batches[0]).unwrap();
+    let rdv = CpuRendezvous::bind("127.0.0.1:0").unwrap();
+    let addr = rdv.local_addr();
+    let timeouts = CpuCollectiveTimeouts {
+        connect: Duration::from_secs(30),
+        io: Duration::from_secs(60),
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let rest = batches[1..].to_vec();
+    let theirs = rest.clone();
+    let follower = std::thread::spawn(move || {
+        let c = CpuCollective::connect(addr, 1, 2, timeouts).unwrap();
+        let mut t = Trainer::join_group(Box::new(c)).unwrap();
+        tx.send(master(&t)).unwrap();
+        for batch in &theirs {
+            t.step(&rank_shard(batch, 1, 2)).unwrap();
+        }
+        master(&t)
+    });
+    lead.lead_group(Box::new(rdv.accept(2, timeouts).unwrap()))
+        .unwrap();
+    let joined = rx.recv().unwrap();
+    assert!(
+        joined == master(&lead),
+        "the joining rank starts from rank 0's master"
+    );
+    let rounded: Snapshot = master(&lead)
+        .into_iter()
+        .map(|(n, v)| {
+            let t = tch::Tensor::from_slice(&v).to_kind(tch::Kind::BFloat16);
+            (n, Vec::try_from(t.to_kind(tch::Kind::Float)).unwrap())
+        })
+        .collect();
+    assert!(
+        joined != rounded,
+        "the master holds more than the bf16 weights"
+    );
+    for batch in &rest {
+        lead.step(&rank_shard(batch, 0, 2)).unwrap();
+    }
+    assert_eq!(
+        master(&lead),
+        follower.join().unwrap(),
+        "the ranks agree exactly"
+    );
+}

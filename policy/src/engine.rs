@@ -251,7 +251,7 @@ impl EngineHandle {
 /// Starts the engine thread. It runs until every [`EngineHandle`] is dropped and the
 /// admitted requests have finished.
 pub fn spawn_engine(
-    policy: Policy,
+    mut policy: Policy,
     tokenizer: ChatTokenizer,
     config: EngineConfig,
 ) -> (EngineHandle, std::thread::JoinHandle<()>) {
@@ -268,6 +268,7 @@ pub fn spawn_engine(
             if config.torch_threads > 0 {
                 tch::set_num_threads(config.torch_threads as i32);
             }
+            policy.use_decode_layout();
             let mut engine = Engine::new(policy, tokenizer, config);
             tch::no_grad(|| engine.run(rx));
         })
@@ -713,12 +714,15 @@ mod tests {
         ChatTokenizer::train(&corpus, 300).unwrap()
     }
 
-    /// A tiny model whose vocabulary covers the trained tokenizer.
+    /// A tiny model whose vocabulary covers the trained tokenizer, in the layout the
+    /// engine decodes with (so references computed with it match to the bit).
     fn policy(seed: i64) -> Policy {
         let p = tiny_policy(seed);
         let mut c = p.config().clone();
         c.vocab_size = 300;
-        Policy::new(c, Device::Cpu, seed)
+        let mut p = Policy::new(c, Device::Cpu, seed);
+        p.use_decode_layout();
+        p
     }
 
     fn greedy(n: usize) -> GenParams {

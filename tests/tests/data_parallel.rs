@@ -1,7 +1,8 @@
 //! Data-parallel learner ranks as separate processes: one tiny DAgger run with a single
 //! learner and the same run with two CPU ranks (`tutor learner --rank R --world-size 2`,
-//! meeting through the coordinator's rendezvous) train the same weights; a rank whose
-//! rank 0 never comes fails with a clear error within its deadline.
+//! meeting through the coordinator's rendezvous) train the same weights, also when rank 1
+//! and later rank 0 are killed with SIGKILL mid-run and restarted; a rank whose rank 0
+//! never comes fails with a clear error within its deadline.
 
 mod common;
 
@@ -14,7 +15,7 @@ use common::{coordinator_state, wait_until, Role};
 /// β = 1: the oracle teacher acts on every turn, so the episodes (and the batches) do not
 /// depend on the student's weights; one worker running one episode at a time, so they
 /// reach the dataset in the same order in both runs.
-fn config(sandboxes: &Path) -> String {
+fn config(sandboxes: &Path, iterations: u32) -> String {
     format!(
         r#"
 [run]
@@ -37,7 +38,7 @@ num_key_value_heads = 1
 head_dim = 32
 
 [coordinator]
-iterations = 1
+iterations = {iterations}
 episodes_per_iteration = 3
 heldout_episodes = 0
 max_turns = 4
@@ -68,7 +69,7 @@ collective_timeout_s = 60.0
 capacity = 1
 sandbox_root = {:?}
 "#,
-        sandboxes.display().to_string()
+        sandboxes.display().to_string(),
     )
 }
 
@@ -88,13 +89,13 @@ struct Prepared {
 }
 
 impl Prepared {
-    fn new(root: &Path) -> Self {
+    fn new(root: &Path, iterations: u32) -> Self {
         let sandboxes = root.join("sandboxes");
         let logs = root.join("logs");
         std::fs::create_dir_all(&sandboxes).unwrap();
         std::fs::create_dir_all(&logs).unwrap();
         let cfg = root.join("dp.toml");
-        std::fs::write(&cfg, config(&sandboxes)).unwrap();
+        std::fs::write(&cfg, config(&sandboxes, iterations)).unwrap();
         let out = std::process::Command::new(common::tutor_bin())
             .args(["prepare", "--config", cfg.to_str().unwrap()])
             .env("TUTOR_RUN__OUT_DIR", root.join("runs"))
@@ -121,7 +122,9 @@ impl Prepared {
         self.paths[k].as_str().unwrap().to_string()
     }
 
-    fn learner_rank(&self, rank: usize, world: usize, coordinator: &str) -> Role {
+    /// Rank 0 listens on `port` (fixed, so a restarted rank 0 is where the coordinator
+    /// looks for it).
+    fn learner_rank(&self, rank: usize, world: usize, coordinator: &str, port: u16) -> Role {
         let mut args: Vec<String> = vec![
             "learner".into(),
             "--config".into(),
@@ -136,7 +139,7 @@ impl Prepared {
                 "--out-dir".into(),
                 self.p("learner_out_dir"),
                 "--listen".into(),
-                "127.0.0.1:0".into(),
+                format!("127.0.0.1:{port}"),
                 "--addr-file".into(),
                 self.root.join("learner.addr").display().to_string(),
             ]);
@@ -204,14 +207,17 @@ fn read_safetensors(path: &Path) -> BTreeMap<String, Vec<f32>> {
     out
 }
 
-/// Runs the tiny run with `world` learner ranks; returns the learner's out dir after
-/// every process has stopped.
-fn run(root: &Path, world: usize) -> PathBuf {
-    let prep = Prepared::new(root);
+/// Runs the tiny run with `world` learner ranks for `iterations` iterations; `kills`
+/// lists (iteration, rank): once that iteration's rollouts have begun (the earlier
+/// iterations trained and checkpointed), the rank is killed with SIGKILL and started
+/// again. Returns the learner's out dir after every process has stopped.
+fn run(root: &Path, world: usize, iterations: u32, kills: &[(u64, usize)]) -> PathBuf {
+    let prep = Prepared::new(root, iterations);
     let cport = free_port();
+    let lport = free_port();
     let coordinator_url = format!("http://127.0.0.1:{cport}");
     let mut ranks: Vec<Role> = (0..world)
-        .map(|r| prep.learner_rank(r, world, &coordinator_url))
+        .map(|r| prep.learner_rank(r, world, &coordinator_url, lport))
         .collect();
     ranks[0].start();
     let learner_addr = root.join("learner.addr");
@@ -266,6 +272,29 @@ fn run(root: &Path, world: usize) -> PathBuf {
     );
     worker.start();
     let run_dir = PathBuf::from(prep.p("run_dir"));
+    for &(iteration, rank) in kills {
+        {
+            let mut roles: Vec<&mut Role> = vec![&mut coordinator, &mut worker];
+            roles.extend(ranks.iter_mut());
+            wait_until(
+                &format!("iteration {iteration}'s rollouts"),
+                Duration::from_secs(300),
+                &mut roles,
+                || {
+                    let st = coordinator_state(&run_dir);
+                    st["iteration"].as_u64().unwrap_or(0) >= iteration || st["phase"] == "finished"
+                },
+            );
+        }
+        assert_ne!(
+            coordinator_state(&run_dir)["phase"],
+            "finished",
+            "the run ended before the kill of rank {rank}"
+        );
+        println!("kill -9 learner rank {rank} in iteration {iteration}; restarting it");
+        ranks[rank].kill9();
+        ranks[rank].start();
+    }
     {
         let mut roles: Vec<&mut Role> = vec![&mut coordinator, &mut worker];
         roles.extend(ranks.iter_mut());
@@ -309,34 +338,9 @@ fn run(root: &Path, world: usize) -> PathBuf {
     PathBuf::from(prep.p("learner_out_dir"))
 }
 
-#[test]
-fn two_cpu_learner_processes_train_the_same_weights_as_one() {
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().canonicalize().unwrap();
-    let single = run(&root.join("one"), 1);
-    let double = run(&root.join("two"), 2);
-
-    // The same batches reached the learner in both runs (else the comparison below says
-    // nothing about the learner), and the losses rank 0 reported are those of the whole
-    // batch, not of its share.
-    let (a, b) = (read_train_log(&single), read_train_log(&double));
-    assert!(a.len() >= 2, "too few steps to compare: {a:?}");
-    println!("train log, one rank: {a:?}\ntwo ranks: {b:?}");
-    // Rank 1 really trained a share: batches of one example would leave it nothing.
-    assert!(
-        a.values().filter(|(examples, _, _)| *examples >= 2).count() >= 2,
-        "batches too small to split: {a:?}"
-    );
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    for (k, (ex_a, lab_a, loss_a)) in &a {
-        let (ex_b, lab_b, loss_b) = b[k];
-        assert_eq!((ex_a, lab_a), (&ex_b, &lab_b), "batch {k:?} differs");
-        assert!(
-            (loss_a - loss_b).abs() <= 1e-5 * loss_a.abs().max(1.0),
-            "batch {k:?}: loss {loss_a} with one rank, {loss_b} with two"
-        );
-    }
-
+/// The final weights of two runs agree to f32 rounding of the split sums (1e-5 of each
+/// tensor's scale), and training moved them far more than that.
+fn assert_same_weights(single: &Path, double: &Path) {
     let w1 = read_safetensors(&single.join("checkpoint/model.safetensors"));
     let w2 = read_safetensors(&double.join("checkpoint/model.safetensors"));
     let w0 = read_safetensors(&single.join("versions/policy-v000000.safetensors"));
@@ -380,10 +384,68 @@ fn two_cpu_learner_processes_train_the_same_weights_as_one() {
 }
 
 #[test]
+fn two_cpu_learner_processes_train_the_same_weights_as_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let single = run(&root.join("one"), 1, 1, &[]);
+    let double = run(&root.join("two"), 2, 1, &[]);
+
+    // The same batches reached the learner in both runs (else the comparison below says
+    // nothing about the learner), and the losses rank 0 reported are those of the whole
+    // batch, not of its share.
+    let (a, b) = (read_train_log(&single), read_train_log(&double));
+    assert!(a.len() >= 2, "too few steps to compare: {a:?}");
+    println!("train log, one rank: {a:?}\ntwo ranks: {b:?}");
+    // Rank 1 really trained a share: batches of one example would leave it nothing.
+    assert!(
+        a.values().filter(|(examples, _, _)| *examples >= 2).count() >= 2,
+        "batches too small to split: {a:?}"
+    );
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (k, (ex_a, lab_a, loss_a)) in &a {
+        let (ex_b, lab_b, loss_b) = b[k];
+        assert_eq!((ex_a, lab_a), (&ex_b, &lab_b), "batch {k:?} differs");
+        assert!(
+            (loss_a - loss_b).abs() <= 1e-5 * loss_a.abs().max(1.0),
+            "batch {k:?}: loss {loss_a} with one rank, {loss_b} with two"
+        );
+    }
+
+    assert_same_weights(&single, &double);
+}
+
+/// Rank 1 dies (SIGKILL) between two iterations and is restarted: rank 0 forms the group
+/// again and the restarted rank joins with rank 0's state. Later rank 0 dies and is
+/// restarted: it resumes from its checkpoint and rank 1, whose collective broke, joins the
+/// new group. The run ends with the weights of one uninterrupted learner.
+#[test]
+fn killed_and_restarted_ranks_rejoin_and_train_the_same_weights_as_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let single = run(&root.join("one"), 1, 3, &[]);
+    let double = run(&root.join("two"), 2, 3, &[(1, 1), (2, 0)]);
+    let (a, b) = (read_train_log(&single), read_train_log(&double));
+    assert!(
+        a.keys().any(|(i, _)| *i == 2),
+        "the last iteration trained: {a:?}"
+    );
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (k, (ex_a, lab_a, loss_a)) in &a {
+        let (ex_b, lab_b, loss_b) = b[k];
+        assert_eq!((ex_a, lab_a), (&ex_b, &lab_b), "batch {k:?} differs");
+        assert!(
+            (loss_a - loss_b).abs() <= 1e-5 * loss_a.abs().max(1.0),
+            "batch {k:?}: loss {loss_a} with one rank, {loss_b} with two"
+        );
+    }
+    assert_same_weights(&single, &double);
+}
+
+#[test]
 fn a_rank_without_rank_zero_fails_clearly_within_its_deadline() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().canonicalize().unwrap();
-    let prep = Prepared::new(&root);
+    let prep = Prepared::new(&root, 1);
     // A coordinator is up (it answers the rendezvous), but no learner rank 0 ever
     // publishes there.
     let cport = free_port();
@@ -417,7 +479,7 @@ fn a_rank_without_rank_zero_fails_clearly_within_its_deadline() {
         || root.join("coordinator.addr").exists(),
     );
     let mut rank1 = prep
-        .learner_rank(1, 2, &coordinator_url)
+        .learner_rank(1, 2, &coordinator_url, 0)
         .with_env("TUTOR_LEARNER__RENDEZVOUS_TIMEOUT_S", "2");
     rank1.start();
     // Its deadline is 2 s; the bound here only guards against a hang.

@@ -198,7 +198,8 @@ enum Cmd {
         /// bound address; needed when --collective-listen is 0.0.0.0).
         #[arg(long, env = "TUTOR_LEARNER_COLLECTIVE_ADVERTISE")]
         collective_advertise: Option<String>,
-        /// NCCL: this rank's CUDA device.
+        /// This rank's CUDA device: the one NCCL uses, and the one `[learner] device =
+        /// "cuda"` trains on.
         #[arg(long, env = "TUTOR_LEARNER_GPU", default_value_t = 0)]
         gpu: usize,
         /// File holding the shared token every gRPC call must carry (else TUTOR_AUTH_TOKEN;
@@ -438,7 +439,10 @@ async fn dispatch(cli: Cli) -> Result<()> {
             auth_token_file,
             tls,
         } => {
-            let (cfg, _) = RunConfig::load(&config)?;
+            let (mut cfg, _) = RunConfig::load(&config)?;
+            if cfg.learner.device.trim() == "cuda" {
+                cfg.learner.device = format!("cuda:{gpu}");
+            }
             let auth_token = load_token(auth_token_file.as_deref())?;
             let world_size = world_size.unwrap_or(cfg.learner.world_size);
             if world_size == 0 {

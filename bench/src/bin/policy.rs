@@ -172,7 +172,7 @@ fn bench_generate(args: &Args, dir: &Path) -> Result<()> {
         hf["transformers"].as_str().unwrap_or("?")
     );
 
-    let policy = Policy::load_dir(&dir.join("model"), Device::Cpu)
+    let mut policy = Policy::load_dir(&dir.join("model"), Device::Cpu)
         .with_context(|| format!("loading {}", dir.join("model").display()))?;
     let params = GenParams {
         temperature: 0.0,
@@ -183,38 +183,45 @@ fn bench_generate(args: &Args, dir: &Path) -> Result<()> {
         "generate: greedy, {} new tokens, prompts of 24-40 tokens, {} threads, best of {} ({versions})",
         args.new_tokens, args.threads, args.repeats
     );
-    println!("  batch   transformers tok/s   tutor tok/s   ratio   CPU-time ratio   tokens equal to transformers'");
-    for &b in &args.batches {
-        let rows = &prompts[..b];
-        let ps = vec![params.clone(); b];
-        policy.generate(rows, &ps); // warm-up
-        let mut wall = Vec::new();
-        let mut cpu = Vec::new();
-        let mut out = Vec::new();
-        for _ in 0..args.repeats {
-            let (t0, c0) = (Instant::now(), cpu_seconds());
-            out = policy.generate(rows, &ps);
-            wall.push(t0.elapsed().as_secs_f64());
-            cpu.push(cpu_seconds() - c0);
+    println!("  layout   batch   transformers tok/s   tutor tok/s   ratio   CPU-time ratio   tokens equal to transformers'");
+    // The training layout first, then the one the engine decodes with
+    // (`Policy::use_decode_layout`, what workers and `tutor serve` run).
+    for layout in ["default", "decode"] {
+        if layout == "decode" {
+            policy.use_decode_layout();
         }
-        let ours = (b * args.new_tokens) as f64 / min(&wall);
-        let r = &hf["results"][b.to_string()];
-        let theirs: f64 = field(r, "tokens_per_s", file)?;
-        let their_cpu: Vec<f64> = field(r, "cpu_seconds", file)?;
-        // CPU seconds per token, theirs over ours: > 1 means Tutor needs less CPU.
-        let cpu_ratio = min(&their_cpu) / min(&cpu).max(0.01);
-        let hf_tokens: Vec<Vec<u32>> = field(r, "tokens", file)?;
-        // Tokens up to each row's first disagreement.
-        let agree: usize = out
-            .iter()
-            .zip(&hf_tokens)
-            .map(|(g, h)| g.tokens.iter().zip(h).take_while(|(a, b)| a == b).count())
-            .sum();
-        println!(
-            "  {b:>5}   {theirs:>18.1}   {ours:>11.1}   {:>5.2}   {cpu_ratio:>14.2}   {agree}/{}",
+        for &b in &args.batches {
+            let rows = &prompts[..b];
+            let ps = vec![params.clone(); b];
+            policy.generate(rows, &ps); // warm-up
+            let mut wall = Vec::new();
+            let mut cpu = Vec::new();
+            let mut out = Vec::new();
+            for _ in 0..args.repeats {
+                let (t0, c0) = (Instant::now(), cpu_seconds());
+                out = policy.generate(rows, &ps);
+                wall.push(t0.elapsed().as_secs_f64());
+                cpu.push(cpu_seconds() - c0);
+            }
+            let ours = (b * args.new_tokens) as f64 / min(&wall);
+            let r = &hf["results"][b.to_string()];
+            let theirs: f64 = field(r, "tokens_per_s", file)?;
+            let their_cpu: Vec<f64> = field(r, "cpu_seconds", file)?;
+            // CPU seconds per token, theirs over ours: > 1 means Tutor needs less CPU.
+            let cpu_ratio = min(&their_cpu) / min(&cpu).max(0.01);
+            let hf_tokens: Vec<Vec<u32>> = field(r, "tokens", file)?;
+            // Tokens up to each row's first disagreement.
+            let agree: usize = out
+                .iter()
+                .zip(&hf_tokens)
+                .map(|(g, h)| g.tokens.iter().zip(h).take_while(|(a, b)| a == b).count())
+                .sum();
+            println!(
+            "  {layout:<7}  {b:>5}   {theirs:>18.1}   {ours:>11.1}   {:>5.2}   {cpu_ratio:>14.2}   {agree}/{}",
             ours / theirs,
             b * args.new_tokens
         );
+        }
     }
     Ok(())
 }
