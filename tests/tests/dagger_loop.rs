@@ -1,5 +1,6 @@
-//! One tiny DAgger run through the real service boundaries: `tutor run` starts the
-//! learner, the coordinator and two workers as separate processes on 127.0.0.1.
+//! One tiny DAgger run through the real service boundaries: `tutor run` starts two
+//! data-parallel learner ranks, the coordinator and two workers as separate processes on
+//! 127.0.0.1.
 
 mod common;
 
@@ -46,6 +47,8 @@ learning_rate = 5e-3
 warmup_steps = 0
 # The DAgger batches train as prefix-shared tree rows across the process boundary.
 packing = "tree"
+# Two learner ranks (CPU collective), meeting through the coordinator's rendezvous.
+world_size = 2
 "#;
 
 #[test]
@@ -172,6 +175,11 @@ fn dagger_iteration_across_processes() {
             "the metrics address is written"
         );
     }
+
+    // Rank 1 trained with rank 0 and ended when rank 0 did.
+    let rank1 = std::fs::read_to_string(run.join("logs/learner-1.log")).unwrap();
+    assert!(rank1.contains("joined the learner group"), "{rank1}");
+    assert!(rank1.contains("rank 0 ended the run"), "{rank1}");
 
     // The workers end on the new policy version.
     let summary: serde_json::Value =

@@ -107,6 +107,12 @@ async fn wait_addr(file: &Path, scheme: &str, proc_: &mut Proc) -> Result<String
     }
 }
 
+/// A port that was free a moment ago on 127.0.0.1.
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(l.local_addr()?.port())
+}
+
 fn tail(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
@@ -172,15 +178,6 @@ pub fn row(s: &IterationSummary) -> String {
 
 pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
     let (config, text) = RunConfig::load(config_path)?;
-    if config.learner.world_size > 1 {
-        bail!(
-            "{}: [learner] world_size = {}, but `tutor run` starts one learner: start the ranks \
-             yourself (`tutor prepare`, then `tutor learner --rank R --world-size K \
-             --coordinator URL` per rank; see docs/internals.md), or set world_size = 1",
-            config_path.display(),
-            config.learner.world_size
-        );
-    }
     // [tls]: checked here (files named on error) before the run directory is made.
     let tls_files = config.tls.files()?;
     let client_tls = tls_files
@@ -253,25 +250,44 @@ async fn orchestrate(
     let s = |p: &Path| p.display().to_string();
     let cfg = s(&run.config_path);
 
+    // With several learner ranks (`[learner] world_size`), rank 0 publishes its
+    // rendezvous at the coordinator, which starts after rank 0 (it needs rank 0's address):
+    // the coordinator's port is chosen first.
+    let world = config.learner.world_size.max(1);
+    let coord_listen = if world > 1 {
+        format!("127.0.0.1:{}", free_port()?)
+    } else {
+        "127.0.0.1:0".into()
+    };
+    let group_flags = |rank: usize| -> Vec<String> {
+        if world == 1 {
+            return Vec::new();
+        }
+        vec![
+            "--rank".into(),
+            rank.to_string(),
+            "--world-size".into(),
+            world.to_string(),
+            "--coordinator".into(),
+            format!("{scheme}://{coord_listen}"),
+        ]
+    };
     let learner_addr_file = addr_dir.join("learner");
-    procs.push(spawn(
-        "learner",
-        &[
-            "learner".into(),
-            "--config".into(),
-            cfg.clone(),
-            "--model-dir".into(),
-            s(&run.model_dir),
-            "--out-dir".into(),
-            s(&run.dir.join("learner")),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--addr-file".into(),
-            s(&learner_addr_file),
-        ],
-        flags,
-        run,
-    )?);
+    let mut learner_args: Vec<String> = vec![
+        "learner".into(),
+        "--config".into(),
+        cfg.clone(),
+        "--model-dir".into(),
+        s(&run.model_dir),
+        "--out-dir".into(),
+        s(&run.dir.join("learner")),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--addr-file".into(),
+        s(&learner_addr_file),
+    ];
+    learner_args.extend(group_flags(0));
+    procs.push(spawn("learner", &learner_args, flags, run)?);
     let learner = wait_addr(&learner_addr_file, scheme, procs.last_mut().unwrap()).await?;
 
     let coord_addr_file = addr_dir.join("coordinator");
@@ -290,7 +306,7 @@ async fn orchestrate(
             "--heldout-tasks".into(),
             s(&run.heldout_tasks),
             "--listen".into(),
-            "127.0.0.1:0".into(),
+            coord_listen.clone(),
             "--addr-file".into(),
             s(&coord_addr_file),
             "--metrics-listen".into(),
@@ -302,6 +318,13 @@ async fn orchestrate(
         run,
     )?);
     let coordinator = wait_addr(&coord_addr_file, scheme, procs.last_mut().unwrap()).await?;
+    // Ranks 1..K−1 find rank 0 through the coordinator. They go first in `procs`, so they
+    // are stopped last: rank 0 stops first and tells them to end.
+    for rank in 1..world {
+        let mut args: Vec<String> = vec!["learner".into(), "--config".into(), cfg.clone()];
+        args.extend(group_flags(rank));
+        procs.insert(0, spawn(&format!("learner-{rank}"), &args, flags, run)?);
+    }
     // The coordinator writes its metrics address before its own.
     if let Ok(m) = std::fs::read_to_string(addr_dir.join("metrics")) {
         println!("metrics at http://{}/metrics", m.trim());
