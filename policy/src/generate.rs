@@ -36,6 +36,16 @@ pub struct GenParams {
     pub stop_token_ids: Vec<u32>,
 }
 
+/// How a prompt of `prompt_len` tokens and a budget of `max_new_tokens` fit in a context
+/// of `context` tokens: at least one prompt token, at most `context − 1` new tokens, and the
+/// prompt's last `context − new` tokens. Returns (index of the first prompt token kept,
+/// new tokens allowed).
+pub fn fit_context(prompt_len: usize, max_new_tokens: usize, context: usize) -> (usize, usize) {
+    let max_new = max_new_tokens.min(context.saturating_sub(1));
+    let keep = context - max_new;
+    (prompt_len.saturating_sub(keep), max_new)
+}
+
 impl Default for GenParams {
     fn default() -> Self {
         GenParams {
@@ -107,13 +117,12 @@ impl Policy {
                 panic!("prompt {index} has token id {bad}, outside the model's vocabulary of {vocab}; the tokenizer does not match the model");
             }
             // Prompt and generation together must fit in max_position_embeddings (which also
-            // bounds the KV cache): at least one prompt token, then at most max_pos - 1 new.
-            let max_new = p.max_new_tokens.min(max_pos.saturating_sub(1));
+            // bounds the KV cache).
+            let (start, max_new) = fit_context(prompt.len(), p.max_new_tokens, max_pos);
             if prompt.is_empty() || max_new == 0 {
                 continue;
             }
             let keep = max_pos - max_new;
-            let start = prompt.len().saturating_sub(keep);
             if start > 0 {
                 tracing::warn!(
                     prompt = index,
@@ -403,6 +412,16 @@ pub(crate) fn sample(logits: &Tensor, s: &RowSampling, uniforms: &[f64], top_n: 
 mod tests {
     use super::*;
     use crate::model::tests::tiny_policy;
+
+    #[test]
+    fn prompts_keep_their_last_tokens_to_fit_the_context() {
+        // 10 + 4 > 8: the last 4 prompt tokens stay.
+        assert_eq!(fit_context(10, 4, 8), (6, 4));
+        // The budget is capped at context − 1, leaving one prompt token.
+        assert_eq!(fit_context(3, 100, 8), (2, 7));
+        assert_eq!(fit_context(3, 5, 8), (0, 5));
+        assert_eq!(fit_context(5, 0, 8), (0, 0));
+    }
 
     fn greedy(n: usize) -> GenParams {
         GenParams {

@@ -26,7 +26,7 @@ pub use engine::{
     TokenEvent,
 };
 pub use error::PolicyError;
-pub use generate::{FinishReason, GenParams, Generation};
+pub use generate::{fit_context, FinishReason, GenParams, Generation};
 pub use model::Policy;
 pub use tokenizer::{ChatTokenizer, ENDOFTEXT, IM_END, IM_START};
 

@@ -104,11 +104,15 @@ impl StudentHost {
     /// [`Policy::generate`] does.
     pub fn generate_blocking(&self, prompt: Vec<u32>, params: GenParams) -> Result<Generation> {
         let mut params = params;
-        let context = self.engine.max_request_tokens();
-        params.max_new_tokens = params.max_new_tokens.min(context.saturating_sub(1)).max(1);
-        let keep = context - params.max_new_tokens;
-        let prompt = if prompt.len() > keep {
-            prompt[prompt.len() - keep..].to_vec()
+        // The same rule as `Policy::generate`: keep the prompt's last tokens.
+        let (start, max_new) = tutor_policy::fit_context(
+            prompt.len(),
+            params.max_new_tokens.max(1),
+            self.engine.max_request_tokens(),
+        );
+        params.max_new_tokens = max_new;
+        let prompt = if start > 0 {
+            prompt[start..].to_vec()
         } else {
             prompt
         };

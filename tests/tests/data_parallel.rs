@@ -338,6 +338,20 @@ fn run(root: &Path, world: usize, iterations: u32, kills: &[(u64, usize)]) -> Pa
     PathBuf::from(prep.p("learner_out_dir"))
 }
 
+/// Both runs trained the same batches (examples and label tokens), with the losses of the
+/// whole batch (not of a rank's share).
+fn assert_same_batches(a: &TrainLog, b: &TrainLog) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (k, (ex_a, lab_a, loss_a)) in a {
+        let (ex_b, lab_b, loss_b) = b[k];
+        assert_eq!((ex_a, lab_a), (&ex_b, &lab_b), "batch {k:?} differs");
+        assert!(
+            (loss_a - loss_b).abs() <= 1e-5 * loss_a.abs().max(1.0),
+            "batch {k:?}: loss {loss_a} with one rank, {loss_b} with two"
+        );
+    }
+}
+
 /// The final weights of two runs agree to f32 rounding of the split sums (1e-5 of each
 /// tensor's scale), and training moved them far more than that.
 fn assert_same_weights(single: &Path, double: &Path) {
@@ -401,15 +415,7 @@ fn two_cpu_learner_processes_train_the_same_weights_as_one() {
         a.values().filter(|(examples, _, _)| *examples >= 2).count() >= 2,
         "batches too small to split: {a:?}"
     );
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    for (k, (ex_a, lab_a, loss_a)) in &a {
-        let (ex_b, lab_b, loss_b) = b[k];
-        assert_eq!((ex_a, lab_a), (&ex_b, &lab_b), "batch {k:?} differs");
-        assert!(
-            (loss_a - loss_b).abs() <= 1e-5 * loss_a.abs().max(1.0),
-            "batch {k:?}: loss {loss_a} with one rank, {loss_b} with two"
-        );
-    }
+    assert_same_batches(&a, &b);
 
     assert_same_weights(&single, &double);
 }
@@ -429,15 +435,7 @@ fn killed_and_restarted_ranks_rejoin_and_train_the_same_weights_as_one() {
         a.keys().any(|(i, _)| *i == 2),
         "the last iteration trained: {a:?}"
     );
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    for (k, (ex_a, lab_a, loss_a)) in &a {
-        let (ex_b, lab_b, loss_b) = b[k];
-        assert_eq!((ex_a, lab_a), (&ex_b, &lab_b), "batch {k:?} differs");
-        assert!(
-            (loss_a - loss_b).abs() <= 1e-5 * loss_a.abs().max(1.0),
-            "batch {k:?}: loss {loss_a} with one rank, {loss_b} with two"
-        );
-    }
+    assert_same_batches(&a, &b);
     assert_same_weights(&single, &double);
 }
 
