@@ -49,6 +49,10 @@ struct Args {
     /// Batch sizes to time generation at.
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     batches: Vec<usize>,
+    /// Weight layouts to time Tutor's generation with: `default` (the training layout)
+    /// and `decode` (`Policy::use_decode_layout`, what the engine runs).
+    #[arg(long, value_delimiter = ',', default_value = "default,decode")]
+    layouts: Vec<String>,
     /// Timed generation runs per side and batch size (the best counts).
     #[arg(long, default_value_t = 3)]
     repeats: usize,
@@ -186,9 +190,18 @@ fn bench_generate(args: &Args, dir: &Path) -> Result<()> {
     println!("  layout   batch   transformers tok/s   tutor tok/s   ratio   CPU-time ratio   tokens equal to transformers'");
     // The training layout first, then the one the engine decodes with
     // (`Policy::use_decode_layout`, what workers and `tutor serve` run).
-    for layout in ["default", "decode"] {
-        if layout == "decode" {
-            policy.use_decode_layout();
+    let mut relaid = false;
+    for layout in &args.layouts {
+        match layout.as_str() {
+            "default" if relaid => {
+                anyhow::bail!("--layouts: `default` must come before `decode`")
+            }
+            "default" => {}
+            "decode" => {
+                policy.use_decode_layout();
+                relaid = true;
+            }
+            other => anyhow::bail!("--layouts: unknown layout {other:?} (default, decode)"),
         }
         for &b in &args.batches {
             let rows = &prompts[..b];
