@@ -1,7 +1,9 @@
 //! The learner ranks' rendezvous (the `LearnerGroup` service): rank 0 publishes how to
-//! join its collective, the other ranks long-poll for it. One slot per coordinator (one
-//! run); the newest publish wins.
+//! join its collective, the other ranks long-poll for it. One slot per group (the learner
+//! ranks, "", and the weight receivers, "weights") per coordinator (one run); the newest
+//! publish wins.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::watch;
@@ -17,18 +19,27 @@ pub const MAX_WAIT: Duration = Duration::from_secs(30);
 /// Largest world size accepted (a typo like 80000 should not look valid).
 const MAX_WORLD_SIZE: u32 = 4096;
 
-/// The current rendezvous, if rank 0 has published one. The watch channel is its one
-/// owner; callers wait on it for a newer generation.
+/// The current rendezvous of each group rank 0 has published. The watch channel is their
+/// one owner; callers wait on it for a newer generation.
 #[derive(Clone)]
 pub struct LearnerGroupService {
-    current: watch::Sender<Option<Rendezvous>>,
+    current: watch::Sender<BTreeMap<String, Rendezvous>>,
 }
 
 impl Default for LearnerGroupService {
     fn default() -> Self {
         Self {
-            current: watch::channel(None).0,
+            current: watch::channel(BTreeMap::new()).0,
         }
+    }
+}
+
+/// How a group is named in messages.
+fn describe(group: &str) -> String {
+    if group.is_empty() {
+        "learner rank 0".into()
+    } else {
+        format!("learner rank 0 (group {group:?})")
     }
 }
 
@@ -40,6 +51,17 @@ fn now_ms() -> u64 {
 }
 
 fn validate(r: &Rendezvous) -> Result<(), Status> {
+    if r.group.len() > 64
+        || !r
+            .group
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+    {
+        return Err(Status::invalid_argument(format!(
+            "rendezvous group must be at most 64 characters of a-z, 0-9, _ and -, got {:?}",
+            r.group
+        )));
+    }
     if r.world_size < 2 || r.world_size > MAX_WORLD_SIZE {
         return Err(Status::invalid_argument(format!(
             "rendezvous world_size must be 2..={MAX_WORLD_SIZE} (one rank needs no rendezvous), got {}",
@@ -76,14 +98,15 @@ impl LearnerGroup for LearnerGroupService {
             .ok_or_else(|| Status::invalid_argument("PublishRendezvous needs a rendezvous"))?;
         validate(&r)?;
         let mut generation = 0;
+        let who = describe(&r.group);
         self.current.send_modify(|cur| {
-            let last = cur.as_ref().map(|c| c.generation).unwrap_or(0);
+            let last = cur.values().map(|c| c.generation).max().unwrap_or(0);
             // Above the last one, and above any a previous coordinator handed out.
             generation = (last + 1).max(now_ms());
             r.generation = generation;
-            *cur = Some(r);
+            cur.insert(r.group.clone(), r);
         });
-        tracing::info!(generation, "learner rank 0 published its rendezvous");
+        tracing::info!(generation, "{who} published its rendezvous");
         Ok(Response::new(PublishRendezvousResponse { generation }))
     }
 
@@ -94,19 +117,22 @@ impl LearnerGroup for LearnerGroupService {
         let r = request.into_inner();
         let wait = Duration::from_millis(r.wait_ms as u64).min(MAX_WAIT);
         let mut rx = self.current.subscribe();
-        let newer = |c: &Option<Rendezvous>| {
-            c.as_ref()
+        let newer = |c: &BTreeMap<String, Rendezvous>| {
+            c.get(&r.group)
                 .is_some_and(|c| c.generation > r.after_generation)
         };
         let found = tokio::time::timeout(wait, rx.wait_for(newer)).await;
+        let who = describe(&r.group);
         match found {
-            Ok(Ok(c)) => Ok(Response::new(c.clone().expect("checked by wait_for"))),
+            Ok(Ok(c)) => Ok(Response::new(
+                c.get(&r.group).cloned().expect("checked by wait_for"),
+            )),
             Ok(Err(_)) => Err(Status::unavailable("the coordinator is shutting down")),
             Err(_) => Err(Status::not_found(if r.after_generation == 0 {
-                "no learner rank 0 has published a rendezvous yet".to_string()
+                format!("no {who} has published a rendezvous yet")
             } else {
                 format!(
-                    "no learner rank 0 has published a rendezvous newer than generation {}",
+                    "no {who} has published a rendezvous newer than generation {}",
                     r.after_generation
                 )
             })),
@@ -125,16 +151,57 @@ mod tests {
             kind: CollectiveKind::Cpu as i32,
             cpu_address: addr.into(),
             nccl_unique_id: Vec::new(),
+            group: String::new(),
         }
     }
 
     async fn get(s: &LearnerGroupService, after: u64, wait_ms: u32) -> Result<Rendezvous, Status> {
+        get_group(s, "", after, wait_ms).await
+    }
+
+    async fn get_group(
+        s: &LearnerGroupService,
+        group: &str,
+        after: u64,
+        wait_ms: u32,
+    ) -> Result<Rendezvous, Status> {
         s.get_rendezvous(Request::new(GetRendezvousRequest {
             after_generation: after,
             wait_ms,
+            group: group.into(),
         }))
         .await
         .map(|r| r.into_inner())
+    }
+
+    /// The learner ranks' group and the weight receivers' group are separate slots: a
+    /// publish in one neither answers nor replaces the other.
+    #[tokio::test]
+    async fn groups_have_separate_slots() {
+        let s = LearnerGroupService::default();
+        let ranks = publish(&s, cpu("127.0.0.1:9")).await.unwrap();
+        let e = get_group(&s, "weights", 0, 10).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::NotFound);
+        assert!(e.message().contains("\"weights\""), "{e}");
+        let mut w = cpu("127.0.0.1:11");
+        w.group = "weights".into();
+        let weights = publish(&s, w).await.unwrap();
+        assert!(weights > ranks, "generations grow across groups");
+        assert_eq!(
+            get_group(&s, "weights", 0, 10).await.unwrap().cpu_address,
+            "127.0.0.1:11"
+        );
+        let r = get(&s, 0, 10).await.unwrap();
+        assert_eq!(
+            (r.generation, r.cpu_address.as_str()),
+            (ranks, "127.0.0.1:9")
+        );
+        let mut bad = cpu("127.0.0.1:12");
+        bad.group = "Weights!".into();
+        assert_eq!(
+            publish(&s, bad).await.unwrap_err().code(),
+            tonic::Code::InvalidArgument
+        );
     }
 
     async fn publish(s: &LearnerGroupService, r: Rendezvous) -> Result<u64, Status> {

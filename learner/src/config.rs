@@ -70,6 +70,14 @@ pub struct LearnerConfig {
     /// CPU), `"f32"`, or `"bf16"`: bf16 parameters and activations, with fp32 master
     /// weights, fp32 gradient sums across micro-batches and ranks, and fp32 AdamW state.
     pub precision: Precision,
+    /// Rollout workers that receive every published version over a collective
+    /// (`[worker] weights_from = "broadcast"`, each with its own `--weights-rank` 1..N)
+    /// besides the gRPC Weights service; needs `tutor learner --coordinator` (the
+    /// rendezvous). 0: gRPC only.
+    pub weight_receivers: usize,
+    /// The collective of that broadcast: `"cpu"` (TCP) or `"nccl"` (GPU workers sharing
+    /// a communicator with rank 0).
+    pub broadcast_collective: CollectiveChoice,
 }
 
 /// See `LearnerConfig::precision`.
@@ -126,6 +134,8 @@ impl Default for LearnerConfig {
             collective_timeout_s: 600.0,
             device: "cpu".into(),
             precision: Precision::Auto,
+            weight_receivers: 0,
+            broadcast_collective: CollectiveChoice::Cpu,
         }
     }
 }

@@ -53,6 +53,9 @@ pub struct GroupOptions {
     pub gpu: usize,
     pub rendezvous_timeout: Duration,
     pub collective_timeout: Duration,
+    /// The rendezvous slot at the coordinator: "" for the learner ranks,
+    /// `broadcast::GROUP` for learner rank 0 and the workers it pushes weights to.
+    pub group: String,
 }
 
 impl GroupOptions {
@@ -62,7 +65,19 @@ impl GroupOptions {
         (self.collective_timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(10))
     }
 
-    fn kind(&self) -> CollectiveKind {
+    /// This process in messages.
+    pub(crate) fn who(&self) -> String {
+        if self.group.is_empty() {
+            format!("learner rank {} of {}", self.rank, self.world_size)
+        } else {
+            format!(
+                "receiver {} of {} in group {:?}",
+                self.rank, self.world_size, self.group
+            )
+        }
+    }
+
+    pub(crate) fn kind(&self) -> CollectiveKind {
         match self.collective {
             CollectiveChoice::Cpu => CollectiveKind::Cpu,
             CollectiveChoice::Nccl => CollectiveKind::Nccl,
@@ -187,11 +202,10 @@ pub async fn fetch(opts: &GroupOptions, after: u64) -> Result<Rendezvous> {
         let left = opts.rendezvous_timeout.saturating_sub(start.elapsed());
         if left.is_zero() {
             bail!(
-                "learner rank {} of {}: rank 0 published no rendezvous{} at the coordinator {} \
+                "{}: rank 0 published no rendezvous{} at the coordinator {} \
                  within {:?}: is `tutor learner --rank 0 --world-size {} --coordinator {}` \
                  running? (last answer: {last})",
-                opts.rank,
-                opts.world_size,
+                opts.who(),
                 if after > 0 {
                     format!(" newer than generation {after}")
                 } else {
@@ -209,6 +223,7 @@ pub async fn fetch(opts: &GroupOptions, after: u64) -> Result<Rendezvous> {
             let mut req = Request::new(GetRendezvousRequest {
                 after_generation: after,
                 wait_ms: wait.as_millis() as u32,
+                group: opts.group.clone(),
             });
             req.set_timeout(wait + CALL_TIMEOUT);
             Ok::<_, anyhow::Error>(c.get_rendezvous(req).await)
@@ -234,6 +249,100 @@ pub async fn fetch(opts: &GroupOptions, after: u64) -> Result<Rendezvous> {
         }
         tokio::time::sleep(Duration::from_millis(200).min(left)).await;
     }
+}
+
+/// Rank 0: publishes a new generation of `o.group` at the coordinator and waits for the
+/// other ranks to join it (CPU: within the rendezvous timeout; NCCL: until they come).
+/// `what` names the group in logs. An advertised address ending in `:0` gets the port
+/// the CPU collective was bound to.
+pub(crate) fn form_as_rank0(
+    o: &GroupOptions,
+    rt: &tokio::runtime::Handle,
+    what: &str,
+) -> Result<(Box<dyn Collective>, u64)> {
+    match o.collective {
+        CollectiveChoice::Cpu => {
+            let rdv = CpuRendezvous::bind(o.collective_listen)?;
+            let bound = rdv.local_addr();
+            let addr = match &o.collective_advertise {
+                Some(a) => match a.strip_suffix(":0") {
+                    Some(host) => format!("{host}:{}", bound.port()),
+                    None => a.clone(),
+                },
+                None => bound.to_string(),
+            };
+            let generation = rt.block_on(publish(
+                o,
+                Rendezvous {
+                    generation: 0,
+                    world_size: o.world_size as u32,
+                    kind: CollectiveKind::Cpu as i32,
+                    cpu_address: addr.clone(),
+                    nccl_unique_id: Vec::new(),
+                    group: o.group.clone(),
+                },
+            ))?;
+            tracing::info!(generation, %addr, world_size = o.world_size, "{what} rendezvous published: waiting for the other ranks");
+            let c = rdv
+                .accept(o.world_size, o.cpu_timeouts())
+                .with_context(|| format!("forming the {what} of generation {generation}"))?;
+            Ok((Box::new(c), generation))
+        }
+        CollectiveChoice::Nccl => form_nccl(o, rt, what),
+    }
+}
+
+#[cfg(feature = "nccl")]
+fn form_nccl(
+    o: &GroupOptions,
+    rt: &tokio::runtime::Handle,
+    what: &str,
+) -> Result<(Box<dyn Collective>, u64)> {
+    use crate::collective::NcclCollective;
+    let id = NcclCollective::unique_id()?;
+    let generation = rt.block_on(publish(
+        o,
+        Rendezvous {
+            generation: 0,
+            world_size: o.world_size as u32,
+            kind: CollectiveKind::Nccl as i32,
+            cpu_address: String::new(),
+            nccl_unique_id: id.to_vec(),
+            group: o.group.clone(),
+        },
+    ))?;
+    tracing::info!(
+        generation,
+        world_size = o.world_size,
+        "{what}: NCCL unique id published: waiting for the other ranks"
+    );
+    let c = NcclCollective::new(&id, 0, o.world_size, o.gpu)?;
+    Ok((Box::new(c), generation))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn form_nccl(
+    _o: &GroupOptions,
+    _rt: &tokio::runtime::Handle,
+    _what: &str,
+) -> Result<(Box<dyn Collective>, u64)> {
+    bail!("this tutor was built without the `nccl` feature")
+}
+
+/// Ranks 1..K−1: joins the collective of generation `rdv`.
+pub(crate) fn join_rendezvous(
+    opts: &GroupOptions,
+    rdv: &Rendezvous,
+) -> Result<Box<dyn Collective>> {
+    Ok(match opts.collective {
+        CollectiveChoice::Cpu => Box::new(CpuCollective::connect(
+            rdv.cpu_address.as_str(),
+            opts.rank,
+            opts.world_size,
+            opts.cpu_timeouts(),
+        )?),
+        CollectiveChoice::Nccl => nccl_join(opts, rdv)?,
+    })
 }
 
 /// Rank 0's side of the group, owned by the trainer thread beside the trainer.
@@ -275,34 +384,7 @@ impl GroupLead {
         if self.generation.is_some() {
             return Ok(());
         }
-        let o = &self.opts;
-        let (collective, generation): (Box<dyn Collective>, u64) = match o.collective {
-            CollectiveChoice::Cpu => {
-                let rdv = CpuRendezvous::bind(o.collective_listen)?;
-                let addr = o
-                    .collective_advertise
-                    .clone()
-                    .unwrap_or_else(|| rdv.local_addr().to_string());
-                let generation = self.rt.block_on(publish(
-                    o,
-                    Rendezvous {
-                        generation: 0,
-                        world_size: o.world_size as u32,
-                        kind: CollectiveKind::Cpu as i32,
-                        cpu_address: addr.clone(),
-                        nccl_unique_id: Vec::new(),
-                    },
-                ))?;
-                tracing::info!(generation, %addr, world_size = o.world_size, "learner group rendezvous published: waiting for the other ranks");
-                let c = rdv
-                    .accept(o.world_size, o.cpu_timeouts())
-                    .with_context(|| {
-                        format!("forming the learner group of generation {generation}")
-                    })?;
-                (Box::new(c), generation)
-            }
-            CollectiveChoice::Nccl => self.form_nccl()?,
-        };
+        let (collective, generation) = form_as_rank0(&self.opts, &self.rt, "learner group")?;
         trainer
             .lead_group(collective)
             .with_context(|| format!("starting the learner group of generation {generation}"))?;
@@ -315,35 +397,6 @@ impl GroupLead {
         self.generation = Some(generation);
         self.last_message = Instant::now();
         Ok(())
-    }
-
-    #[cfg(feature = "nccl")]
-    fn form_nccl(&self) -> Result<(Box<dyn Collective>, u64)> {
-        use crate::collective::NcclCollective;
-        let o = &self.opts;
-        let id = NcclCollective::unique_id()?;
-        let generation = self.rt.block_on(publish(
-            o,
-            Rendezvous {
-                generation: 0,
-                world_size: o.world_size as u32,
-                kind: CollectiveKind::Nccl as i32,
-                cpu_address: String::new(),
-                nccl_unique_id: id.to_vec(),
-            },
-        ))?;
-        tracing::info!(
-            generation,
-            world_size = o.world_size,
-            "NCCL unique id published: waiting for the other ranks"
-        );
-        let c = NcclCollective::new(&id, 0, o.world_size, o.gpu)?;
-        Ok((Box::new(c), generation))
-    }
-
-    #[cfg(not(feature = "nccl"))]
-    fn form_nccl(&self) -> Result<(Box<dyn Collective>, u64)> {
-        bail!("this tutor was built without the `nccl` feature")
     }
 
     fn send(&mut self, trainer: &mut Trainer, mut msg: Vec<u8>) -> Result<()> {
@@ -472,15 +525,7 @@ pub async fn run_follower(opts: GroupOptions) -> Result<()> {
 /// Joins generation `rdv` and trains in lockstep until rank 0 says stop (`Ok`) or the
 /// group fails (`Err`).
 fn follow_generation(opts: &GroupOptions, rdv: &Rendezvous) -> Result<()> {
-    let collective: Box<dyn Collective> = match opts.collective {
-        CollectiveChoice::Cpu => Box::new(CpuCollective::connect(
-            rdv.cpu_address.as_str(),
-            opts.rank,
-            opts.world_size,
-            opts.cpu_timeouts(),
-        )?),
-        CollectiveChoice::Nccl => nccl_join(opts, rdv)?,
-    };
+    let collective = join_rendezvous(opts, rdv)?;
     let mut trainer = Trainer::join_group(collective)?;
     tracing::info!(
         generation = rdv.generation,

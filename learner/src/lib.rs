@@ -1,6 +1,7 @@
 //! Learner: owns the optimizer and the student's training weights; trains on token-level
 //! batches from the coordinator and publishes each new policy version as safetensors.
 
+pub mod broadcast;
 pub mod checkpoint;
 pub mod collective;
 pub mod config;

@@ -26,6 +26,8 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -639,6 +641,9 @@ pub struct ServeOptions {
     pub tls: tutor_proto::tls::TlsFiles,
     /// This learner as rank 0 of a data-parallel group (see `group`); `None`: alone.
     pub group: Option<GroupOptions>,
+    /// Rank 0 of the weights broadcast group (see `broadcast`): every published version
+    /// also goes to the workers over a collective. `None`: gRPC downloads only.
+    pub broadcast: Option<GroupOptions>,
 }
 
 /// Runs the learner until `shutdown` resolves.
@@ -671,6 +676,15 @@ pub async fn serve(
         }
     };
     let stopper = handle.clone();
+    let broadcast_stop = Arc::new(AtomicBool::new(false));
+    if let Some(b) = opts.broadcast {
+        crate::broadcast::spawn_broadcaster(
+            b,
+            store.clone(),
+            tokio::runtime::Handle::current(),
+            broadcast_stop.clone(),
+        )?;
+    }
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .with_context(|| format!("binding the learner to {}", opts.listen))?;
@@ -722,6 +736,7 @@ pub async fn serve(
         r = server => r.context("learner server")?,
         e = group_failed => return Err(e.context("forming the data-parallel learner group")),
     }
+    broadcast_stop.store(true, Ordering::SeqCst);
     stopper.stop_group().await;
     tracing::info!("learner stopped");
     Ok(())

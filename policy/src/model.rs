@@ -469,8 +469,8 @@ impl Decoder {
         let kind = self.compute_kind();
         let (mut cos, mut sin) = (freqs.cos(), freqs.sin());
         if self.rope_scale != 1.0 {
-            cos = cos * self.rope_scale;
-            sin = sin * self.rope_scale;
+            cos *= self.rope_scale;
+            sin *= self.rope_scale;
         }
         Rope {
             cos: Tensor::cat(&[&cos, &cos], -1).unsqueeze(1).to_kind(kind),

@@ -280,7 +280,8 @@ pub enum SandboxFactory {
         root: Option<PathBuf>,
         owner: Option<String>,
     },
-    Docker(DockerSettings),
+    /// Boxed: the settings are much larger than the local variant.
+    Docker(Box<DockerSettings>),
 }
 
 impl SandboxFactory {
@@ -310,11 +311,10 @@ impl SandboxFactory {
     /// Removes what the factory keeps between sandboxes (the warm pool's containers).
     /// Sandboxes created afterwards are made on demand.
     pub async fn shutdown(&self) {
-        if let SandboxFactory::Docker(DockerSettings {
-            pool: Some(pool), ..
-        }) = self
-        {
-            pool.shutdown().await;
+        if let SandboxFactory::Docker(d) = self {
+            if let Some(pool) = &d.pool {
+                pool.shutdown().await;
+            }
         }
     }
 

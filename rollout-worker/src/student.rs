@@ -4,9 +4,11 @@
 //! Weight swaps go through the engine too: it lets the generations already running
 //! finish, swaps, then admits the rest, so every generation has a single version.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use tokio::sync::mpsc;
@@ -20,6 +22,57 @@ use tutor_proto::PolicyVersion;
 /// Version number meaning "no weights loaded yet".
 pub const NO_VERSION: u64 = u64::MAX;
 
+/// Policy versions that arrived over the weights broadcast (version → sha256 and file),
+/// filled by the receiver thread (`tutor_learner::broadcast::spawn_receiver`), taken by
+/// `StudentHost::ensure`. Keeps the files of the two newest versions.
+#[derive(Clone)]
+pub struct BroadcastInbox {
+    arrived: tokio::sync::watch::Sender<BTreeMap<u64, (String, PathBuf)>>,
+    /// How long `ensure` waits for a version before downloading it.
+    wait: Duration,
+}
+
+impl BroadcastInbox {
+    pub fn new(wait: Duration) -> Self {
+        Self {
+            arrived: tokio::sync::watch::channel(BTreeMap::new()).0,
+            wait,
+        }
+    }
+
+    /// Records a version the receiver wrote to `path` (callable from any thread).
+    pub fn arrived(&self, version: u64, sha256: String, path: PathBuf) {
+        self.arrived.send_modify(|m| {
+            m.insert(version, (sha256, path));
+            while m.len() > 2 {
+                let oldest = *m.keys().next().expect("not empty");
+                if let Some((_, p)) = m.remove(&oldest) {
+                    let _ = std::fs::remove_file(p);
+                }
+            }
+        });
+    }
+
+    /// The file of `version` once it has arrived with checksum `sha256`, within the wait.
+    async fn take(&self, version: u64, sha256: &str) -> Option<PathBuf> {
+        let mut rx = self.arrived.subscribe();
+        let found = tokio::time::timeout(
+            self.wait,
+            rx.wait_for(|m| m.get(&version).is_some_and(|(s, _)| s == sha256)),
+        )
+        .await;
+        let path = match found {
+            Ok(Ok(m)) => m.get(&version).map(|(_, p)| p.clone()),
+            _ => None,
+        };
+        // The engine reads it once; the inbox forgets it.
+        self.arrived.send_modify(|m| {
+            m.remove(&version);
+        });
+        path
+    }
+}
+
 /// Cheap to clone; every clone talks to the same engine.
 #[derive(Clone)]
 pub struct StudentHost {
@@ -29,6 +82,7 @@ pub struct StudentHost {
     cache_dir: PathBuf,
     /// Sent with every weights download.
     auth: ClientAuth,
+    broadcast: Option<BroadcastInbox>,
 }
 
 impl StudentHost {
@@ -57,7 +111,14 @@ impl StudentHost {
             load_lock: Default::default(),
             cache_dir: cache_dir.to_path_buf(),
             auth,
+            broadcast: None,
         })
+    }
+
+    /// Takes versions from `inbox` (the weights broadcast) when they arrive in time.
+    pub fn with_broadcast(mut self, inbox: Option<BroadcastInbox>) -> Self {
+        self.broadcast = inbox;
+        self
     }
 
     pub fn loaded_version(&self) -> u64 {
@@ -71,18 +132,35 @@ impl StudentHost {
         if self.loaded_version() == policy.version {
             return Ok(());
         }
-        let path = self
-            .cache_dir
-            .join(format!("policy-v{:06}.safetensors", policy.version));
         let t = std::time::Instant::now();
-        crate::weights::download_weights(
-            &policy.weights_endpoint,
-            policy.version,
-            &policy.sha256,
-            &path,
-            &self.auth,
-        )
-        .await?;
+        let pushed = match &self.broadcast {
+            Some(inbox) => inbox.take(policy.version, &policy.sha256).await,
+            None => None,
+        };
+        let (path, via) = match pushed {
+            Some(path) => (path, "broadcast"),
+            None => {
+                if let Some(inbox) = &self.broadcast {
+                    tracing::warn!(
+                        version = policy.version,
+                        waited_s = inbox.wait.as_secs_f64(),
+                        "the policy version did not arrive over the weights broadcast in time: downloading it over gRPC"
+                    );
+                }
+                let path = self
+                    .cache_dir
+                    .join(format!("policy-v{:06}.safetensors", policy.version));
+                crate::weights::download_weights(
+                    &policy.weights_endpoint,
+                    policy.version,
+                    &policy.sha256,
+                    &path,
+                    &self.auth,
+                )
+                .await?;
+                (path, "grpc")
+            }
+        };
         self.engine
             .load_weights(&path)
             .await
@@ -91,6 +169,7 @@ impl StudentHost {
         self.loaded.store(policy.version, Ordering::SeqCst);
         tracing::info!(
             version = policy.version,
+            via,
             seconds = t.elapsed().as_secs_f64(),
             "loaded policy version"
         );

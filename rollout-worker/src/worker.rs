@@ -72,6 +72,24 @@ pub struct WorkerConfig {
     /// turn that does not fit waits for others to finish; it is raised to the model's
     /// context when smaller, so that any single turn fits.
     pub student_cache_tokens: usize,
+    /// Where policy versions come from: `"grpc"` (downloaded from the learner's Weights
+    /// service when a lease names a new one), or `"broadcast"`: learner rank 0 pushes every
+    /// version to its `[learner] weight_receivers` workers over a collective as soon as it
+    /// is published, each worker with its own `tutor worker --weights-rank R` (1..N). The
+    /// lease still decides which version runs (checked by sha256); gRPC stays the fallback.
+    pub weights_from: WeightsFrom,
+    /// `"broadcast"`: how long a lease's version may wait for the broadcast before it is
+    /// downloaded over gRPC instead.
+    pub broadcast_wait_s: f64,
+}
+
+/// See `WorkerConfig::weights_from`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightsFrom {
+    #[default]
+    Grpc,
+    Broadcast,
 }
 
 impl Default for WorkerConfig {
@@ -94,6 +112,8 @@ impl Default for WorkerConfig {
             torch_threads: 1,
             student_max_batch: 16,
             student_cache_tokens: 65_536,
+            weights_from: WeightsFrom::Grpc,
+            broadcast_wait_s: 30.0,
         }
     }
 }
@@ -193,7 +213,7 @@ impl WorkerConfig {
                     );
                     settings.pool = Some(pool);
                 }
-                Ok(SandboxFactory::Docker(settings))
+                Ok(SandboxFactory::Docker(Box::new(settings)))
             }
         }
     }
@@ -237,6 +257,9 @@ pub struct WorkerOptions {
     pub config: WorkerConfig,
     /// The deployment's token, sent to the coordinator and the learner's Weights service.
     pub auth: ClientAuth,
+    /// Versions arriving over the weights broadcast (`weights_from = "broadcast"`; the
+    /// caller runs the receiver that fills it). `None`: gRPC only.
+    pub broadcast: Option<crate::student::BroadcastInbox>,
 }
 
 /// Runs the worker until the coordinator says the run is finished or `shutdown` fires.
@@ -259,7 +282,8 @@ pub async fn run_worker(
         (*tokenizer).clone(),
         opts.config.student_engine(),
         opts.auth.clone(),
-    )?;
+    )?
+    .with_broadcast(opts.broadcast.clone());
     let rpc_timeout = Duration::from_secs_f64(opts.config.rpc_timeout_s);
     let channel = connect(&opts.auth, &opts.coordinator).await?;
     let mut client = RolloutClient::new(opts.auth.channel(channel))

@@ -1,6 +1,7 @@
 //! One tiny DAgger run through the real service boundaries: `tutor run` starts two
 //! data-parallel learner ranks, the coordinator and two workers as separate processes on
-//! 127.0.0.1.
+//! 127.0.0.1; learner rank 0 pushes the policy versions to the workers over the weights
+//! broadcast (CPU collective).
 
 mod common;
 
@@ -49,6 +50,11 @@ warmup_steps = 0
 packing = "tree"
 # Two learner ranks (CPU collective), meeting through the coordinator's rendezvous.
 world_size = 2
+# Every version also goes to the two workers over a collective.
+weight_receivers = 2
+
+[worker]
+weights_from = "broadcast"
 "#;
 
 #[test]
@@ -180,6 +186,27 @@ fn dagger_iteration_across_processes() {
     let rank1 = std::fs::read_to_string(run.join("logs/learner-1.log")).unwrap();
     assert!(rank1.contains("joined the learner group"), "{rank1}");
     assert!(rank1.contains("rank 0 ended the run"), "{rank1}");
+
+    // Both workers got version 1 over the broadcast, not over gRPC.
+    for w in ["worker-0", "worker-1"] {
+        let log = std::fs::read_to_string(run.join(format!("logs/{w}.log"))).unwrap();
+        let loaded: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("loaded policy version"))
+            .collect();
+        assert!(
+            loaded
+                .iter()
+                .any(|l| l.contains("version=1") && l.contains("via=\"broadcast\"")),
+            "{w} did not load version 1 from the broadcast:\n{log}"
+        );
+        assert!(!log.contains("downloading it over gRPC"), "{log}");
+    }
+    let learner = std::fs::read_to_string(run.join("logs/learner.log")).unwrap();
+    assert!(
+        learner.contains("sent policy version to the weight receivers"),
+        "{learner}"
+    );
 
     // The workers end on the new policy version.
     let summary: serde_json::Value =

@@ -235,6 +235,10 @@ enum Cmd {
         /// carry the run and worker labels and are removed when the worker stops.
         #[arg(long, value_name = "N")]
         warm_pool: Option<u32>,
+        /// `[worker] weights_from = "broadcast"`: this worker's rank (1..N) among the
+        /// `[learner] weight_receivers` that learner rank 0 pushes versions to.
+        #[arg(long, env = "TUTOR_WORKER_WEIGHTS_RANK")]
+        weights_rank: Option<usize>,
         /// File holding the shared token sent to the coordinator and the learner (else
         /// TUTOR_AUTH_TOKEN).
         #[arg(long, value_name = "PATH")]
@@ -305,8 +309,11 @@ enum TasksCmd {
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // Colours only on a terminal: log files (the roles `tutor run` starts write to
+    // run/logs/) stay plain text that grep and people can read.
     let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Human => fmt.init(),
@@ -480,12 +487,50 @@ async fn dispatch(cli: Cli) -> Result<()> {
                         collective_timeout: std::time::Duration::from_secs_f64(
                             cfg.learner.collective_timeout_s,
                         ),
+                        group: String::new(),
                     })
                 })
                 .transpose()?;
             if let Some(g) = &group {
                 g.validate()?;
             }
+            // Rank 0 also pushes every version to `weight_receivers` workers.
+            let receivers = cfg.learner.weight_receivers;
+            let broadcast = (rank == 0 && receivers > 0)
+                .then(|| -> Result<tutor_learner::group::GroupOptions> {
+                    let Some(coordinator) = coordinator.clone() else {
+                        anyhow::bail!(
+                            "[learner] weight_receivers = {receivers} in {} needs the \
+                             coordinator's endpoint for the rendezvous: pass --coordinator URL",
+                            config.display()
+                        );
+                    };
+                    let b = tutor_learner::group::GroupOptions {
+                        rank: 0,
+                        world_size: receivers + 1,
+                        collective: cfg.learner.broadcast_collective,
+                        coordinator,
+                        auth: ClientAuth::new(auth_token.as_ref()).with_tls(match tls.ca {
+                            Some(_) => tls.client()?,
+                            None => None,
+                        }),
+                        // Its own port beside the learner group's, on the same interface.
+                        collective_listen: SocketAddr::new(collective_listen.ip(), 0),
+                        collective_advertise: collective_advertise.as_ref().map(|a| {
+                            let host = a.rsplit_once(':').map_or(a.as_str(), |(h, _)| h);
+                            format!("{host}:0")
+                        }),
+                        gpu,
+                        rendezvous_timeout: std::time::Duration::from_secs_f64(
+                            cfg.learner.rendezvous_timeout_s,
+                        ),
+                        collective_timeout: tutor_learner::broadcast::RECEIVE_TIMEOUT,
+                        group: tutor_learner::broadcast::GROUP.into(),
+                    };
+                    b.validate()?;
+                    Ok(b)
+                })
+                .transpose()?;
             if rank > 0 {
                 let group = group.expect("rank > 0 implies a group");
                 return tokio::select! {
@@ -506,6 +551,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
                     auth_token,
                     tls,
                     group,
+                    broadcast,
                 },
                 shutdown_signal(),
             )
@@ -519,6 +565,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
             run,
             cache_dir,
             warm_pool,
+            weights_rank,
             auth_token_file,
             tls,
         } => {
@@ -532,6 +579,43 @@ async fn dispatch(cli: Cli) -> Result<()> {
                 Some(d) => d,
                 None => std::env::temp_dir().join(format!("tutor-weights-{}", std::process::id())),
             };
+            let broadcast =
+                if cfg.worker.weights_from == tutor_rollout::worker::WeightsFrom::Broadcast {
+                    let rank = match weights_rank {
+                        Some(r) if r >= 1 => r,
+                        _ => anyhow::bail!(
+                            "[worker] weights_from = \"broadcast\" in {} needs --weights-rank R \
+                         (1..N, a different one per worker, N = [learner] weight_receivers)",
+                            config.display()
+                        ),
+                    };
+                    let inbox = tutor_rollout::student::BroadcastInbox::new(
+                        std::time::Duration::from_secs_f64(cfg.worker.broadcast_wait_s),
+                    );
+                    let sink = inbox.clone();
+                    tutor_learner::broadcast::spawn_receiver(
+                        tutor_learner::group::GroupOptions {
+                            rank,
+                            // Both come from the rendezvous learner rank 0 publishes.
+                            world_size: rank + 1,
+                            collective: tutor_learner::CollectiveChoice::Cpu,
+                            coordinator: coordinator.clone(),
+                            auth: auth.clone(),
+                            collective_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                            collective_advertise: None,
+                            gpu: 0,
+                            rendezvous_timeout: std::time::Duration::from_secs(60),
+                            collective_timeout: tutor_learner::broadcast::RECEIVE_TIMEOUT,
+                            group: tutor_learner::broadcast::GROUP.into(),
+                        },
+                        tokio::runtime::Handle::current(),
+                        cache_dir.join("broadcast"),
+                        move |a| sink.arrived(a.version, a.sha256, a.path),
+                    )?;
+                    Some(inbox)
+                } else {
+                    None
+                };
             tutor_rollout::worker::run_worker(
                 tutor_rollout::worker::WorkerOptions {
                     name,
@@ -541,6 +625,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
                     cache_dir,
                     config: cfg.worker,
                     auth,
+                    broadcast,
                 },
                 shutdown_signal(),
             )

@@ -178,6 +178,16 @@ pub fn row(s: &IterationSummary) -> String {
 
 pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
     let (config, text) = RunConfig::load(config_path)?;
+    let broadcast = config.worker.weights_from == tutor_rollout::worker::WeightsFrom::Broadcast;
+    if broadcast && config.learner.weight_receivers != config.run.workers as usize {
+        bail!(
+            "{}: [worker] weights_from = \"broadcast\" needs [learner] weight_receivers = {} \
+             (one per worker, [run] workers), got {}",
+            config_path.display(),
+            config.run.workers,
+            config.learner.weight_receivers
+        );
+    }
     // [tls]: checked here (files named on error) before the run directory is made.
     let tls_files = config.tls.files()?;
     let client_tls = tls_files
@@ -254,23 +264,26 @@ async fn orchestrate(
     // rendezvous at the coordinator, which starts after rank 0 (it needs rank 0's address):
     // the coordinator's port is chosen first.
     let world = config.learner.world_size.max(1);
-    let coord_listen = if world > 1 {
+    let broadcast = config.learner.weight_receivers > 0;
+    let coord_listen = if world > 1 || broadcast {
         format!("127.0.0.1:{}", free_port()?)
     } else {
         "127.0.0.1:0".into()
     };
     let group_flags = |rank: usize| -> Vec<String> {
+        let coordinator = vec!["--coordinator".into(), format!("{scheme}://{coord_listen}")];
         if world == 1 {
-            return Vec::new();
+            // The weights broadcast's rendezvous is at the coordinator too.
+            return if broadcast { coordinator } else { Vec::new() };
         }
-        vec![
+        let mut flags = vec![
             "--rank".into(),
             rank.to_string(),
             "--world-size".into(),
             world.to_string(),
-            "--coordinator".into(),
-            format!("{scheme}://{coord_listen}"),
-        ]
+        ];
+        flags.extend(coordinator);
+        flags
     };
     let learner_addr_file = addr_dir.join("learner");
     let mut learner_args: Vec<String> = vec![
@@ -350,6 +363,8 @@ async fn orchestrate(
                     .unwrap_or_else(|| "tutor".into()),
                 "--cache-dir".into(),
                 s(&run.dir.join("cache").join(format!("worker-{i}"))),
+                "--weights-rank".into(),
+                (i + 1).to_string(),
             ],
             flags,
             run,
