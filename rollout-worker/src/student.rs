@@ -228,3 +228,46 @@ impl StudentHost {
         bail!("the student engine stopped in the middle of a generation")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A version is taken only with the checksum the lease names; anything else waits
+    /// out `broadcast_wait` (and the worker downloads over gRPC). Only the two newest
+    /// files are kept.
+    #[tokio::test]
+    async fn the_inbox_hands_out_versions_with_the_leased_checksum_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = |v: u64| {
+            let p = dir.path().join(format!("policy-v{v:06}.safetensors"));
+            std::fs::write(&p, b"weights").unwrap();
+            p
+        };
+        let inbox = BroadcastInbox::new(Duration::from_millis(200));
+        // Arrives while `take` waits.
+        let late = inbox.clone();
+        let p1 = file(1);
+        let sender = {
+            let p1 = p1.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                late.arrived(1, "aa".into(), p1);
+            })
+        };
+        assert_eq!(inbox.take(1, "aa").await, Some(p1));
+        sender.await.unwrap();
+        // Wrong checksum, or a version that never comes: nothing after the wait.
+        inbox.arrived(2, "bb".into(), file(2));
+        let t = std::time::Instant::now();
+        assert_eq!(inbox.take(2, "cc").await, None);
+        assert!(t.elapsed() >= Duration::from_millis(200));
+        assert_eq!(inbox.take(9, "dd").await, None);
+        // Old files are removed as newer versions arrive.
+        let (p3, p4, p5) = (file(3), file(4), file(5));
+        inbox.arrived(3, "x".into(), p3.clone());
+        inbox.arrived(4, "y".into(), p4.clone());
+        inbox.arrived(5, "z".into(), p5.clone());
+        assert!(!p3.exists() && p4.exists() && p5.exists());
+    }
+}
