@@ -88,7 +88,8 @@ pub struct StudentHost {
 impl StudentHost {
     /// Builds the model from `model_dir/config.json` (random weights until a version is
     /// loaded) and starts its engine with `engine`'s limits (batch rows, cached tokens,
-    /// intra-op threads). Weights are downloaded with `auth`.
+    /// intra-op threads). Weights are downloaded with `auth`. On the CPU the model is f32;
+    /// use `on_device` for a GPU.
     pub fn start(
         model_dir: &Path,
         cache_dir: &Path,
@@ -96,13 +97,36 @@ impl StudentHost {
         engine: EngineConfig,
         auth: ClientAuth,
     ) -> Result<Self> {
+        Self::on_device(
+            model_dir,
+            cache_dir,
+            tokenizer,
+            engine,
+            auth,
+            tch::Device::Cpu,
+        )
+    }
+
+    /// `start` on `device`; on a GPU the model decodes in bf16 (versions are cast as they
+    /// load).
+    pub fn on_device(
+        model_dir: &Path,
+        cache_dir: &Path,
+        tokenizer: ChatTokenizer,
+        engine: EngineConfig,
+        auth: ClientAuth,
+        device: tch::Device,
+    ) -> Result<Self> {
         let cfg_path = model_dir.join("config.json");
         let config = ModelConfig::load(&cfg_path)
             .with_context(|| format!("reading {}", cfg_path.display()))?;
         // Any single turn must fit, or it would wait for ever.
         let mut engine = engine;
         engine.max_cached_tokens = engine.max_cached_tokens.max(config.max_position_embeddings);
-        let policy = Policy::new(config, tch::Device::Cpu, 0);
+        let mut policy = Policy::new(config, device, 0);
+        if device.is_cuda() {
+            policy.var_store_mut().bfloat16();
+        }
         // The engine thread ends when the last handle is dropped.
         let (engine, _thread) = spawn_engine(policy, tokenizer, engine);
         Ok(Self {

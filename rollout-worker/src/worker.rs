@@ -81,6 +81,9 @@ pub struct WorkerConfig {
     /// `"broadcast"`: how long a lease's version may wait for the broadcast before it is
     /// downloaded over gRPC instead.
     pub broadcast_wait_s: f64,
+    /// Where the student decodes: `"cpu"` (f32), `"cuda"` or `"cuda:N"` (bf16). With
+    /// `weights_from = "broadcast"` over NCCL this is also the receiving GPU.
+    pub student_device: String,
 }
 
 /// See `WorkerConfig::weights_from`.
@@ -114,6 +117,7 @@ impl Default for WorkerConfig {
             student_cache_tokens: 65_536,
             weights_from: WeightsFrom::Grpc,
             broadcast_wait_s: 30.0,
+            student_device: "cpu".into(),
         }
     }
 }
@@ -140,6 +144,32 @@ impl std::str::FromStr for SandboxKind {
 
 impl WorkerConfig {
     /// The limits of the student's generation engine.
+    /// The device `student_device` names, checked against what libtorch sees.
+    pub fn student_device(&self) -> Result<tch::Device> {
+        let d = self.student_device.trim();
+        let device = match d {
+            "cpu" => tch::Device::Cpu,
+            "cuda" => tch::Device::Cuda(0),
+            _ => match d.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+                Some(n) => tch::Device::Cuda(n),
+                None => anyhow::bail!(
+                    "worker.student_device must be \"cpu\", \"cuda\" or \"cuda:N\", got {:?}",
+                    self.student_device
+                ),
+            },
+        };
+        if let tch::Device::Cuda(n) = device {
+            let count = tch::Cuda::device_count();
+            if n as i64 >= count {
+                anyhow::bail!(
+                    "worker.student_device = {:?}, but libtorch sees {count} CUDA device(s)",
+                    self.student_device
+                );
+            }
+        }
+        Ok(device)
+    }
+
     pub fn student_engine(&self) -> tutor_policy::EngineConfig {
         tutor_policy::EngineConfig {
             max_batch: self.student_max_batch.max(1),
@@ -276,12 +306,13 @@ pub async fn run_worker(
         .render_observation("probe")
         .with_context(|| format!("the chat template of {}", opts.model_dir.display()))?;
     let tokenizer = Arc::new(tokenizer);
-    let student = StudentHost::start(
+    let student = StudentHost::on_device(
         &opts.model_dir,
         &opts.cache_dir,
         (*tokenizer).clone(),
         opts.config.student_engine(),
         opts.auth.clone(),
+        opts.config.student_device()?,
     )?
     .with_broadcast(opts.broadcast.clone());
     let rpc_timeout = Duration::from_secs_f64(opts.config.rpc_timeout_s);
@@ -587,5 +618,26 @@ async fn sink_loop(
             }
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn student_device_is_parsed_and_checked() {
+        let mut c = WorkerConfig::default();
+        assert_eq!(c.student_device().unwrap(), tch::Device::Cpu);
+        c.student_device = "gpu".into();
+        let e = c.student_device().unwrap_err().to_string();
+        assert!(
+            e.contains("worker.student_device") && e.contains("gpu"),
+            "{e}"
+        );
+        // More GPUs than any machine here has: a clear error, not a crash in libtorch.
+        c.student_device = "cuda:63".into();
+        let e = c.student_device().unwrap_err().to_string();
+        assert!(e.contains("cuda:63") && e.contains("CUDA device"), "{e}");
     }
 }

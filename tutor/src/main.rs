@@ -603,7 +603,11 @@ async fn dispatch(cli: Cli) -> Result<()> {
                             auth: auth.clone(),
                             collective_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
                             collective_advertise: None,
-                            gpu: 0,
+                            // NCCL receives on the student's GPU.
+                            gpu: match cfg.worker.student_device()? {
+                                tch::Device::Cuda(n) => n,
+                                _ => 0,
+                            },
                             rendezvous_timeout: std::time::Duration::from_secs(60),
                             collective_timeout: tutor_learner::broadcast::RECEIVE_TIMEOUT,
                             group: tutor_learner::broadcast::GROUP.into(),
