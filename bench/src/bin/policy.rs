@@ -36,7 +36,10 @@ use rand::{Rng, SeedableRng};
 use tch::Device;
 use tutor_learner::config::LearnerConfig;
 use tutor_learner::trainer::Trainer;
-use tutor_policy::{GenParams, Policy};
+use tutor_policy::{
+    spawn_engine, ChatTokenizer, EngineConfig, EngineEvent, EngineHandle, EngineRequest, GenParams,
+    Policy,
+};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -49,9 +52,11 @@ struct Args {
     /// Batch sizes to time generation at.
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     batches: Vec<usize>,
-    /// Weight layouts to time Tutor's generation with: `default` (the training layout)
-    /// and `decode` (`Policy::use_decode_layout`, what the engine runs).
-    #[arg(long, value_delimiter = ',', default_value = "default,decode")]
+    /// How to time Tutor's generation: `Policy::generate` in the `default` (training)
+    /// layout and in the `decode` layout (`Policy::use_decode_layout`), and `engine`: the
+    /// continuous-batching engine workers and `tutor serve` run (decode layout), the
+    /// batch's requests submitted at once.
+    #[arg(long, value_delimiter = ',', default_value = "default,decode,engine")]
     layouts: Vec<String>,
     /// Timed generation runs per side and batch size (the best counts).
     #[arg(long, default_value_t = 3)]
@@ -192,6 +197,9 @@ fn bench_generate(args: &Args, dir: &Path) -> Result<()> {
     // (`Policy::use_decode_layout`, what workers and `tutor serve` run).
     let mut relaid = false;
     for layout in &args.layouts {
+        // The engine thread owns its own copy of the model (it applies the decode
+        // layout itself), started once per layout and stopped at the end of it.
+        let mut engine = None;
         match layout.as_str() {
             "default" if relaid => {
                 anyhow::bail!("--layouts: `default` must come before `decode`")
@@ -201,18 +209,46 @@ fn bench_generate(args: &Args, dir: &Path) -> Result<()> {
                 policy.use_decode_layout();
                 relaid = true;
             }
-            other => anyhow::bail!("--layouts: unknown layout {other:?} (default, decode)"),
+            "engine" => {
+                let model = Policy::load_dir(&dir.join("model"), Device::Cpu)?;
+                let corpus: Vec<String> = (0..20).map(|i| format!("bench line {i}")).collect();
+                let tokenizer = ChatTokenizer::train(&corpus, 300)?;
+                let (handle, thread) = spawn_engine(
+                    model,
+                    tokenizer,
+                    EngineConfig {
+                        max_batch: args.batches.iter().copied().max().unwrap_or(1),
+                        max_cached_tokens: 1 << 20,
+                        queue: 64,
+                        torch_threads: args.threads.max(1) as u32,
+                    },
+                );
+                engine = Some((handle, thread));
+            }
+            other => {
+                anyhow::bail!("--layouts: unknown layout {other:?} (default, decode, engine)")
+            }
         }
         for &b in &args.batches {
             let rows = &prompts[..b];
             let ps = vec![params.clone(); b];
-            policy.generate(rows, &ps); // warm-up
+            let run = || -> Result<Vec<Vec<u32>>> {
+                match &engine {
+                    Some((handle, _)) => engine_generate(handle, rows, &params),
+                    None => Ok(policy
+                        .generate(rows, &ps)
+                        .into_iter()
+                        .map(|g| g.tokens)
+                        .collect()),
+                }
+            };
+            run()?; // warm-up
             let mut wall = Vec::new();
             let mut cpu = Vec::new();
             let mut out = Vec::new();
             for _ in 0..args.repeats {
                 let (t0, c0) = (Instant::now(), cpu_seconds());
-                out = policy.generate(rows, &ps);
+                out = run()?;
                 wall.push(t0.elapsed().as_secs_f64());
                 cpu.push(cpu_seconds() - c0);
             }
@@ -227,16 +263,58 @@ fn bench_generate(args: &Args, dir: &Path) -> Result<()> {
             let agree: usize = out
                 .iter()
                 .zip(&hf_tokens)
-                .map(|(g, h)| g.tokens.iter().zip(h).take_while(|(a, b)| a == b).count())
+                .map(|(g, h)| g.iter().zip(h).take_while(|(a, b)| a == b).count())
                 .sum();
             println!(
-            "  {layout:<7}  {b:>5}   {theirs:>18.1}   {ours:>11.1}   {:>5.2}   {cpu_ratio:>14.2}   {agree}/{}",
-            ours / theirs,
-            b * args.new_tokens
-        );
+                "  {layout:<7}  {b:>5}   {theirs:>18.1}   {ours:>11.1}   {:>5.2}   {cpu_ratio:>14.2}   {agree}/{}",
+                ours / theirs,
+                b * args.new_tokens
+            );
+        }
+        if let Some((handle, thread)) = engine {
+            drop(handle);
+            let _ = thread.join();
         }
     }
     Ok(())
+}
+
+/// Submits every prompt to the engine at once and collects each one's tokens.
+fn engine_generate(
+    engine: &EngineHandle,
+    prompts: &[Vec<u32>],
+    params: &GenParams,
+) -> Result<Vec<Vec<u32>>> {
+    let mut streams = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        engine
+            .submit_blocking(EngineRequest {
+                prompt: prompt.clone(),
+                params: params.clone(),
+                stop: Vec::new(),
+                top_logprobs: 0,
+                prompt_logprobs: false,
+                text: false,
+                events: tx,
+            })
+            .map_err(|e| anyhow::anyhow!("the engine refused a prompt: {e}"))?;
+        streams.push(rx);
+    }
+    streams
+        .into_iter()
+        .map(|mut rx| {
+            let mut tokens = Vec::new();
+            loop {
+                match rx.blocking_recv() {
+                    Some(EngineEvent::Token(t)) => tokens.push(t.id),
+                    Some(EngineEvent::Done(_)) => return Ok(tokens),
+                    Some(_) => {}
+                    None => bail!("the engine stopped in the middle of a generation"),
+                }
+            }
+        })
+        .collect()
 }
 
 fn bench_train(args: &Args, dir: &Path) -> Result<()> {
