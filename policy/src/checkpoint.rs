@@ -1,14 +1,15 @@
 //! Saving and loading weights as Hugging Face safetensors checkpoints.
 //!
 //! A checkpoint directory is `config.json` + `model.safetensors` (or, for large Hugging
-//! Face checkpoints, shards listed in `model.safetensors.index.json`). Loading checks every
-//! tensor's presence and shape before copying any, so a failed load leaves the model as it
-//! was. Values are converted to the var store's dtype and device on copy, so a bfloat16
+//! Face checkpoints, shards listed in `model.safetensors.index.json`). The files are
+//! memory-mapped, not read whole. Loading checks every tensor's presence, shape and dtype
+//! before copying any, so a failed load leaves the model as it was. Values are converted to the var store's dtype and device on copy, so a bfloat16
 //! checkpoint loads into float32 training weights.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
+use safetensors::tensor::{Dtype, SafeTensors};
 use tch::{Device, Tensor};
 
 use crate::{ModelConfig, Policy, PolicyError};
@@ -64,16 +65,35 @@ impl Policy {
         Ok(policy)
     }
 
+    /// Loads the parameters from `files` (one checkpoint's safetensors files). Each file is
+    /// memory-mapped and only its header parsed up front; every parameter is checked
+    /// (present, same shape, a float type) before any is copied; then each tensor's bytes
+    /// are read, converted and copied into the model one at a time. So a load needs the
+    /// model's memory plus one tensor, not the checkpoint's size on top.
     fn load_weight_files(&mut self, files: &[PathBuf]) -> Result<(), PolicyError> {
-        // name -> (file it came from, tensor)
-        let mut found: HashMap<String, (PathBuf, Tensor)> = HashMap::new();
+        let bad = |path: &Path, message: String| PolicyError::Safetensors {
+            path: path.to_path_buf(),
+            message,
+        };
+        let mut maps = Vec::with_capacity(files.len());
         for file in files {
-            let tensors = Tensor::read_safetensors(file).map_err(|e| PolicyError::Safetensors {
-                path: file.clone(),
-                message: e.to_string(),
-            })?;
-            for (name, t) in tensors {
-                found.insert(name, (file.clone(), t));
+            let f = std::fs::File::open(file).map_err(|e| PolicyError::io(file, e))?;
+            // SAFETY: the map is read-only and lives only for this load; a checkpoint
+            // rewritten in place by another process during the load is not supported
+            // (Tutor writes checkpoints to a temporary directory and renames it).
+            let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| PolicyError::io(file, e))?;
+            maps.push((file, map));
+        }
+        let mut parsed = Vec::with_capacity(maps.len());
+        for (file, map) in &maps {
+            let st = SafeTensors::deserialize(map).map_err(|e| bad(file, format!("{e:?}")))?;
+            parsed.push((*file, st));
+        }
+        // name -> index of the file holding it
+        let mut found: HashMap<String, usize> = HashMap::new();
+        for (i, (_, st)) in parsed.iter().enumerate() {
+            for name in st.names() {
+                found.insert(name.clone(), i);
             }
         }
         let describe = || match files {
@@ -89,30 +109,38 @@ impl Policy {
 
         let mut vars: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut views = Vec::with_capacity(vars.len());
         for (name, var) in &vars {
-            let Some((file, src)) = found.get(name) else {
+            let Some(&i) = found.get(name) else {
                 return Err(PolicyError::MissingTensor {
                     path: describe(),
                     name: name.clone(),
                 });
             };
-            if src.size() != var.size() {
+            let (file, st) = &parsed[i];
+            let view = st.tensor(name).map_err(|e| bad(file, format!("{e:?}")))?;
+            let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+            if shape != var.size() {
                 return Err(PolicyError::ShapeMismatch {
-                    path: file.clone(),
+                    path: file.to_path_buf(),
                     name: name.clone(),
                     expected: var.size(),
-                    found: src.size(),
+                    found: shape,
                 });
             }
-            if !src.is_floating_point() {
-                return Err(PolicyError::Safetensors {
-                    path: file.clone(),
-                    message: format!(
+            if !matches!(
+                view.dtype(),
+                Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64
+            ) {
+                return Err(bad(
+                    file,
+                    format!(
                         "tensor `{name}` has dtype {:?}, expected a float type",
-                        src.kind()
+                        view.dtype()
                     ),
-                });
+                ));
             }
+            views.push((file, view));
         }
         let known: BTreeSet<&str> = vars.iter().map(|(n, _)| n.as_str()).collect();
         let extra: Vec<&String> = found
@@ -127,10 +155,11 @@ impl Policy {
             );
         }
         tch::no_grad(|| {
-            for (name, mut var) in vars {
-                let src = &found[&name].1;
-                // `copy_` converts dtype and device.
-                var.f_copy_(src).map_err(|e| PolicyError::Torch {
+            for ((name, mut var), (file, view)) in vars.into_iter().zip(views) {
+                let src = Tensor::try_from(view)
+                    .map_err(|e| bad(file, format!("reading tensor `{name}`: {e}")))?;
+                // `copy_` converts dtype and device; `src` is dropped right after.
+                var.f_copy_(&src).map_err(|e| PolicyError::Torch {
                     context: format!("copying tensor `{name}` into the model"),
                     source: e,
                 })?;
