@@ -168,16 +168,30 @@ pub struct Arrived {
     pub path: PathBuf,
 }
 
+/// What a receiver reports to its owner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReceiverEvent {
+    /// It is in a formed group: new versions will come.
+    Joined {
+        generation: u64,
+    },
+    /// Its group broke (or never formed): nothing comes until it joins again, so there
+    /// is no point waiting for a version.
+    Left,
+    Arrived(Arrived),
+}
+
 /// A weight receiver (a rollout worker): a thread that joins the newest generation of
 /// group [`GROUP`] as `opts.rank` (1..N; the world size comes from the rendezvous),
 /// writes each version it receives into `dir` (checksum verified, renamed into place)
-/// and hands it to `on_arrival`. Joins again whenever the group breaks; runs for the
+/// and reports it, and its joining and leaving groups, to `on_event`. Joins again
+/// whenever the group breaks; runs for the
 /// life of the process.
 pub fn spawn_receiver(
     opts: GroupOptions,
     rt: tokio::runtime::Handle,
     dir: PathBuf,
-    on_arrival: impl Fn(Arrived) + Send + 'static,
+    on_event: impl Fn(ReceiverEvent) + Send + 'static,
 ) -> Result<std::thread::JoinHandle<()>> {
     if opts.rank == 0 || opts.group != GROUP {
         bail!(
@@ -188,7 +202,7 @@ pub fn spawn_receiver(
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     std::thread::Builder::new()
         .name("weights-receive".into())
-        .spawn(move || receiver(opts, rt, &dir, &on_arrival))
+        .spawn(move || receiver(opts, rt, &dir, &on_event))
         .context("starting the weights receiver thread")
 }
 
@@ -196,7 +210,7 @@ fn receiver(
     opts: GroupOptions,
     rt: tokio::runtime::Handle,
     dir: &Path,
-    on_arrival: &dyn Fn(Arrived),
+    on_event: &dyn Fn(ReceiverEvent),
 ) {
     let mut after = 0;
     loop {
@@ -231,8 +245,12 @@ fn receiver(
                 rank = o.rank,
                 "joined the weights broadcast group"
             );
-            receive(c.as_mut(), dir, on_arrival)
+            on_event(ReceiverEvent::Joined {
+                generation: rdv.generation,
+            });
+            receive(c.as_mut(), dir, on_event)
         });
+        on_event(ReceiverEvent::Left);
         if let Err(e) = result {
             tracing::warn!(
                 generation = rdv.generation,
@@ -245,7 +263,7 @@ fn receiver(
 }
 
 /// Receives versions until the group fails.
-fn receive(c: &mut dyn Collective, dir: &Path, on_arrival: &dyn Fn(Arrived)) -> Result<()> {
+fn receive(c: &mut dyn Collective, dir: &Path, on_event: &dyn Fn(ReceiverEvent)) -> Result<()> {
     loop {
         let mut bytes = Vec::new();
         c.broadcast_bytes(&mut bytes)
@@ -277,10 +295,10 @@ fn receive(c: &mut dyn Collective, dir: &Path, on_arrival: &dyn Fn(Arrived)) -> 
             bytes = data.len(),
             "policy version arrived over the weights broadcast"
         );
-        on_arrival(Arrived {
+        on_event(ReceiverEvent::Arrived(Arrived {
             version,
             sha256: sha,
             path,
-        });
+        }));
     }
 }

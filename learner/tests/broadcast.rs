@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use tutor_learner::broadcast::{
-    spawn_broadcaster, spawn_receiver, Arrived, GROUP, RECEIVE_TIMEOUT,
+    spawn_broadcaster, spawn_receiver, Arrived, ReceiverEvent, GROUP, RECEIVE_TIMEOUT,
 };
 use tutor_learner::collective::{Collective, CpuCollective, CpuCollectiveTimeouts};
 use tutor_learner::group::{fetch, GroupOptions};
@@ -102,7 +102,10 @@ fn versions_reach_receivers_and_the_group_forms_again_after_a_receiver_dies() {
         options(&coordinator, 1, 0),
         rt.handle().clone(),
         dir.path().join("receiver-1"),
-        move |a| tx.send(a).unwrap(),
+        move |e| match e {
+            ReceiverEvent::Arrived(a) => tx.send(a).unwrap(),
+            ReceiverEvent::Joined { .. } | ReceiverEvent::Left => {}
+        },
     )
     .unwrap();
 

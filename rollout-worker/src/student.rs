@@ -28,6 +28,9 @@ pub const NO_VERSION: u64 = u64::MAX;
 #[derive(Clone)]
 pub struct BroadcastInbox {
     arrived: tokio::sync::watch::Sender<BTreeMap<u64, (String, PathBuf)>>,
+    /// Whether the receiver is in a formed group (else nothing will arrive: `ensure`
+    /// does not wait).
+    in_group: Arc<std::sync::atomic::AtomicBool>,
     /// How long `ensure` waits for a version before downloading it.
     wait: Duration,
 }
@@ -36,8 +39,14 @@ impl BroadcastInbox {
     pub fn new(wait: Duration) -> Self {
         Self {
             arrived: tokio::sync::watch::channel(BTreeMap::new()).0,
+            in_group: Default::default(),
             wait,
         }
+    }
+
+    /// The receiver joined (`true`) or lost (`false`) its group.
+    pub fn set_in_group(&self, yes: bool) {
+        self.in_group.store(yes, Ordering::SeqCst);
     }
 
     /// Records a version the receiver wrote to `path` (callable from any thread).
@@ -53,11 +62,18 @@ impl BroadcastInbox {
         });
     }
 
-    /// The file of `version` once it has arrived with checksum `sha256`, within the wait.
+    /// The file of `version` once it has arrived with checksum `sha256`: at once if it is
+    /// here, else within the wait while the receiver is in a group (out of one, nothing
+    /// is coming).
     async fn take(&self, version: u64, sha256: &str) -> Option<PathBuf> {
         let mut rx = self.arrived.subscribe();
+        let wait = if self.in_group.load(Ordering::SeqCst) {
+            self.wait
+        } else {
+            Duration::ZERO
+        };
         let found = tokio::time::timeout(
-            self.wait,
+            wait,
             rx.wait_for(|m| m.get(&version).is_some_and(|(s, _)| s == sha256)),
         )
         .await;
@@ -167,8 +183,9 @@ impl StudentHost {
                 if let Some(inbox) = &self.broadcast {
                     tracing::warn!(
                         version = policy.version,
-                        waited_s = inbox.wait.as_secs_f64(),
-                        "the policy version did not arrive over the weights broadcast in time: downloading it over gRPC"
+                        in_group = inbox.in_group.load(Ordering::SeqCst),
+                        wait_s = inbox.wait.as_secs_f64(),
+                        "the policy version did not arrive over the weights broadcast: downloading it over gRPC"
                     );
                 }
                 let path = self
@@ -269,6 +286,15 @@ mod tests {
             p
         };
         let inbox = BroadcastInbox::new(Duration::from_millis(200));
+        // Out of a group nothing is coming: no wait at all.
+        let t = std::time::Instant::now();
+        assert_eq!(inbox.take(1, "aa").await, None);
+        assert!(
+            t.elapsed() < Duration::from_millis(150),
+            "{:?}",
+            t.elapsed()
+        );
+        inbox.set_in_group(true);
         // Arrives while `take` waits.
         let late = inbox.clone();
         let p1 = file(1);

@@ -200,7 +200,13 @@ fn dagger_iteration_across_processes() {
                 .any(|l| l.contains("version=1") && l.contains("via=\"broadcast\"")),
             "{w} did not load version 1 from the broadcast:\n{log}"
         );
-        assert!(!log.contains("downloading it over gRPC"), "{log}");
+        // Version 0 may come either way (a worker's first lease can come before both
+        // workers have joined the group); version 1 comes long after.
+        assert!(
+            !log.lines()
+                .any(|l| l.contains("downloading it over gRPC") && l.contains("version=1")),
+            "{log}"
+        );
     }
     let learner = std::fs::read_to_string(run.join("logs/learner.log")).unwrap();
     assert!(

@@ -579,47 +579,56 @@ async fn dispatch(cli: Cli) -> Result<()> {
                 Some(d) => d,
                 None => std::env::temp_dir().join(format!("tutor-weights-{}", std::process::id())),
             };
-            let broadcast =
-                if cfg.worker.weights_from == tutor_rollout::worker::WeightsFrom::Broadcast {
-                    let rank = match weights_rank {
-                        Some(r) if r >= 1 => r,
-                        _ => anyhow::bail!(
-                            "[worker] weights_from = \"broadcast\" in {} needs --weights-rank R \
+            let broadcast = if cfg.worker.weights_from
+                == tutor_rollout::worker::WeightsFrom::Broadcast
+            {
+                let rank = match weights_rank {
+                    Some(r) if r >= 1 => r,
+                    _ => anyhow::bail!(
+                        "[worker] weights_from = \"broadcast\" in {} needs --weights-rank R \
                          (1..N, a different one per worker, N = [learner] weight_receivers)",
-                            config.display()
-                        ),
-                    };
-                    let inbox = tutor_rollout::student::BroadcastInbox::new(
-                        std::time::Duration::from_secs_f64(cfg.worker.broadcast_wait_s),
-                    );
-                    let sink = inbox.clone();
-                    tutor_learner::broadcast::spawn_receiver(
-                        tutor_learner::group::GroupOptions {
-                            rank,
-                            // Both come from the rendezvous learner rank 0 publishes.
-                            world_size: rank + 1,
-                            collective: tutor_learner::CollectiveChoice::Cpu,
-                            coordinator: coordinator.clone(),
-                            auth: auth.clone(),
-                            collective_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-                            collective_advertise: None,
-                            // NCCL receives on the student's GPU.
-                            gpu: match cfg.worker.student_device()? {
-                                tch::Device::Cuda(n) => n,
-                                _ => 0,
-                            },
-                            rendezvous_timeout: std::time::Duration::from_secs(60),
-                            collective_timeout: tutor_learner::broadcast::RECEIVE_TIMEOUT,
-                            group: tutor_learner::broadcast::GROUP.into(),
-                        },
-                        tokio::runtime::Handle::current(),
-                        cache_dir.join("broadcast"),
-                        move |a| sink.arrived(a.version, a.sha256, a.path),
-                    )?;
-                    Some(inbox)
-                } else {
-                    None
+                        config.display()
+                    ),
                 };
+                let inbox = tutor_rollout::student::BroadcastInbox::new(
+                    std::time::Duration::from_secs_f64(cfg.worker.broadcast_wait_s),
+                );
+                let sink = inbox.clone();
+                tutor_learner::broadcast::spawn_receiver(
+                    tutor_learner::group::GroupOptions {
+                        rank,
+                        // Both come from the rendezvous learner rank 0 publishes.
+                        world_size: rank + 1,
+                        collective: tutor_learner::CollectiveChoice::Cpu,
+                        coordinator: coordinator.clone(),
+                        auth: auth.clone(),
+                        collective_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                        collective_advertise: None,
+                        // NCCL receives on the student's GPU.
+                        gpu: match cfg.worker.student_device()? {
+                            tch::Device::Cuda(n) => n,
+                            _ => 0,
+                        },
+                        rendezvous_timeout: std::time::Duration::from_secs(60),
+                        collective_timeout: tutor_learner::broadcast::RECEIVE_TIMEOUT,
+                        group: tutor_learner::broadcast::GROUP.into(),
+                    },
+                    tokio::runtime::Handle::current(),
+                    cache_dir.join("broadcast"),
+                    move |e| match e {
+                        tutor_learner::broadcast::ReceiverEvent::Arrived(a) => {
+                            sink.arrived(a.version, a.sha256, a.path)
+                        }
+                        tutor_learner::broadcast::ReceiverEvent::Joined { .. } => {
+                            sink.set_in_group(true)
+                        }
+                        tutor_learner::broadcast::ReceiverEvent::Left => sink.set_in_group(false),
+                    },
+                )?;
+                Some(inbox)
+            } else {
+                None
+            };
             tutor_rollout::worker::run_worker(
                 tutor_rollout::worker::WorkerOptions {
                     name,
