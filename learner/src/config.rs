@@ -160,21 +160,12 @@ impl LearnerConfig {
     /// The device `device` names. `"cuda"` without an index is `default_gpu` (the rank's
     /// GPU in an NCCL group, else 0). Whether that GPU exists is checked by the trainer.
     pub fn device(&self, default_gpu: usize) -> Result<tch::Device, String> {
-        let d = self.device.trim();
-        match d {
-            "cpu" => Ok(tch::Device::Cpu),
-            "cuda" => Ok(tch::Device::Cuda(default_gpu)),
-            _ => d
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse::<usize>().ok())
-                .map(tch::Device::Cuda)
-                .ok_or_else(|| {
-                    format!(
-                        "learner.device must be \"cpu\", \"cuda\" or \"cuda:N\", got {:?}",
-                        self.device
-                    )
-                }),
-        }
+        tutor_policy::parse_device(&self.device, default_gpu).ok_or_else(|| {
+            format!(
+                "learner.device must be \"cpu\", \"cuda\" or \"cuda:N\", got {:?}",
+                self.device
+            )
+        })
     }
 
     /// Whether training on `device` keeps bf16 parameters with fp32 master weights

@@ -111,17 +111,12 @@ impl Trainer {
             _ => 0,
         };
         let device = config.device(default_gpu).map_err(anyhow::Error::msg)?;
-        if let Device::Cuda(n) = device {
-            let count = tch::Cuda::device_count();
-            if n as i64 >= count {
-                bail!(
-                    "learner.device = {:?} (cuda:{n}), but libtorch sees {count} CUDA device(s) \
-                     (a CPU-only libtorch, no driver, or CUDA_VISIBLE_DEVICES hides it); \
-                     use device = \"cpu\" on a machine without one",
-                    config.device
-                );
-            }
-        }
+        tutor_policy::check_device(device).map_err(|e| {
+            anyhow::anyhow!(
+                "learner.device = {:?}: {e}; use device = \"cpu\" on a machine without one",
+                config.device
+            )
+        })?;
         if policy.device() != device {
             policy.var_store_mut().set_device(device);
         }
@@ -224,16 +219,10 @@ impl Trainer {
                 Ok(())
             })?;
         }
-        trainer.optimizer = AdamW::from_state(
-            adamw_config(&trainer.config),
-            state.optimizer_steps,
-            exp_avg,
-            exp_avg_sq,
-        );
-        trainer.steps = state.steps;
-        trainer.rng = state.rng.restore().with_context(|| {
+        let rng = state.rng.restore().with_context(|| {
             format!("{}: field rng", dir.join(checkpoint::STATE_FILE).display())
         })?;
+        trainer.restore_position(state.optimizer_steps, exp_avg, exp_avg_sq, state.steps, rng);
         Ok((trainer, state.data_cursor))
     }
 
@@ -367,15 +356,29 @@ impl Trainer {
             .broadcast(&mut moments)
             .with_context(|| format!("rank {rank}: receiving rank 0's optimizer state"))?;
         let exp_avg_sq = moments.split_off(trainer.params.len());
-        trainer.optimizer = AdamW::from_state(
-            adamw_config(&trainer.config),
-            state.optimizer_steps,
-            moments,
+        let rng = state.rng.restore().context("rank 0's rng state")?;
+        trainer.restore_position(state.optimizer_steps, moments, exp_avg_sq, state.steps, rng);
+        Ok(trainer)
+    }
+
+    /// Takes over a saved (resume) or sent (join) position: AdamW's moments and step, the
+    /// schedule position and the random stream.
+    fn restore_position(
+        &mut self,
+        optimizer_steps: u64,
+        exp_avg: Vec<Tensor>,
+        exp_avg_sq: Vec<Tensor>,
+        steps: u64,
+        rng: ChaCha8Rng,
+    ) {
+        self.optimizer = AdamW::from_state(
+            adamw_config(&self.config),
+            optimizer_steps,
+            exp_avg,
             exp_avg_sq,
         );
-        trainer.steps = state.steps;
-        trainer.rng = state.rng.restore().context("rank 0's rng state")?;
-        Ok(trainer)
+        self.steps = steps;
+        self.rng = rng;
     }
 
     /// Leaves a broken group: the trainer goes on alone (rank 0 keeps its state and

@@ -28,6 +28,34 @@ pub use engine::{
 pub use error::PolicyError;
 pub use generate::{fit_context, FinishReason, GenParams, Generation};
 pub use model::Policy;
+
+/// The device a setting names: `"cpu"`, `"cuda"` (GPU `default_gpu`) or `"cuda:N"`;
+/// `None` for anything else (the caller names its setting in the error).
+pub fn parse_device(text: &str, default_gpu: usize) -> Option<tch::Device> {
+    match text.trim() {
+        "cpu" => Some(tch::Device::Cpu),
+        "cuda" => Some(tch::Device::Cuda(default_gpu)),
+        d => d
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(tch::Device::Cuda),
+    }
+}
+
+/// Checks that libtorch sees `device` (a CUDA index below the device count); the error
+/// says how many it sees.
+pub fn check_device(device: tch::Device) -> Result<(), String> {
+    if let tch::Device::Cuda(n) = device {
+        let count = tch::Cuda::device_count();
+        if n as i64 >= count {
+            return Err(format!(
+                "cuda:{n} is not there: libtorch sees {count} CUDA device(s) (a CPU-only \
+                 libtorch, no driver, or CUDA_VISIBLE_DEVICES hides it)"
+            ));
+        }
+    }
+    Ok(())
+}
 pub use tokenizer::{ChatTokenizer, ENDOFTEXT, IM_END, IM_START};
 
 /// Hex SHA-256 of a file (e.g. a weights file, to identify a policy version).

@@ -118,6 +118,8 @@ impl KvCache {
 
 struct RmsNorm {
     weight: Tensor,
+    /// The normalized (last) dimension, the weight's length.
+    dim: i64,
     eps: f64,
 }
 
@@ -125,6 +127,7 @@ impl RmsNorm {
     fn new(p: Path, dim: usize, eps: f64) -> Self {
         RmsNorm {
             weight: p.var("weight", &[dim as i64], Init::Const(1.0)),
+            dim: dim as i64,
             eps,
         }
     }
@@ -135,8 +138,7 @@ impl RmsNorm {
         let kind = x.kind();
         if kind == Kind::Float {
             // The same arithmetic as below in one op (fewer kernel launches per decode step).
-            let dim = self.weight.size();
-            return x.rms_norm(dim.as_slice(), Some(&self.weight), self.eps);
+            return x.rms_norm([self.dim], Some(&self.weight), self.eps);
         }
         let xf = x.to_kind(Kind::Float);
         let var = xf.square().mean_dim(-1, true, Kind::Float);

@@ -146,27 +146,15 @@ impl WorkerConfig {
     /// The limits of the student's generation engine.
     /// The device `student_device` names, checked against what libtorch sees.
     pub fn student_device(&self) -> Result<tch::Device> {
-        let d = self.student_device.trim();
-        let device = match d {
-            "cpu" => tch::Device::Cpu,
-            "cuda" => tch::Device::Cuda(0),
-            _ => match d.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
-                Some(n) => tch::Device::Cuda(n),
-                None => anyhow::bail!(
-                    "worker.student_device must be \"cpu\", \"cuda\" or \"cuda:N\", got {:?}",
-                    self.student_device
-                ),
-            },
+        let Some(device) = tutor_policy::parse_device(&self.student_device, 0) else {
+            anyhow::bail!(
+                "worker.student_device must be \"cpu\", \"cuda\" or \"cuda:N\", got {:?}",
+                self.student_device
+            );
         };
-        if let tch::Device::Cuda(n) = device {
-            let count = tch::Cuda::device_count();
-            if n as i64 >= count {
-                anyhow::bail!(
-                    "worker.student_device = {:?}, but libtorch sees {count} CUDA device(s)",
-                    self.student_device
-                );
-            }
-        }
+        tutor_policy::check_device(device).map_err(|e| {
+            anyhow::anyhow!("worker.student_device = {:?}: {e}", self.student_device)
+        })?;
         Ok(device)
     }
 

@@ -146,17 +146,7 @@ fn run_survives_killed_workers_learner_and_coordinator() {
     std::fs::create_dir_all(&logs).unwrap();
     let cfg_path = root.join("chaos.toml");
     std::fs::write(&cfg_path, config(&sandboxes)).unwrap();
-    let out = std::process::Command::new(common::tutor_bin())
-        .args(["prepare", "--config", cfg_path.to_str().unwrap()])
-        .env("TUTOR_RUN__OUT_DIR", root.join("runs"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let prep: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let prep = common::prepare(&cfg_path, &root.join("runs"));
     let p = |k: &str| prep[k].as_str().unwrap().to_string();
     let run_dir = PathBuf::from(p("run_dir"));
     let learner_dir = PathBuf::from(p("learner_out_dir"));

@@ -96,16 +96,7 @@ impl Prepared {
         std::fs::create_dir_all(&logs).unwrap();
         let cfg = root.join("dp.toml");
         std::fs::write(&cfg, config(&sandboxes, iterations)).unwrap();
-        let out = std::process::Command::new(common::tutor_bin())
-            .args(["prepare", "--config", cfg.to_str().unwrap()])
-            .env("TUTOR_RUN__OUT_DIR", root.join("runs"))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let paths = common::prepare(&cfg, &root.join("runs"));
         let token = root.join("token");
         std::fs::write(&token, "dp-test-token-0b9e2c47d1a3").unwrap();
         std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))
@@ -114,7 +105,7 @@ impl Prepared {
             root: root.to_path_buf(),
             logs,
             token: token.display().to_string(),
-            paths: serde_json::from_slice(&out.stdout).unwrap(),
+            paths,
         }
     }
 

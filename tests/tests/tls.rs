@@ -130,17 +130,7 @@ async fn learner_coordinator_and_worker_finish_a_run_over_mutual_tls() {
         ),
     )
     .unwrap();
-    let out = std::process::Command::new(common::tutor_bin())
-        .args(["prepare", "--config", cfg_path.to_str().unwrap()])
-        .env("TUTOR_RUN__OUT_DIR", root.join("runs"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let prep: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let prep = common::prepare(&cfg_path, &root.join("runs"));
     let p = |k: &str| prep[k].as_str().unwrap().to_string();
     let run_dir = PathBuf::from(p("run_dir"));
     let token = "tls-test-token-8d2e4f6a0b1c3e5d";

@@ -463,6 +463,13 @@ async fn dispatch(cli: Cli) -> Result<()> {
                 );
             }
             let tls = tls.files();
+            // How this learner calls the coordinator (rendezvous of either group).
+            let coordinator_auth = || -> Result<ClientAuth> {
+                Ok(ClientAuth::new(auth_token.as_ref()).with_tls(match tls.ca {
+                    Some(_) => tls.client()?,
+                    None => None,
+                }))
+            };
             let group = (world_size > 1)
                 .then(|| -> Result<tutor_learner::group::GroupOptions> {
                     Ok(tutor_learner::group::GroupOptions {
@@ -474,10 +481,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
                             None => cfg.learner.collective,
                         },
                         coordinator: coordinator.clone().unwrap_or_default(),
-                        auth: ClientAuth::new(auth_token.as_ref()).with_tls(match tls.ca {
-                            Some(_) => tls.client()?,
-                            None => None,
-                        }),
+                        auth: coordinator_auth()?,
                         collective_listen,
                         collective_advertise: collective_advertise.clone(),
                         gpu,
@@ -510,10 +514,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
                         world_size: receivers + 1,
                         collective: cfg.learner.broadcast_collective,
                         coordinator,
-                        auth: ClientAuth::new(auth_token.as_ref()).with_tls(match tls.ca {
-                            Some(_) => tls.client()?,
-                            None => None,
-                        }),
+                        auth: coordinator_auth()?,
                         // Its own port beside the learner group's, on the same interface.
                         collective_listen: SocketAddr::new(collective_listen.ip(), 0),
                         collective_advertise: collective_advertise.as_ref().map(|a| {

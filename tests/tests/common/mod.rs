@@ -45,6 +45,23 @@ pub fn tutor(args: &[&str]) -> Output {
         .expect("running tutor")
 }
 
+/// `tutor prepare --config CFG` with run directories under `runs`: the paths it prints
+/// (run_dir, config, model_dir, learner_out_dir, train_tasks, …). Panics with its stderr
+/// when it fails.
+pub fn prepare(cfg: &Path, runs: &Path) -> serde_json::Value {
+    let out = Command::new(tutor_bin())
+        .args(["prepare", "--config", cfg.to_str().unwrap()])
+        .env("TUTOR_RUN__OUT_DIR", runs)
+        .output()
+        .expect("running tutor prepare");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("tutor prepare prints its paths as JSON")
+}
+
 /// Processes whose command line mentions `needle` (the run's unique temp directory).
 pub fn processes_mentioning(needle: &str) -> Vec<(u32, String)> {
     let mut found = Vec::new();
