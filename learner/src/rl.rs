@@ -189,21 +189,19 @@ impl Trainer {
             return Ok(self.idle_report());
         };
         let (eps_low, eps_high) = (self.config().clip_eps_low, self.config().clip_eps_high);
-        let mut local_sum = 0.0;
-        let mut local_tokens = 0u64;
-        let mut passes = 0;
         let runs = micro_batch_ranges(
             examples.iter().map(|e| e.tokens.len()),
             self.config().micro_batch_tokens,
         );
-        for run in runs {
-            let batch = RlBatch::new(&examples[run], self.policy().device());
+        let device = self.policy().device();
+        let batches = runs
+            .into_iter()
+            .map(|run| RlBatch::new(&examples[run], device));
+        self.run_passes(start, batches, |policy, batch| {
             if batch.label_tokens == 0 {
-                continue;
+                return None;
             }
-            let logits = self
-                .policy()
-                .forward(&batch.input_ids, &batch.attention_mask);
+            let logits = policy.forward(&batch.input_ids, &batch.attention_mask);
             let lp = token_logprobs(&logits, &batch.input_ids);
             // dapo_loss is the mean over this pass's tokens; its sum adds up across passes
             // and ranks, and `finish_step` divides by the total once.
@@ -215,12 +213,8 @@ impl Trainer {
                 eps_low,
                 eps_high,
             ) * batch.label_tokens as f64;
-            local_sum += sum.double_value(&[]);
-            self.backward(&sum);
-            local_tokens += batch.label_tokens;
-            passes += 1;
-        }
-        self.finish_step(start, local_sum, local_tokens, passes)
+            Some((sum, batch.label_tokens))
+        })
     }
 
     /// DAPO's surrogate loss and clip fractions of a batch under the current weights, no

@@ -441,22 +441,40 @@ impl Trainer {
         if self.config.packing == Packing::Tree {
             return self.packed_step(start, examples);
         }
-        let mut local_nll = 0.0;
-        let mut local_labels = 0u64;
-        let mut passes = 0;
-        for micro in micro_batches(examples, self.config.micro_batch_tokens) {
-            let batch = PaddedBatch::new(micro, self.policy.device());
+        let device = self.policy.device();
+        let batches = micro_batches(examples, self.config.micro_batch_tokens)
+            .into_iter()
+            .map(|micro| PaddedBatch::new(micro, device));
+        self.run_passes(start, batches, |policy, batch| {
             if batch.label_tokens == 0 {
-                continue;
+                return None;
             }
-            let logits = self.policy.forward(&batch.input_ids, &batch.attention_mask);
+            let logits = policy.forward(&batch.input_ids, &batch.attention_mask);
             let nll = masked_nll_sum(&logits, &batch.input_ids, &batch.loss_mask);
-            local_nll += nll.double_value(&[]);
-            self.backward(&nll);
-            local_labels += batch.label_tokens;
+            Some((nll, batch.label_tokens))
+        })
+    }
+
+    /// The passes of one step: `loss` gives each batch's summed loss and its trained
+    /// tokens (`None`: nothing to train in it); each sum's gradient is accumulated
+    /// (`backward`), then `finish_step` sums over the ranks and updates.
+    pub(crate) fn run_passes<B>(
+        &mut self,
+        start: Instant,
+        batches: impl Iterator<Item = B>,
+        loss: impl Fn(&Policy, &B) -> Option<(Tensor, u64)>,
+    ) -> Result<StepReport> {
+        let (mut local_sum, mut local_tokens, mut passes) = (0.0, 0u64, 0);
+        for batch in batches {
+            let Some((sum, tokens)) = loss(&self.policy, &batch) else {
+                continue;
+            };
+            local_sum += sum.double_value(&[]);
+            self.backward(&sum);
+            local_tokens += tokens;
             passes += 1;
         }
-        self.finish_step(start, local_nll, local_labels, passes)
+        self.finish_step(start, local_sum, local_tokens, passes)
     }
 
     /// `step` with `packing = "tree"`: the examples as tree rows (`pack_examples`: shared
@@ -471,24 +489,17 @@ impl Trainer {
         let rows = pack_examples(examples, self.config.pack_row_tokens.max(1));
         let ranges =
             micro_batch_ranges(rows.iter().map(|r| r.len()), self.config.micro_batch_tokens);
-        let mut local_nll = 0.0;
-        let mut local_labels = 0u64;
-        let mut passes = 0;
-        for range in ranges {
-            let batch = PackedBatch::new(&rows[range], self.policy.device());
+        let device = self.policy.device();
+        let batches = ranges
+            .into_iter()
+            .map(|range| PackedBatch::new(&rows[range], device));
+        self.run_passes(start, batches, |policy, batch| {
             if batch.label_tokens == 0 {
-                continue;
+                return None;
             }
-            let logits =
-                self.policy
-                    .forward_tree(&batch.input_ids, &batch.position_ids, &batch.allowed);
-            let nll = packed_nll_sum(&logits, &batch);
-            local_nll += nll.double_value(&[]);
-            self.backward(&nll);
-            local_labels += batch.label_tokens;
-            passes += 1;
-        }
-        self.finish_step(start, local_nll, local_labels, passes)
+            let logits = policy.forward_tree(&batch.input_ids, &batch.position_ids, &batch.allowed);
+            Some((packed_nll_sum(&logits, batch), batch.label_tokens))
+        })
     }
 
     /// What a step that changes nothing reports.
