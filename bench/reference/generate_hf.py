@@ -9,10 +9,18 @@ DIR/generate_hf.json: the prompts (one list per row of the largest batch; a batc
 uses the first b), and per batch size the wall and CPU seconds (all threads) of every
 timed repeat, new tokens per second (best repeat) and the generated tokens (to compare with Rust's greedy tokens).
 Every run of this script with the same arguments makes the same model and prompts.
+
+With --serve the script times nothing up front: it writes the JSON (prompts and the
+tokens of one warm-up generate per batch size, no timings), prints `ready`, then answers
+each line `B` on standard input with one timed `generate` at batch size B, printed as one
+JSON line {"batch", "seconds", "cpu_seconds"}, until standard input ends. The Rust side
+uses it to time both sides back to back, repeat by repeat, so that a slow stretch of a
+shared machine hits both alike.
 """
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -75,6 +83,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, required=True)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--serve", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -83,6 +92,7 @@ def main():
     model = Qwen3ForCausalLM.from_pretrained(path).eval()
     prompts = make_prompts(max(batches))
     results = {}
+    runs = {}
     for b in batches:
         ids, mask = left_pad(prompts[:b])
         kwargs = dict(
@@ -93,23 +103,26 @@ def main():
             pad_token_id=0,
             use_cache=True,
         )
-        with torch.inference_mode():
-            model.generate(ids, **kwargs)  # warm-up
-            seconds, cpu, out = [], [], None
-            for _ in range(args.repeats):
+
+        def run(ids=ids, kwargs=kwargs):
+            with torch.inference_mode():
                 t0, c0 = time.perf_counter(), time.process_time()
                 out = model.generate(ids, **kwargs)
-                seconds.append(time.perf_counter() - t0)
-                cpu.append(time.process_time() - c0)
+                return time.perf_counter() - t0, time.process_time() - c0, out
+
+        runs[b] = run
+        _, _, out = run()  # warm-up
+        seconds, cpu = [], []
+        for _ in range(0 if args.serve else args.repeats):
+            s, c, out = run()
+            seconds.append(s)
+            cpu.append(c)
         new = out[:, ids.shape[1]:]
         assert new.shape[1] == args.new_tokens, new.shape
-        results[str(b)] = dict(
-            seconds=seconds,
-            cpu_seconds=cpu,
-            tokens_per_s=b * args.new_tokens / min(seconds),
-            tokens=new.tolist(),
-        )
-        print(f"transformers generate batch {b}: {b * args.new_tokens / min(seconds):.1f} tok/s", flush=True)
+        results[str(b)] = dict(seconds=seconds, cpu_seconds=cpu, tokens=new.tolist())
+        if seconds:
+            results[str(b)]["tokens_per_s"] = b * args.new_tokens / min(seconds)
+            print(f"transformers generate batch {b}: {b * args.new_tokens / min(seconds):.1f} tok/s", flush=True)
     with open(os.path.join(args.out, "generate_hf.json"), "w") as f:
         json.dump(
             dict(
@@ -122,6 +135,12 @@ def main():
             ),
             f,
         )
+    if args.serve:
+        print("ready", flush=True)
+        for line in sys.stdin:
+            b = int(line)
+            s, c, _ = runs[b]()
+            print(json.dumps(dict(batch=b, seconds=s, cpu_seconds=c)), flush=True)
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ impl Policy {
                 "ignoring checkpoint tensors the model does not use"
             );
         }
-        tch::no_grad(|| {
+        let result = tch::no_grad(|| {
             for ((name, mut var), (file, view)) in vars.into_iter().zip(views) {
                 let src = Tensor::try_from(view)
                     .map_err(|e| bad(file, format!("reading tensor `{name}`: {e}")))?;
@@ -165,7 +165,12 @@ impl Policy {
                 })?;
             }
             Ok(())
-        })
+        });
+        // Packed copies for generation would still hold the old weights.
+        if self.model.is_packed() {
+            self.model.pack();
+        }
+        result
     }
 }
 

@@ -432,27 +432,24 @@ impl Engine {
         }
         cache.len = new_len;
         let mut logits: Vec<Tensor> = self.logits.take().into_iter().collect();
-        for (i, req) in new.into_iter().enumerate() {
-            let row = old_rows + i as i64;
+        let prompts: Vec<&[u32]> = new.iter().map(|r| r.prompt.as_slice()).collect();
+        let rows: Vec<i64> = (0..new.len() as i64).map(|i| old_rows + i).collect();
+        let keep: Vec<bool> = new.iter().map(|r| r.prompt_logprobs).collect();
+        let done = self
+            .policy
+            .prefill_rows(&prompts, &rows, new_len, &keep, &mut cache);
+        for (req, hidden) in new.into_iter().zip(done.hidden) {
             let p = req.prompt.len() as i64;
-            let ids: Vec<i64> = req.prompt.iter().map(|&t| t as i64).collect();
-            let ids = Tensor::from_slice(&ids).view([1, p]).to_device(device);
-            let positions = Tensor::arange(p, (Kind::Int64, device)).unsqueeze(0);
-            let mut row_cache = KvCache::new(&self.policy.config, 1, p, kind, device);
-            let hidden = self.policy.model.hidden_states(
-                &ids,
-                &positions,
-                &AttnMask::Causal,
-                Some(&mut row_cache),
-            );
-            if req.prompt_logprobs {
+            if let Some(hidden) = hidden {
+                // Each prompt token after the first, scored given the ones before it.
                 let scored = if p > 1 {
                     let lp = self
                         .policy
                         .model
-                        .logits(&hidden.narrow(1, 0, p - 1))
+                        .logits(&hidden.narrow(0, 0, p - 1))
                         .log_softmax(-1, Kind::Float);
-                    let next = ids.narrow(1, 1, p - 1).unsqueeze(-1);
+                    let next: Vec<i64> = req.prompt[1..].iter().map(|&t| t as i64).collect();
+                    let next = Tensor::from_slice(&next).to_device(device).unsqueeze(-1);
                     Vec::<f32>::try_from(lp.gather(-1, &next, false).flatten(0, -1))
                         .unwrap_or_default()
                 } else {
@@ -460,8 +457,6 @@ impl Engine {
                 };
                 let _ = req.events.send(EngineEvent::Prompt(scored));
             }
-            logits.push(self.policy.model.logits(&hidden.select(1, p - 1)));
-            cache.write_row(row, new_len - p, &row_cache);
             self.rows.push(Row {
                 rng: ChaCha8Rng::seed_from_u64(req.params.seed),
                 start: new_len - p,
@@ -472,6 +467,7 @@ impl Engine {
                 req,
             });
         }
+        logits.push(done.logits);
         self.logits = Some(Tensor::cat(&logits, 0));
         self.cache = Some(cache);
         self.capacity = capacity;

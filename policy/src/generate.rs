@@ -17,7 +17,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tch::{Device, Kind, Tensor};
 
-use crate::model::{AttnMask, KvCache};
+use crate::model::{AttnMask, KvCache, Segment};
 use crate::Policy;
 
 /// Sampling parameters for one prompt.
@@ -158,39 +158,78 @@ impl Policy {
 
     /// Runs each prompt through the model and stores its keys and values in `cache`,
     /// left-padded to the longest prompt `P` (row `i` fills slots `P - len_i .. P`).
-    /// Returns the float32 logits for every row's next token, `[B, V]`.
-    ///
-    /// Prompts are prefilled one at a time with plain causal attention rather than as one
-    /// padded batch: that needs no `[B, P, P]` mask (gigabytes for agent-length contexts),
-    /// lets SDPA use its fused causal kernels, and makes a row's prefill independent of
-    /// its batch mates. Identical prompts (a DAPO group) are computed once and copied.
+    /// Returns the float32 logits for every row's next token, `[B, V]`. Identical prompts
+    /// (a DAPO group) are computed once and copied.
     pub(crate) fn prefill(&self, prompts: &[&[u32]], cache: &mut KvCache) -> Tensor {
-        let device = self.device();
-        let kind = self.model.compute_kind();
         let p = prompts.iter().map(|x| x.len()).max().unwrap_or(0) as i64;
         let mut first_seen: HashMap<&[u32], usize> = HashMap::new();
-        let mut logits: Vec<Tensor> = Vec::with_capacity(prompts.len());
+        let (mut unique, mut unique_rows, mut source) = (Vec::new(), Vec::new(), Vec::new());
         for (i, &prompt) in prompts.iter().enumerate() {
-            let len = prompt.len() as i64;
-            if let Some(&j) = first_seen.get(prompt) {
-                cache.copy_row(j as i64, i as i64, p - len, len);
-                let copied = logits[j].shallow_clone();
-                logits.push(copied);
-                continue;
+            let u = *first_seen.entry(prompt).or_insert_with(|| {
+                unique.push(prompt);
+                unique_rows.push(i as i64);
+                unique.len() - 1
+            });
+            source.push(u as i64);
+        }
+        let done = self.prefill_rows(&unique, &unique_rows, p, &vec![false; unique.len()], cache);
+        for (i, &u) in source.iter().enumerate() {
+            let from = unique_rows[u as usize];
+            if from != i as i64 {
+                let len = prompts[i].len() as i64;
+                cache.copy_row(from, i as i64, p - len, len);
             }
-            first_seen.insert(prompt, i);
+        }
+        cache.len = p;
+        let source = Tensor::from_slice(&source).to_device(self.device());
+        done.logits.index_select(0, &source)
+    }
+
+    /// Runs `prompts` (none empty) through the model and writes prompt `j`'s keys and
+    /// values to row `rows[j]` of `cache`, slots `end - len_j .. end` (`cache.len` is left
+    /// to the caller).
+    ///
+    /// Each prompt is a pass of its own, with plain causal attention: that needs no `[B,
+    /// P, P]` mask (gigabytes for agent-length contexts), lets SDPA use its fused causal
+    /// kernels, and keeps a prompt's prefill independent of its batch mates to the bit.
+    /// (Packing several prompts into one pass would multiply fewer, larger matrices, but
+    /// MKL's products are not bitwise independent of the number of rows, so a row's
+    /// result would depend on which prompts happened to join with it.)
+    pub(crate) fn prefill_rows(
+        &self,
+        prompts: &[&[u32]],
+        rows: &[i64],
+        end: i64,
+        keep_hidden: &[bool],
+        cache: &mut KvCache,
+    ) -> Prefill {
+        assert!(prompts.len() == rows.len() && prompts.len() == keep_hidden.len());
+        let device = self.device();
+        let mut logits = Vec::with_capacity(prompts.len());
+        let mut hidden = Vec::with_capacity(prompts.len());
+        for ((prompt, &row), &keep) in prompts.iter().zip(rows).zip(keep_hidden) {
+            let len = prompt.len() as i64;
+            assert!(len > 0, "prefill of an empty prompt");
             let ids: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
             let ids = Tensor::from_slice(&ids).view([1, len]).to_device(device);
             let positions = Tensor::arange(len, (Kind::Int64, device)).unsqueeze(0);
-            let mut row_cache = KvCache::new(&self.config, 1, len, kind, device);
-            let hidden =
-                self.model
-                    .hidden_states(&ids, &positions, &AttnMask::Causal, Some(&mut row_cache));
-            logits.push(self.model.logits(&hidden.select(1, len - 1)));
-            cache.write_row(i as i64, p - len, &row_cache);
+            let segment = Segment {
+                start: 0,
+                len,
+                row,
+                slot: end - len,
+            };
+            let h = self
+                .model
+                .prefill_segments(&ids, &positions, &[segment], cache)
+                .squeeze_dim(0);
+            logits.push(self.model.logits(&h.narrow(0, len - 1, 1)));
+            hidden.push(keep.then_some(h));
         }
-        cache.len = p;
-        Tensor::cat(&logits, 0)
+        Prefill {
+            logits: Tensor::cat(&logits, 0),
+            hidden,
+        }
     }
 
     fn generate_rows(&self, rows: &mut [Row]) {
@@ -271,6 +310,14 @@ impl Policy {
             logits = self.model.logits(&hidden.squeeze_dim(1));
         }
     }
+}
+
+/// What [`Policy::prefill_rows`] gives back.
+pub(crate) struct Prefill {
+    /// Next-token logits after each prompt, `[n, V]`, float32.
+    pub(crate) logits: Tensor,
+    /// Final hidden states `[len, H]` of each prompt whose `keep_hidden` was set.
+    pub(crate) hidden: Vec<Option<Tensor>>,
 }
 
 /// Per-row sampling settings as tensors on the logits' device, built once per batch
@@ -457,6 +504,49 @@ mod tests {
                 .get(prompt.len() as i64 - 1);
             let diff = f64::try_from((&full - logits.get(r as i64)).abs().max()).unwrap();
             assert!(diff < 1e-4, "row {r}: max |diff| {diff}");
+        }
+    }
+
+    /// A prompt's prefill does not depend on its batch mates, to the bit: the same keys,
+    /// values, logits and hidden states whichever prompts share the batch and whichever
+    /// row and slots it gets (runs that batch differently, e.g. under other timing,
+    /// generate the same tokens). Also with the model prepared for decoding.
+    #[test]
+    fn a_prompts_prefill_does_not_depend_on_its_batch_mates() {
+        for prepared in [false, true] {
+            let mut p = tiny_policy(3);
+            if prepared {
+                p.use_decode_layout();
+            }
+            let prompts: [&[u32]; 4] = [&[3, 14, 15, 9, 26, 5], &[35, 8], &[7], &[2, 61, 42, 8, 1]];
+            let rows = [2i64, 0, 3, 1];
+            let mut cache = KvCache::new(&p.config, 4, 9, Kind::Float, Device::Cpu);
+            let all = tch::no_grad(|| p.prefill_rows(&prompts, &rows, 7, &[true; 4], &mut cache));
+            for (j, prompt) in prompts.iter().enumerate() {
+                let len = prompt.len() as i64;
+                let mut alone = KvCache::new(&p.config, 1, len, Kind::Float, Device::Cpu);
+                let one =
+                    tch::no_grad(|| p.prefill_rows(&[prompt], &[0], len, &[true], &mut alone));
+                let at = format!("prepared {prepared}, prompt {j}");
+                assert!(
+                    all.logits.get(j as i64).equal(&one.logits.get(0)),
+                    "{at}: logits"
+                );
+                let (h, h1) = (all.hidden[j].as_ref(), one.hidden[0].as_ref());
+                assert!(h.unwrap().equal(h1.unwrap()), "{at}: hidden states");
+                for ((k, v), (k1, v1)) in cache.layers.iter().zip(&alone.layers) {
+                    let slots = |t: &Tensor| t.get(rows[j]).narrow(1, 7 - len, len);
+                    assert!(slots(k).equal(&k1.get(0)), "{at}: keys");
+                    assert!(slots(v).equal(&v1.get(0)), "{at}: values");
+                }
+                // And it is the model's forward pass (to rounding).
+                let full = p
+                    .forward(&ids(prompt), &ones(prompt.len()))
+                    .get(0)
+                    .get(len - 1);
+                let diff = f64::try_from((full - one.logits.get(0)).abs().max()).unwrap();
+                assert!(diff < 1e-4, "{at}: logits off the forward pass by {diff}");
+            }
         }
     }
 

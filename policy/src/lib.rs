@@ -11,6 +11,7 @@ mod engine;
 mod error;
 mod generate;
 mod model;
+mod packed;
 mod tokenizer;
 
 use std::io::Read;

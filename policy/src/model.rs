@@ -22,6 +22,7 @@ use std::sync::Mutex;
 use tch::nn::{Init, Path, VarStore};
 use tch::{Device, Kind, Tensor};
 
+use crate::packed::{self, PackedMatrix};
 use crate::{ModelConfig, RopeScaling};
 
 /// Which keys each query may attend to.
@@ -37,7 +38,7 @@ pub(crate) enum AttnMask {
 /// step writes one slot instead of re-concatenating the cache.
 pub(crate) struct KvCache {
     /// (k, v) per layer, each `[B, kv_heads, capacity, head_dim]`.
-    layers: Vec<(Tensor, Tensor)>,
+    pub(crate) layers: Vec<(Tensor, Tensor)>,
     /// Number of filled slots.
     pub(crate) len: i64,
 }
@@ -65,19 +66,6 @@ impl KvCache {
             })
             .collect();
         KvCache { layers, len: 0 }
-    }
-
-    /// Copies all of `src` (batch 1) into row `row` of this cache, starting at slot `offset`.
-    pub(crate) fn write_row(&mut self, row: i64, offset: i64, src: &KvCache) {
-        let n = src.len;
-        for ((k, v), (src_k, src_v)) in self.layers.iter_mut().zip(&src.layers) {
-            k.narrow(0, row, 1)
-                .narrow(2, offset, n)
-                .copy_(&src_k.narrow(2, 0, n));
-            v.narrow(0, row, 1)
-                .narrow(2, offset, n)
-                .copy_(&src_v.narrow(2, 0, n));
-        }
     }
 
     /// Copies slots `from .. from + n` of every row of `src` to slots `to .. to + n` of the
@@ -166,6 +154,58 @@ impl Linear {
 
     fn forward(&self, x: &Tensor) -> Tensor {
         x.linear(&self.weight, self.bias.as_ref())
+    }
+}
+
+/// Projections of one input packed as one matrix for generation on the CPU
+/// ([`Policy::use_decode_layout`]): their weights stacked along the output dimension (q,
+/// k and v; gate and up), so one product serves them all. A snapshot of the weights.
+struct PackedGroup {
+    matrix: PackedMatrix,
+    /// The members' biases, stacked the same way.
+    bias: Option<Tensor>,
+    /// Each member's output size, in order.
+    sizes: Vec<i64>,
+}
+
+impl PackedGroup {
+    fn new(members: &[&Linear]) -> Option<Self> {
+        let weights: Vec<&Tensor> = members.iter().map(|l| &l.weight).collect();
+        let biases: Option<Vec<&Tensor>> = members.iter().map(|l| l.bias.as_ref()).collect();
+        let (matrix, bias) = tch::no_grad(|| {
+            let matrix = PackedMatrix::new(&Tensor::cat(&weights, 0))?;
+            Some((matrix, biases.map(|b| Tensor::cat(&b, 0))))
+        })?;
+        Some(PackedGroup {
+            matrix,
+            bias,
+            sizes: weights.iter().map(|w| w.size()[0]).collect(),
+        })
+    }
+
+    /// Each member's output for `x`; `None` while autograd records (packed products have
+    /// no backward) or for input the packed product does not take.
+    fn forward(&self, x: &Tensor) -> Option<Vec<Tensor>> {
+        if packed::grad_enabled() {
+            return None;
+        }
+        let mut y = self.matrix.matmul_t(x)?;
+        if let Some(b) = &self.bias {
+            y += b;
+        }
+        Some(if self.sizes.len() == 1 {
+            vec![y]
+        } else {
+            y.split_with_sizes(self.sizes.as_slice(), -1)
+        })
+    }
+}
+
+/// `linear`'s output for `x`: through `group` (its packed copy) when it can, else plain.
+fn project(group: &Option<PackedGroup>, linear: &Linear, x: &Tensor) -> Tensor {
+    match group.as_ref().and_then(|g| g.forward(x)) {
+        Some(mut out) => out.swap_remove(0),
+        None => linear.forward(x),
     }
 }
 
@@ -300,6 +340,9 @@ struct Attention {
     num_heads: i64,
     num_kv_heads: i64,
     head_dim: i64,
+    /// q, k and v as one packed product, and o: see [`PackedGroup`].
+    packed_qkv: Option<PackedGroup>,
+    packed_o: Option<PackedGroup>,
 }
 
 impl Attention {
@@ -317,65 +360,123 @@ impl Attention {
             num_heads: c.num_attention_heads as i64,
             num_kv_heads: c.num_key_value_heads as i64,
             head_dim: c.head_dim as i64,
+            packed_qkv: None,
+            packed_o: None,
         }
     }
 
-    fn forward(
-        &self,
-        x: &Tensor,
-        rope: &Rope,
-        mask: &AttnMask,
-        cache: Option<(&mut (Tensor, Tensor), i64)>,
-    ) -> Tensor {
+    fn forward(&self, x: &Tensor, rope: &Rope, mask: &AttnMask, kv: Kv) -> Tensor {
         let (b, s, _) = x.size3().expect("hidden states are [B, S, H]");
-        let heads = |proj: &Linear, n: i64| proj.forward(x).view([b, s, n, self.head_dim]);
+        let (q, k, v) = match self.packed_qkv.as_ref().and_then(|g| g.forward(x)) {
+            Some(mut qkv) => {
+                let v = qkv.pop().expect("q, k, v");
+                let k = qkv.pop().expect("q, k, v");
+                let q = qkv.pop().expect("q, k, v");
+                (q, k, v)
+            }
+            None => (
+                self.q_proj.forward(x),
+                self.k_proj.forward(x),
+                self.v_proj.forward(x),
+            ),
+        };
+        let heads = |t: Tensor, n: i64| t.view([b, s, n, self.head_dim]);
         // Qwen3 normalizes each head's q and k before the rotation.
         let norm = |t: Tensor, n: &Option<RmsNorm>| match n {
             Some(n) => n.forward(&t),
             None => t,
         };
-        let q = norm(heads(&self.q_proj, self.num_heads), &self.q_norm).transpose(1, 2);
-        let k = norm(heads(&self.k_proj, self.num_kv_heads), &self.k_norm).transpose(1, 2);
-        let v = heads(&self.v_proj, self.num_kv_heads).transpose(1, 2);
+        let q = norm(heads(q, self.num_heads), &self.q_norm).transpose(1, 2);
+        let k = norm(heads(k, self.num_kv_heads), &self.k_norm).transpose(1, 2);
+        let v = heads(v, self.num_kv_heads).transpose(1, 2);
         let q = apply_rope(&q, rope);
         let k = apply_rope(&k, rope);
 
-        let (k, v) = match cache {
-            Some(((k_cache, v_cache), start)) => {
+        let y = match kv {
+            Kv::None => self.attend(&q, &k, &v, mask),
+            Kv::Append((k_cache, v_cache), start) => {
                 k_cache.narrow(2, start, s).copy_(&k);
                 v_cache.narrow(2, start, s).copy_(&v);
-                (
-                    k_cache.narrow(2, 0, start + s),
-                    v_cache.narrow(2, 0, start + s),
-                )
+                let k = k_cache.narrow(2, 0, start + s);
+                let v = v_cache.narrow(2, 0, start + s);
+                self.attend(&q, &k, &v, mask)
             }
-            None => (k, v),
+            Kv::Segments((k_cache, v_cache), segments) => {
+                let mut parts = Vec::with_capacity(segments.len());
+                for seg in segments {
+                    let (k, v) = (
+                        k.narrow(2, seg.start, seg.len),
+                        v.narrow(2, seg.start, seg.len),
+                    );
+                    k_cache
+                        .narrow(0, seg.row, 1)
+                        .narrow(2, seg.slot, seg.len)
+                        .copy_(&k);
+                    v_cache
+                        .narrow(0, seg.row, 1)
+                        .narrow(2, seg.slot, seg.len)
+                        .copy_(&v);
+                    let q = q.narrow(2, seg.start, seg.len);
+                    parts.push(self.attend(&q, &k, &v, &AttnMask::Causal));
+                }
+                Tensor::cat(&parts, 2)
+            }
         };
+        let y = y
+            .transpose(1, 2)
+            .reshape([b, s, self.num_heads * self.head_dim]);
+        project(&self.packed_o, &self.o_proj, &y)
+    }
+
+    /// Scaled dot-product attention of `q` `[B, heads, S, D]` over `k`, `v` `[B, kv_heads,
+    /// L, D]`.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttnMask) -> Tensor {
         let (attn_mask, is_causal) = match mask {
             AttnMask::Causal => (None, true),
             AttnMask::Explicit(m) => (Some(m), false),
         };
-        let y = Tensor::scaled_dot_product_attention(
-            &q,
-            &k,
-            &v,
+        Tensor::scaled_dot_product_attention(
+            q,
+            k,
+            v,
             attn_mask,
             0.0,
             is_causal,
             None,
             self.num_heads != self.num_kv_heads,
-        );
-        let y = y
-            .transpose(1, 2)
-            .reshape([b, s, self.num_heads * self.head_dim]);
-        self.o_proj.forward(&y)
+        )
     }
+}
+
+/// One prompt of a packed prefill ([`Decoder::prefill_segments`]): rows `start .. start +
+/// len` of the packed sequence, whose keys and values go to cache row `row`, slots `slot
+/// .. slot + len`.
+pub(crate) struct Segment {
+    pub(crate) start: i64,
+    pub(crate) len: i64,
+    pub(crate) row: i64,
+    pub(crate) slot: i64,
+}
+
+/// Where one layer's keys and values go, and what its queries attend.
+enum Kv<'a> {
+    /// Nowhere: the pass's own keys, under the mask.
+    None,
+    /// Into the cache at slot `start` of every row; queries attend slots `0 .. start + S`
+    /// under the mask.
+    Append(&'a mut (Tensor, Tensor), i64),
+    /// A packed prefill (batch 1): each segment attends causally within itself only and
+    /// is written to its own cache row.
+    Segments(&'a mut (Tensor, Tensor), &'a [Segment]),
 }
 
 struct Mlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
+    /// gate and up as one packed product, and down: see [`PackedGroup`].
+    packed_gate_up: Option<PackedGroup>,
+    packed_down: Option<PackedGroup>,
 }
 
 impl Mlp {
@@ -385,12 +486,17 @@ impl Mlp {
             gate_proj: Linear::new(&p, "gate_proj", i, h, bias),
             up_proj: Linear::new(&p, "up_proj", i, h, bias),
             down_proj: Linear::new(&p, "down_proj", h, i, bias),
+            packed_gate_up: None,
+            packed_down: None,
         }
     }
 
     fn forward(&self, x: &Tensor) -> Tensor {
-        let gated = self.gate_proj.forward(x).silu() * self.up_proj.forward(x);
-        self.down_proj.forward(&gated)
+        let gated = match self.packed_gate_up.as_ref().and_then(|g| g.forward(x)) {
+            Some(gate_up) => gate_up[0].silu() * &gate_up[1],
+            None => self.gate_proj.forward(x).silu() * self.up_proj.forward(x),
+        };
+        project(&self.packed_down, &self.down_proj, &gated)
     }
 }
 
@@ -408,6 +514,8 @@ pub(crate) struct Decoder {
     norm: RmsNorm,
     /// `None` when tied to `embed_tokens`.
     lm_head: Option<Tensor>,
+    /// The output projection (`lm_head` or the tied embedding) packed for generation.
+    head_packed: Option<PackedGroup>,
     /// RoPE inverse frequencies, `[head_dim / 2]`, float32.
     inv_freq: Tensor,
     /// Factor cos/sin are multiplied by (YaRN's attention factor; 1 otherwise).
@@ -452,9 +560,60 @@ impl Decoder {
             layers,
             norm,
             lm_head,
+            head_packed: None,
             inv_freq,
             rope_scale,
         }
+    }
+
+    /// The output projection's matrix `[vocab, hidden]`.
+    fn head(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// Packs every projection and the output head for generation (see `packed.rs`): q, k
+    /// and v as one product, gate and up as one. False, with nothing packed, where packing
+    /// is not available or the weights are not float32 on the CPU.
+    pub(crate) fn pack(&mut self) -> bool {
+        self.unpack();
+        let head = Linear {
+            weight: self.head().shallow_clone(),
+            bias: None,
+        };
+        let Some(head) = PackedGroup::new(&[&head]) else {
+            return false;
+        };
+        for layer in &mut self.layers {
+            let (a, m) = (&mut layer.self_attn, &mut layer.mlp);
+            a.packed_qkv = PackedGroup::new(&[&a.q_proj, &a.k_proj, &a.v_proj]);
+            a.packed_o = PackedGroup::new(&[&a.o_proj]);
+            m.packed_gate_up = PackedGroup::new(&[&m.gate_proj, &m.up_proj]);
+            m.packed_down = PackedGroup::new(&[&m.down_proj]);
+            if a.packed_qkv.is_none()
+                || a.packed_o.is_none()
+                || m.packed_gate_up.is_none()
+                || m.packed_down.is_none()
+            {
+                self.unpack();
+                return false;
+            }
+        }
+        self.head_packed = Some(head);
+        true
+    }
+
+    /// Drops the packed copies (the weights may be about to change).
+    pub(crate) fn unpack(&mut self) {
+        self.head_packed = None;
+        for layer in &mut self.layers {
+            let (a, m) = (&mut layer.self_attn, &mut layer.mlp);
+            (a.packed_qkv, a.packed_o) = (None, None);
+            (m.packed_gate_up, m.packed_down) = (None, None);
+        }
+    }
+
+    pub(crate) fn is_packed(&self) -> bool {
+        self.head_packed.is_some()
     }
 
     /// Kind the activations are computed in: the parameters' (float32 unless the var store
@@ -492,18 +651,56 @@ impl Decoder {
         mask: &AttnMask,
         mut cache: Option<&mut KvCache>,
     ) -> Tensor {
+        let start = cache.as_ref().map_or(0, |c| c.len);
+        let h = self.run_layers(input_ids, positions, |i, x, rope, layer| {
+            let kv = match cache.as_mut() {
+                Some(c) => Kv::Append(&mut c.layers[i], start),
+                None => Kv::None,
+            };
+            layer.forward(x, rope, mask, kv)
+        });
+        if let Some(c) = cache {
+            c.len = start + input_ids.size()[1];
+        }
+        h
+    }
+
+    /// Runs several prompts packed into one sequence, `input_ids` and `positions` `[1, T]`
+    /// (each prompt's positions start at 0): the projections and MLPs see all `T` rows at
+    /// once, attention stays within each prompt (`segments`), and each prompt's keys and
+    /// values go to its own row and slots of `cache` (whose `len` is left to the caller).
+    /// Returns the final normalized hidden states `[1, T, H]`.
+    pub(crate) fn prefill_segments(
+        &self,
+        input_ids: &Tensor,
+        positions: &Tensor,
+        segments: &[Segment],
+        cache: &mut KvCache,
+    ) -> Tensor {
+        self.run_layers(input_ids, positions, |i, x, rope, layer| {
+            let kv = Kv::Segments(&mut cache.layers[i], segments);
+            layer.forward(x, rope, &AttnMask::Causal, kv)
+        })
+    }
+
+    /// Embedding, then every layer (its attention run by `attend(layer index, normed
+    /// input, rope, attention)`), then the final norm.
+    fn run_layers(
+        &self,
+        input_ids: &Tensor,
+        positions: &Tensor,
+        mut attend: impl FnMut(usize, &Tensor, &Rope, &Attention) -> Tensor,
+    ) -> Tensor {
         let rope = self.rope(positions);
         let mut h = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
-        let start = cache.as_ref().map_or(0, |c| c.len);
         // Residual adds are out of place (`&h + x`, not `+=`): the norms save `h` for the
         // backward pass, and an in-place update would invalidate it.
         for (i, layer) in self.layers.iter().enumerate() {
-            let layer_cache = cache.as_mut().map(|c| (&mut c.layers[i], start));
-            let a = layer.self_attn.forward(
+            let a = attend(
+                i,
                 &layer.input_layernorm.forward(&h),
                 &rope,
-                mask,
-                layer_cache,
+                &layer.self_attn,
             );
             h = &h + a;
             let m = layer
@@ -511,16 +708,16 @@ impl Decoder {
                 .forward(&layer.post_attention_layernorm.forward(&h));
             h = &h + m;
         }
-        if let Some(c) = cache {
-            c.len = start + input_ids.size()[1];
-        }
         self.norm.forward(&h)
     }
 
     /// Projects hidden states to float32 logits over the vocabulary.
     pub(crate) fn logits(&self, hidden: &Tensor) -> Tensor {
-        let w = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        hidden.linear(w, None::<Tensor>).to_kind(Kind::Float)
+        match self.head_packed.as_ref().and_then(|g| g.forward(hidden)) {
+            Some(mut out) => out.swap_remove(0),
+            None => hidden.linear(self.head(), None::<Tensor>),
+        }
+        .to_kind(Kind::Float)
     }
 }
 
@@ -578,7 +775,10 @@ impl Policy {
         &self.vs
     }
 
+    /// The parameters, to change. Drops the packed copies [`Policy::use_decode_layout`]
+    /// made (they would not follow the change); call it again afterwards to restore them.
     pub fn var_store_mut(&mut self) -> &mut VarStore {
+        self.model.unpack();
         &mut self.vs
     }
 
@@ -586,15 +786,37 @@ impl Policy {
         self.vs.device()
     }
 
-    /// Re-lays the projection matrices out for decoding on the CPU: each `[out, in]`
-    /// matrix keeps its shape, name and values but is stored transposed (`[in, out]` in
-    /// memory), so `x · Wᵀ` runs as a plain product. MKL's transposed-operand path is
-    /// much slower for the few rows of a decode step (one thread, batch 8, this model
-    /// family: 1.6× less time in the projections; the vocabulary head 2.4×). Logits change
-    /// only by summation order (about 1e-6). Training keeps the default layout (its large
-    /// products do not gain), as does a model on a GPU. Loading weights afterwards keeps
-    /// the layout (`copy_` writes through it).
+    /// Prepares the model for generation on the CPU (the engine does this at start).
+    ///
+    /// Where MKL's packed products are available (the PyTorch wheel on x86-64 Linux),
+    /// every projection matrix and the output head get a copy packed in MKL's panel
+    /// format, used by the generation paths (anything run under `tch::no_grad`); a decode
+    /// step's few rows then stream each matrix once instead of re-packing it per product.
+    /// This keeps a second copy of those weights (about the model's size again).
+    /// [`Policy::load_weights`] re-packs; [`Policy::var_store_mut`] drops the packs.
+    ///
+    /// Elsewhere each `[out, in]` matrix is re-laid out in place, stored transposed
+    /// (`[in, out]` in memory, same shape, name and values), so that `x · Wᵀ` runs as a
+    /// plain product: MKL's transposed-operand path is much slower for few rows. Loading
+    /// weights afterwards keeps that layout (`copy_` writes through it).
+    ///
+    /// Either way logits change only by summation order (about 1e-6 relative) and
+    /// training (with gradients) uses the weights as they are. Nothing changes for a
+    /// model on a GPU.
     pub fn use_decode_layout(&mut self) {
+        if self.device() != Device::Cpu {
+            return;
+        }
+        if !self.model.pack() {
+            self.use_transposed_layout();
+        }
+    }
+
+    /// Stores each projection matrix and the output head transposed in memory (`[in,
+    /// out]`), same shape, name and values: [`Policy::use_decode_layout`]'s fallback where
+    /// weights cannot be packed. Loading weights afterwards keeps the layout. Nothing
+    /// changes for a model on a GPU.
+    pub fn use_transposed_layout(&mut self) {
         if self.device() != Device::Cpu {
             return;
         }
@@ -770,37 +992,66 @@ pub(crate) mod tests {
         assert_eq!(count as usize, t.config().num_parameters());
     }
 
-    /// The decode layout changes memory order only: same names, shapes, saved bytes and
-    /// (to summation order) logits and greedy tokens; weights loaded later keep it.
+    /// Preparing for decoding (packed, or the transposed fallback) changes how the
+    /// products run only: same names, shapes, saved bytes and (to summation order) logits
+    /// and greedy tokens; weights loaded later are used; training with gradients is
+    /// untouched.
     #[test]
     fn decode_layout_keeps_values_and_survives_loading_weights() {
+        for transposed in [false, true] {
+            check_decode_preparation(transposed);
+        }
+    }
+
+    fn check_decode_preparation(transposed: bool) {
         let plain = tiny_policy(5);
         let mut fast = tiny_policy(5);
-        fast.use_decode_layout();
         let q = "model.layers.0.self_attn.q_proj.weight";
+        let relaid = transposed || !packed::available();
+        if transposed {
+            fast.use_transposed_layout();
+        } else {
+            fast.use_decode_layout();
+            assert_eq!(fast.model.is_packed(), packed::available());
+        }
         let vars = fast.var_store().variables();
         assert_eq!(vars[q].size(), [64, 64]);
-        assert_eq!(vars[q].stride(), [1, 64], "stored transposed");
-        assert_eq!(vars["lm_head.weight"].stride(), [1, 64]);
-        assert_eq!(
-            vars["model.embed_tokens.weight"].stride(),
-            [64, 1],
-            "an untied embedding stays row-major"
-        );
-        // The layers' own handles see the new layout, not only the VarStore's.
-        assert_eq!(
-            fast.model.layers[1].mlp.down_proj.weight.stride(),
-            [1, 64], // [out 64, in 128] stored as [128, 64]
-            "the layer uses the relaid tensor"
-        );
+        if relaid {
+            assert_eq!(vars[q].stride(), [1, 64], "stored transposed");
+            assert_eq!(vars["lm_head.weight"].stride(), [1, 64]);
+            assert_eq!(
+                vars["model.embed_tokens.weight"].stride(),
+                [64, 1],
+                "an untied embedding stays row-major"
+            );
+            // The layers' own handles see the new layout, not only the VarStore's.
+            assert_eq!(
+                fast.model.layers[1].mlp.down_proj.weight.stride(),
+                [1, 64], // [out 64, in 128] stored as [128, 64]
+                "the layer uses the relaid tensor"
+            );
+        } else {
+            assert_eq!(
+                vars[q].stride(),
+                [64, 1],
+                "packing leaves the weights as they are"
+            );
+        }
 
         let ids = Tensor::from_slice(&[3i64, 9, 27, 17, 51, 2, 8, 40]).view([2, 4]);
         let mask = Tensor::ones([2, 4], (Kind::Int64, Device::Cpu));
-        let diff = (plain.forward(&ids, &mask) - fast.forward(&ids, &mask))
-            .abs()
-            .max()
-            .double_value(&[]);
-        assert!(diff < 1e-5, "logits moved by {diff}");
+        let max_diff = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
+        let want = plain.forward(&ids, &mask);
+        // Without gradients (how generation runs) packed products are used...
+        let got = tch::no_grad(|| fast.forward(&ids, &mask));
+        assert!(max_diff(&want, &got) < 1e-5, "logits moved");
+        // ... and with them the plain ones, so training still gets gradients.
+        let logits = fast.forward(&ids, &mask);
+        assert!(max_diff(&want, &logits) < 1e-5, "logits moved");
+        logits.sum(Kind::Float).backward();
+        let grad = fast.model.layers[0].self_attn.q_proj.weight.grad();
+        assert!(grad.defined() && grad.abs().sum(Kind::Float).double_value(&[]) > 0.0);
+
         let params = vec![
             crate::GenParams {
                 temperature: 0.0,
@@ -810,17 +1061,13 @@ pub(crate) mod tests {
             2
         ];
         let prompts = vec![vec![3u32, 9, 27], vec![17u32, 51, 2, 8, 40]];
-        let a: Vec<Vec<u32>> = plain
-            .generate(&prompts, &params)
-            .into_iter()
-            .map(|g| g.tokens)
-            .collect();
-        let b: Vec<Vec<u32>> = fast
-            .generate(&prompts, &params)
-            .into_iter()
-            .map(|g| g.tokens)
-            .collect();
-        assert_eq!(a, b);
+        let tokens = |p: &Policy| -> Vec<Vec<u32>> {
+            p.generate(&prompts, &params)
+                .into_iter()
+                .map(|g| g.tokens)
+                .collect()
+        };
+        assert_eq!(tokens(&plain), tokens(&fast));
 
         let dir = tempfile::tempdir().unwrap();
         plain
@@ -833,21 +1080,30 @@ pub(crate) mod tests {
             std::fs::read(dir.path().join("b.safetensors")).unwrap(),
             "the saved bytes do not depend on the layout"
         );
-        // New weights written through the layout: values of the other model, layout kept.
+        // New weights: the other model's values, used by generation too (re-packed, or
+        // written through the transposed layout).
         let other = tiny_policy(6);
         other
             .save_weights(&dir.path().join("c.safetensors"))
             .unwrap();
         fast.load_weights(&dir.path().join("c.safetensors"))
             .unwrap();
+        assert_eq!(fast.model.is_packed(), !relaid);
         let vars = fast.var_store().variables();
-        assert_eq!(vars[q].stride(), [1, 64]);
+        if relaid {
+            assert_eq!(vars[q].stride(), [1, 64]);
+        }
         assert!(vars[q].equal(&other.var_store().variables()[q]));
-        let diff = (other.forward(&ids, &mask) - fast.forward(&ids, &mask))
-            .abs()
-            .max()
-            .double_value(&[]);
-        assert!(diff < 1e-5, "logits after loading moved by {diff}");
+        let want = other.forward(&ids, &mask);
+        let got = tch::no_grad(|| fast.forward(&ids, &mask));
+        assert!(max_diff(&want, &got) < 1e-5, "logits after loading moved");
+        assert_eq!(tokens(&other), tokens(&fast));
+
+        // Whoever takes the var store to change it gets the packs dropped.
+        fast.var_store_mut();
+        assert!(!fast.model.is_packed());
+        let got = tch::no_grad(|| fast.forward(&ids, &mask));
+        assert!(max_diff(&want, &got) < 1e-5);
     }
 
     #[test]

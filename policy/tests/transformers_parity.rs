@@ -220,7 +220,6 @@ fn greedy_generation_matches_transformers(refs: &[Reference]) {
              seed in make_models.py",
             r.name
         );
-        let policy = Policy::load_dir(&r.dir(), Device::Cpu).unwrap();
         let prompt: Vec<u32> = r.get("greedy_prompt");
         let want: Vec<u32> = r.get("greedy_tokens");
         let want_lp: Vec<f32> = r.get("greedy_logprobs");
@@ -232,10 +231,22 @@ fn greedy_generation_matches_transformers(refs: &[Reference]) {
             seed: 0,
             stop_token_ids: vec![],
         };
-        let alone = policy.generate(std::slice::from_ref(&prompt), std::slice::from_ref(&params));
+        // As loaded, and prepared for decoding as the engine runs it (packed weights).
+        let policy = Policy::load_dir(&r.dir(), Device::Cpu).unwrap();
+        let mut prepared = Policy::load_dir(&r.dir(), Device::Cpu).unwrap();
+        prepared.use_decode_layout();
         let other = vec![1u32; prompt.len() + 3];
-        let batched = policy.generate(&[other, prompt.clone()], &[params.clone(), params]);
-        for (how, g) in [("alone", &alone[0]), ("batched", &batched[1])] {
+        let mut runs = Vec::new();
+        for (model, p) in [("as loaded", &policy), ("prepared for decoding", &prepared)] {
+            let alone = p.generate(std::slice::from_ref(&prompt), std::slice::from_ref(&params));
+            let batched = p.generate(
+                &[other.clone(), prompt.clone()],
+                &[params.clone(), params.clone()],
+            );
+            runs.push((format!("{model}, alone"), alone[0].clone()));
+            runs.push((format!("{model}, batched"), batched[1].clone()));
+        }
+        for (how, g) in &runs {
             assert_eq!(g.tokens, want, "{} ({how}): greedy tokens differ", r.name);
             let diff = g
                 .logprobs

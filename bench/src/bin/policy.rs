@@ -53,9 +53,11 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     batches: Vec<usize>,
     /// How to time Tutor's generation: `Policy::generate` in the `default` (training)
-    /// layout and in the `decode` layout (`Policy::use_decode_layout`), and `engine`: the
-    /// continuous-batching engine workers and `tutor serve` run (decode layout), the
-    /// batch's requests submitted at once.
+    /// layout, in the `transposed` layout (`Policy::use_transposed_layout`, the fallback
+    /// where weights cannot be packed) and prepared for decoding (`decode`:
+    /// `Policy::use_decode_layout`, packed weights); and `engine`: the continuous-batching
+    /// engine workers and `tutor serve` run (prepared for decoding), the batch's requests
+    /// submitted at once. Each repeat times every layout back to back.
     #[arg(long, value_delimiter = ',', default_value = "default,decode,engine")]
     layouts: Vec<String>,
     /// Timed generation runs per side and batch size (the best counts).
@@ -83,23 +85,31 @@ fn python() -> PathBuf {
     }
 }
 
+fn python_command(py: &Path, script: &Path) -> Command {
+    let mut command = Command::new(py);
+    command
+        .arg(script)
+        .env("TOKENIZERS_PARALLELISM", "false")
+        .env("PYTHONHASHSEED", "0");
+    command
+}
+
+fn cannot_run(py: &Path, script: &Path) -> String {
+    format!(
+        "cannot run {} for {}; run `make setup` or set TUTOR_PYTHON to a Python with torch \
+         and transformers",
+        py.display(),
+        script.display()
+    )
+}
+
 fn run_python(script: &str, args: &[&std::ffi::OsStr]) -> Result<()> {
     let py = python();
     let path = workspace().join("bench/reference").join(script);
-    let status = Command::new(&py)
-        .arg(&path)
+    let status = python_command(&py, &path)
         .args(args)
-        .env("TOKENIZERS_PARALLELISM", "false")
-        .env("PYTHONHASHSEED", "0")
         .status()
-        .with_context(|| {
-            format!(
-                "cannot run {} for {}; run `make setup` or set TUTOR_PYTHON to a Python with \
-                 torch and transformers",
-                py.display(),
-                path.display()
-            )
-        })?;
+        .with_context(|| cannot_run(&py, &path))?;
     if !status.success() {
         bail!("{} failed ({status})", path.display());
     }
@@ -155,23 +165,18 @@ fn bench_generate(args: &Args, dir: &Path) -> Result<()> {
     let new_tokens = args.new_tokens.to_string();
     let batches: Vec<String> = args.batches.iter().map(|b| b.to_string()).collect();
     let batches = batches.join(",");
-    let repeats = args.repeats.to_string();
-    println!("[reference] transformers generate ...");
-    run_python(
-        "generate_hf.py",
-        &[
-            "--out".as_ref(),
-            dir.as_os_str(),
-            "--threads".as_ref(),
-            threads.as_ref(),
-            "--new-tokens".as_ref(),
-            new_tokens.as_ref(),
-            "--batches".as_ref(),
-            batches.as_ref(),
-            "--repeats".as_ref(),
-            repeats.as_ref(),
-        ],
-    )?;
+    println!("[reference] transformers generate (timed in turn with Tutor's runs) ...");
+    let mut reference = Reference::start(&[
+        "--out".as_ref(),
+        dir.as_os_str(),
+        "--threads".as_ref(),
+        threads.as_ref(),
+        "--new-tokens".as_ref(),
+        new_tokens.as_ref(),
+        "--batches".as_ref(),
+        batches.as_ref(),
+        "--serve".as_ref(),
+    ])?;
     let hf = read_json(&dir.join("generate_hf.json"))?;
     let file = "generate_hf.json";
     let prompts: Vec<Vec<u32>> = field(&hf, "prompts", file)?;
@@ -181,40 +186,42 @@ fn bench_generate(args: &Args, dir: &Path) -> Result<()> {
         hf["transformers"].as_str().unwrap_or("?")
     );
 
-    let mut policy = Policy::load_dir(&dir.join("model"), Device::Cpu)
-        .with_context(|| format!("loading {}", dir.join("model").display()))?;
     let params = GenParams {
         temperature: 0.0,
         max_new_tokens: args.new_tokens,
         ..GenParams::default()
     };
     println!(
-        "generate: greedy, {} new tokens, prompts of 24-40 tokens, {} threads, best of {} ({versions})",
+        "generate: greedy, {} new tokens, prompts of 24-40 tokens, {} threads, best of {}, transformers and each layout timed in turn ({versions})",
         args.new_tokens, args.threads, args.repeats
     );
-    println!("  layout   batch   transformers tok/s   tutor tok/s   ratio   CPU-time ratio   tokens equal to transformers'");
-    // The training layout first, then the one the engine decodes with
-    // (`Policy::use_decode_layout`, what workers and `tutor serve` run).
-    let mut relaid = false;
+    // One runner per layout, all built up front, so that each repeat times transformers
+    // and every layout back to back: a slow stretch of a shared machine then hits them
+    // all alike.
+    let load = || {
+        Policy::load_dir(&dir.join("model"), Device::Cpu)
+            .with_context(|| format!("loading {}", dir.join("model").display()))
+    };
+    let mut runners = Vec::new();
     for layout in &args.layouts {
-        // The engine thread owns its own copy of the model (it applies the decode
-        // layout itself), started once per layout and stopped at the end of it.
-        let mut engine = None;
-        match layout.as_str() {
-            "default" if relaid => {
-                anyhow::bail!("--layouts: `default` must come before `decode`")
+        let runner = match layout.as_str() {
+            "default" => Runner::Generate(Box::new(load()?)),
+            "transposed" => {
+                let mut policy = load()?;
+                policy.use_transposed_layout();
+                Runner::Generate(Box::new(policy))
             }
-            "default" => {}
             "decode" => {
+                let mut policy = load()?;
                 policy.use_decode_layout();
-                relaid = true;
+                Runner::Generate(Box::new(policy))
             }
             "engine" => {
-                let model = Policy::load_dir(&dir.join("model"), Device::Cpu)?;
                 let corpus: Vec<String> = (0..20).map(|i| format!("bench line {i}")).collect();
                 let tokenizer = ChatTokenizer::train(&corpus, 300)?;
+                // The engine thread owns its model and prepares it for decoding itself.
                 let (handle, thread) = spawn_engine(
-                    model,
+                    load()?,
                     tokenizer,
                     EngineConfig {
                         max_batch: args.batches.iter().copied().max().unwrap_or(1),
@@ -223,60 +230,154 @@ fn bench_generate(args: &Args, dir: &Path) -> Result<()> {
                         torch_threads: args.threads.max(1) as u32,
                     },
                 );
-                engine = Some((handle, thread));
+                Runner::Engine(handle, thread)
             }
             other => {
-                anyhow::bail!("--layouts: unknown layout {other:?} (default, decode, engine)")
+                bail!("--layouts: unknown layout {other:?} (default, transposed, decode, engine)")
+            }
+        };
+        runners.push((layout.as_str(), runner));
+    }
+    println!("  layout       batch   transformers tok/s   tutor tok/s   ratio   CPU-time ratio   tokens equal to transformers'");
+    for &b in &args.batches {
+        let rows = &prompts[..b];
+        let r = &hf["results"][b.to_string()];
+        let hf_tokens: Vec<Vec<u32>> = field(r, "tokens", file)?;
+        for (_, runner) in &runners {
+            runner.generate(rows, &params)?; // warm-up
+        }
+        let mut wall = vec![Vec::new(); runners.len()];
+        let mut cpu = vec![Vec::new(); runners.len()];
+        let mut out = vec![Vec::new(); runners.len()];
+        let (mut their_wall, mut their_cpu) = (Vec::new(), Vec::new());
+        for _ in 0..args.repeats {
+            let (w, c) = reference.time(b)?;
+            their_wall.push(w);
+            their_cpu.push(c);
+            for (i, (_, runner)) in runners.iter().enumerate() {
+                let (t0, c0) = (Instant::now(), cpu_seconds());
+                out[i] = runner.generate(rows, &params)?;
+                wall[i].push(t0.elapsed().as_secs_f64());
+                cpu[i].push(cpu_seconds() - c0);
             }
         }
-        for &b in &args.batches {
-            let rows = &prompts[..b];
-            let ps = vec![params.clone(); b];
-            let run = || -> Result<Vec<Vec<u32>>> {
-                match &engine {
-                    Some((handle, _)) => engine_generate(handle, rows, &params),
-                    None => Ok(policy
-                        .generate(rows, &ps)
-                        .into_iter()
-                        .map(|g| g.tokens)
-                        .collect()),
-                }
-            };
-            run()?; // warm-up
-            let mut wall = Vec::new();
-            let mut cpu = Vec::new();
-            let mut out = Vec::new();
-            for _ in 0..args.repeats {
-                let (t0, c0) = (Instant::now(), cpu_seconds());
-                out = run()?;
-                wall.push(t0.elapsed().as_secs_f64());
-                cpu.push(cpu_seconds() - c0);
-            }
-            let ours = (b * args.new_tokens) as f64 / min(&wall);
-            let r = &hf["results"][b.to_string()];
-            let theirs: f64 = field(r, "tokens_per_s", file)?;
-            let their_cpu: Vec<f64> = field(r, "cpu_seconds", file)?;
+        let theirs = (b * args.new_tokens) as f64 / min(&their_wall);
+        for (i, (layout, _)) in runners.iter().enumerate() {
+            let ours = (b * args.new_tokens) as f64 / min(&wall[i]);
             // CPU seconds per token, theirs over ours: > 1 means Tutor needs less CPU.
-            let cpu_ratio = min(&their_cpu) / min(&cpu).max(0.01);
-            let hf_tokens: Vec<Vec<u32>> = field(r, "tokens", file)?;
+            let cpu_ratio = min(&their_cpu) / min(&cpu[i]).max(0.01);
             // Tokens up to each row's first disagreement.
-            let agree: usize = out
+            let agree: usize = out[i]
                 .iter()
                 .zip(&hf_tokens)
                 .map(|(g, h)| g.iter().zip(h).take_while(|(a, b)| a == b).count())
                 .sum();
             println!(
-                "  {layout:<7}  {b:>5}   {theirs:>18.1}   {ours:>11.1}   {:>5.2}   {cpu_ratio:>14.2}   {agree}/{}",
+                "  {layout:<11}  {b:>5}   {theirs:>18.1}   {ours:>11.1}   {:>5.2}   {cpu_ratio:>14.2}   {agree}/{}",
                 ours / theirs,
                 b * args.new_tokens
             );
         }
-        if let Some((handle, thread)) = engine {
+    }
+    for (_, runner) in runners {
+        if let Runner::Engine(handle, thread) = runner {
             drop(handle);
             let _ = thread.join();
         }
     }
     Ok(())
+}
+
+/// generate_hf.py in `--serve` mode: times one `generate` per request.
+struct Reference {
+    child: std::process::Child,
+    /// `None` once closed.
+    stdin: Option<std::process::ChildStdin>,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Reference {
+    /// Starts the script and waits until it has written its JSON and says `ready`.
+    fn start(args: &[&std::ffi::OsStr]) -> Result<Self> {
+        use std::io::BufRead;
+        let py = python();
+        let path = workspace().join("bench/reference/generate_hf.py");
+        let mut child = python_command(&py, &path)
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .with_context(|| cannot_run(&py, &path))?;
+        let stdin = child.stdin.take().expect("piped");
+        let mut stdout = std::io::BufReader::new(child.stdout.take().expect("piped"));
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if stdout.read_line(&mut line)? == 0 {
+                let status = child.wait()?;
+                bail!("{} ended before it was ready ({status})", path.display());
+            }
+            if line.trim() == "ready" {
+                break;
+            }
+            print!("{line}");
+        }
+        Ok(Reference {
+            child,
+            stdin: Some(stdin),
+            stdout,
+        })
+    }
+
+    /// Wall and CPU seconds of one timed `generate` at batch size `b`.
+    fn time(&mut self, b: usize) -> Result<(f64, f64)> {
+        use std::io::{BufRead, Write};
+        let stdin = self.stdin.as_mut().expect("open until dropped");
+        writeln!(stdin, "{b}")?;
+        stdin.flush()?;
+        let mut line = String::new();
+        if self.stdout.read_line(&mut line)? == 0 {
+            bail!("generate_hf.py ended ({:?})", self.child.try_wait()?);
+        }
+        let v: serde_json::Value =
+            serde_json::from_str(&line).with_context(|| format!("generate_hf.py said {line:?}"))?;
+        Ok((
+            field(&v, "seconds", "generate_hf.py")?,
+            field(&v, "cpu_seconds", "generate_hf.py")?,
+        ))
+    }
+}
+
+impl Drop for Reference {
+    fn drop(&mut self) {
+        // Closing its standard input ends the script's loop.
+        drop(self.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// One way of running Tutor's generation.
+enum Runner {
+    /// `Policy::generate` on a model in some layout.
+    Generate(Box<Policy>),
+    /// The continuous-batching engine, the batch's requests submitted at once.
+    Engine(EngineHandle, std::thread::JoinHandle<()>),
+}
+
+impl Runner {
+    fn generate(&self, prompts: &[Vec<u32>], params: &GenParams) -> Result<Vec<Vec<u32>>> {
+        match self {
+            Runner::Engine(handle, _) => engine_generate(handle, prompts, params),
+            Runner::Generate(policy) => {
+                let ps = vec![params.clone(); prompts.len()];
+                Ok(policy
+                    .generate(prompts, &ps)
+                    .into_iter()
+                    .map(|g| g.tokens)
+                    .collect())
+            }
+        }
+    }
 }
 
 /// Submits every prompt to the engine at once and collects each one's tokens.

@@ -1,0 +1,323 @@
+//! Matrix products against weights packed once into MKL's internal panel format
+//! (`cblas_sgemm_pack` / `cblas_sgemm_compute`), for generation on the CPU.
+//!
+//! A decode step multiplies a few rows (one per sequence in the batch) by every
+//! projection matrix, so its time is spent streaming the weights. MKL's ordinary `sgemm`
+//! re-reads each matrix in its stored layout and re-packs panels of it on every call;
+//! with the matrix packed once up front the product reads one contiguous stream. The
+//! policy bench's model at batch 8, one thread: the 29 products of a decode step take
+//! ~3.3 ms packed against ~5 ms through `linear` and ~7.3 ms with the matrices stored
+//! transposed, on the 2026-11-22 project machine (see bench/README.md).
+//!
+//! The symbols are the ones the PyTorch wheel's `libtorch_cpu.so` exports (its MKL is
+//! linked in statically). They are looked up at run time, so a libtorch built without
+//! MKL (another CPU architecture, a source build) still links and simply never packs.
+//! `TUTOR_PACK_WEIGHTS=0` in the environment turns packing off.
+//!
+//! The packed copy is an inference-only snapshot: it does not follow later writes to the
+//! weight tensor and has no autograd. [`crate::Policy`] re-packs after loading weights,
+//! drops the packs when its var store is handed out mutably, and its layers use a pack
+//! only while gradient tracking is off (`tch::no_grad`, as generation runs).
+
+use std::alloc::{self, Layout};
+use std::ffi::{c_int, c_void, CStr};
+use std::ptr::NonNull;
+use std::sync::OnceLock;
+
+use tch::{Device, Kind, Tensor};
+
+// CBLAS enumerations (mkl_cblas.h).
+const ROW_MAJOR: c_int = 101;
+const NO_TRANS: c_int = 111;
+const TRANS: c_int = 112;
+const PACKED: c_int = 151;
+const B_MATRIX: c_int = 162;
+
+/// `TUTOR_PACK_WEIGHTS=0` turns packing off (to compare, or to save the packed copy's
+/// memory); read once per process.
+const DISABLE_ENV: &str = "TUTOR_PACK_WEIGHTS";
+
+/// Rows the packing is planned for (MKL takes an `m`; any `m` may use the result).
+const PLANNED_ROWS: c_int = 8;
+
+type GetSize = unsafe extern "C" fn(c_int, c_int, c_int, c_int) -> usize;
+type Pack = unsafe extern "C" fn(
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    f32,
+    *const f32,
+    c_int,
+    *mut f32,
+);
+type Compute = unsafe extern "C" fn(
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    *const f32,
+    c_int,
+    *const f32,
+    c_int,
+    f32,
+    *mut f32,
+    c_int,
+);
+
+struct Mkl {
+    get_size: GetSize,
+    pack: Pack,
+    compute: Compute,
+}
+
+/// MKL's packed-product entry points, when the loaded libtorch exports them.
+fn mkl() -> Option<&'static Mkl> {
+    static MKL: OnceLock<Option<Mkl>> = OnceLock::new();
+    MKL.get_or_init(|| {
+        if std::env::var_os(DISABLE_ENV).is_some_and(|v| v == "0") {
+            tracing::info!("{DISABLE_ENV}=0: generation on the CPU uses unpacked weights");
+            return None;
+        }
+        let get_size = symbol(c"cblas_sgemm_pack_get_size")?;
+        let pack = symbol(c"cblas_sgemm_pack")?;
+        let compute = symbol(c"cblas_sgemm_compute")?;
+        // SAFETY: these are MKL's LP64 CBLAS functions with the signatures above
+        // (mkl_cblas.h; `MKL_INT` is a 32-bit int in the LP64 interface the wheel uses).
+        unsafe {
+            Some(Mkl {
+                get_size: std::mem::transmute::<*mut c_void, GetSize>(get_size),
+                pack: std::mem::transmute::<*mut c_void, Pack>(pack),
+                compute: std::mem::transmute::<*mut c_void, Compute>(compute),
+            })
+        }
+    })
+    .as_ref()
+}
+
+#[cfg(target_os = "linux")]
+fn symbol(name: &CStr) -> Option<*mut c_void> {
+    // SAFETY: dlsym with RTLD_DEFAULT searches the libraries already loaded (libtorch is
+    // one of the binary's own dependencies); it has no other effect.
+    let ptr = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+    (!ptr.is_null()).then_some(ptr)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn symbol(_name: &CStr) -> Option<*mut c_void> {
+    None
+}
+
+/// Whether weights can be packed here (MKL's packed products are available).
+#[cfg(test)]
+pub(crate) fn available() -> bool {
+    mkl().is_some()
+}
+
+/// A float32 weight `W` `[out, in]` packed for products `x · Wᵀ`.
+pub(crate) struct PackedMatrix {
+    /// MKL's buffer. MKL's packed format must not move once written, so it is allocated
+    /// here and never reallocated. Most of its reserved size is workspace MKL does not
+    /// touch, which costs address space, not memory: about one more copy of the weight
+    /// is resident.
+    buf: NonNull<u8>,
+    layout: Layout,
+    out_dim: c_int,
+    in_dim: c_int,
+}
+
+// SAFETY: the buffer is owned by this value, written only in `new`, and read-only after
+// (MKL's compute reads the packed matrix and writes only the output).
+unsafe impl Send for PackedMatrix {}
+unsafe impl Sync for PackedMatrix {}
+
+impl PackedMatrix {
+    /// Packs `weight` (`[out, in]`, float32, on the CPU, any strides). `None` when MKL's
+    /// packed products are not available or the matrix does not qualify.
+    pub(crate) fn new(weight: &Tensor) -> Option<Self> {
+        let mkl = mkl()?;
+        if weight.device() != Device::Cpu || weight.kind() != Kind::Float || weight.dim() != 2 {
+            return None;
+        }
+        let (out_dim, in_dim) = weight.size2().ok()?;
+        let (out_dim, in_dim) = (
+            c_int::try_from(out_dim).ok()?,
+            c_int::try_from(in_dim).ok()?,
+        );
+        if out_dim == 0 || in_dim == 0 {
+            return None;
+        }
+        // Row-major `[out, in]` is `Bᵀ` with leading dimension `in`.
+        let w = weight.contiguous();
+        // SAFETY: plain size query.
+        let size = unsafe { (mkl.get_size)(B_MATRIX, PLANNED_ROWS, out_dim, in_dim) };
+        let layout = Layout::from_size_align(size.max(64), 64).ok()?;
+        // SAFETY: the layout has a nonzero size.
+        let buf = NonNull::new(unsafe { alloc::alloc(layout) })?;
+        // SAFETY: `w` is a contiguous float32 `[out, in]` CPU tensor alive for the call;
+        // `buf` has the size MKL asked for.
+        unsafe {
+            (mkl.pack)(
+                ROW_MAJOR,
+                B_MATRIX,
+                TRANS,
+                PLANNED_ROWS,
+                out_dim,
+                in_dim,
+                1.0,
+                w.data_ptr() as *const f32,
+                in_dim,
+                buf.as_ptr() as *mut f32,
+            );
+        }
+        Some(PackedMatrix {
+            buf,
+            layout,
+            out_dim,
+            in_dim,
+        })
+    }
+
+    /// `x · Wᵀ` for `x` `[..., in]` (float32, on the CPU): `[..., out]`. `None` for input
+    /// this cannot take (another kind or device, or more rows than a C int counts).
+    pub(crate) fn matmul_t(&self, x: &Tensor) -> Option<Tensor> {
+        let mkl = mkl()?;
+        if x.device() != Device::Cpu || x.kind() != Kind::Float {
+            return None;
+        }
+        let mut shape = x.size();
+        assert_eq!(
+            shape.pop(),
+            Some(self.in_dim as i64),
+            "input's last dimension must be the matrix's input size"
+        );
+        let rows = c_int::try_from(shape.iter().product::<i64>()).ok()?;
+        shape.push(self.out_dim as i64);
+        let x = x.contiguous();
+        let out = Tensor::empty(shape.as_slice(), (Kind::Float, Device::Cpu));
+        if rows > 0 {
+            // SAFETY: `x` is a contiguous float32 `[rows, in]` and `out` a fresh contiguous
+            // float32 `[rows, out]` CPU tensor, both alive for the call; `buf` holds this
+            // matrix packed by `new`.
+            unsafe {
+                (mkl.compute)(
+                    ROW_MAJOR,
+                    NO_TRANS,
+                    PACKED,
+                    rows,
+                    self.out_dim,
+                    self.in_dim,
+                    x.data_ptr() as *const f32,
+                    self.in_dim,
+                    self.buf.as_ptr() as *const f32,
+                    self.out_dim,
+                    0.0,
+                    out.data_ptr() as *mut f32,
+                    self.out_dim,
+                );
+            }
+        }
+        Some(out)
+    }
+}
+
+impl Drop for PackedMatrix {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { alloc::dealloc(self.buf.as_ptr(), self.layout) }
+    }
+}
+
+/// Whether autograd is recording (packed products have no backward).
+pub(crate) fn grad_enabled() -> bool {
+    // SAFETY: reads and restores the thread's grad mode.
+    unsafe {
+        let previous = torch_sys::at_grad_set_enabled(0);
+        torch_sys::at_grad_set_enabled(previous);
+        previous != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The PyTorch wheel this project installs ships MKL on x86-64 Linux: packing must
+    /// be there, or the CPU engine silently loses its fast path.
+    #[test]
+    #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+    fn the_wheels_mkl_is_found() {
+        assert!(
+            available(),
+            "cblas_sgemm_pack not found in the loaded libtorch"
+        );
+    }
+
+    #[test]
+    fn packed_products_equal_plain_ones() {
+        if !available() {
+            return;
+        }
+        tch::manual_seed(3);
+        for (out_dim, in_dim) in [(1024, 384), (384, 1024), (7, 5), (130, 33), (4096, 64)] {
+            let w = Tensor::randn([out_dim, in_dim], (Kind::Float, Device::Cpu));
+            // Also from a transposed layout (the one `use_decode_layout` falls back to).
+            let w_t = w.transpose(0, 1).contiguous().transpose(0, 1);
+            for weight in [&w, &w_t] {
+                let p = PackedMatrix::new(weight).expect("packs");
+                for shape in [
+                    vec![1, in_dim],
+                    vec![8, in_dim],
+                    vec![2, 20, in_dim],
+                    vec![3, in_dim],
+                ] {
+                    let x = Tensor::randn(shape.as_slice(), (Kind::Float, Device::Cpu));
+                    let got = p.matmul_t(&x).expect("float32 on the CPU");
+                    let want = x.matmul(&w.transpose(0, 1));
+                    assert_eq!(got.size(), want.size());
+                    let scale = want.abs().max().double_value(&[]);
+                    let diff = (got - &want).abs().max().double_value(&[]);
+                    assert!(
+                        diff <= 1e-5 * scale.max(1.0),
+                        "{out_dim}x{in_dim}, x {shape:?}: off by {diff} (scale {scale})"
+                    );
+                }
+                // A strided input is made contiguous first.
+                let x = Tensor::randn([in_dim, 4], (Kind::Float, Device::Cpu)).transpose(0, 1);
+                let diff = (p.matmul_t(&x).unwrap() - x.matmul(&w.transpose(0, 1)))
+                    .abs()
+                    .max()
+                    .double_value(&[]);
+                assert!(diff < 1e-3, "strided input off by {diff}");
+                // No rows: an empty result of the right shape.
+                let empty = Tensor::zeros([0, in_dim], (Kind::Float, Device::Cpu));
+                assert_eq!(p.matmul_t(&empty).unwrap().size(), [0, out_dim]);
+            }
+        }
+    }
+
+    #[test]
+    fn other_kinds_are_declined() {
+        let w = Tensor::randn([8, 4], (Kind::Double, Device::Cpu));
+        assert!(PackedMatrix::new(&w).is_none());
+        if let Some(p) = PackedMatrix::new(&w.to_kind(Kind::Float)) {
+            assert!(p
+                .matmul_t(&Tensor::ones([2, 4], (Kind::Double, Device::Cpu)))
+                .is_none());
+        }
+    }
+
+    #[test]
+    fn grad_mode_is_read_without_changing_it() {
+        assert!(grad_enabled());
+        tch::no_grad(|| {
+            assert!(!grad_enabled());
+            assert!(!grad_enabled());
+        });
+        assert!(grad_enabled());
+    }
+}
