@@ -43,6 +43,40 @@ impl StepExamples {
         self.len() == 0
     }
 
+    /// The sha256 (hex) of the batch's content: every example's token ids and loss mask,
+    /// and for DAPO its advantages and old log-probs, in order. Two runs whose learners
+    /// saw the same digest at a step trained on the same numbers there.
+    pub fn digest(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        let tokens = |h: &mut Sha256, tokens: &[u32], mask: &[bool]| {
+            h.update((tokens.len() as u64).to_le_bytes());
+            for t in tokens {
+                h.update(t.to_le_bytes());
+            }
+            h.update((mask.len() as u64).to_le_bytes());
+            h.update(mask.iter().map(|&m| m as u8).collect::<Vec<u8>>());
+        };
+        match self {
+            StepExamples::CrossEntropy(e) => {
+                h.update(b"cross-entropy");
+                for (t, m) in e {
+                    tokens(&mut h, t, m);
+                }
+            }
+            StepExamples::Dapo(e) => {
+                h.update(b"dapo");
+                for x in e {
+                    tokens(&mut h, &x.tokens, &x.loss_mask);
+                    for v in x.advantages.iter().chain(&x.old_logprobs) {
+                        h.update(v.to_bits().to_le_bytes());
+                    }
+                }
+            }
+        }
+        hex::encode(h.finalize())
+    }
+
     /// This rank's share of the batch (`trainer::rank_shard`).
     pub fn shard(&self, rank: usize, world_size: usize) -> Self {
         match self {
@@ -244,5 +278,52 @@ impl Trainer {
             hi,
         );
         (loss.double_value(&[]), cf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_digest_changes_with_any_token_mask_or_order_and_only_then() {
+        let a = (vec![1u32, 2, 3], vec![false, true, true]);
+        let b = (vec![4u32, 5], vec![false, true]);
+        let batch = StepExamples::CrossEntropy(vec![a.clone(), b.clone()]);
+        let d = batch.digest();
+        assert_eq!(d.len(), 64);
+        assert_eq!(d, batch.clone().digest());
+        let one_token = StepExamples::CrossEntropy(vec![(vec![1, 2, 4], a.1.clone()), b.clone()]);
+        let one_mask = StepExamples::CrossEntropy(vec![(a.0.clone(), vec![true; 3]), b.clone()]);
+        let swapped = StepExamples::CrossEntropy(vec![b.clone(), a.clone()]);
+        // The same numbers split differently between examples.
+        let regrouped = StepExamples::CrossEntropy(vec![
+            (vec![1, 2, 3, 4], vec![false, true, true, false]),
+            (vec![5], vec![true]),
+        ]);
+        let dapo = StepExamples::Dapo(vec![RlExample {
+            tokens: a.0.clone(),
+            loss_mask: a.1.clone(),
+            advantages: vec![0.0, 1.0, 1.0],
+            old_logprobs: vec![0.0, -0.5, -0.25],
+        }]);
+        let mut other = dapo.clone();
+        if let StepExamples::Dapo(e) = &mut other {
+            e[0].advantages[1] = -1.0;
+        }
+        let all = [
+            d,
+            one_token.digest(),
+            one_mask.digest(),
+            swapped.digest(),
+            regrouped.digest(),
+            dapo.digest(),
+            other.digest(),
+        ];
+        for (i, x) in all.iter().enumerate() {
+            for y in &all[i + 1..] {
+                assert_ne!(x, y);
+            }
+        }
     }
 }

@@ -91,6 +91,10 @@ pub struct TrainLogEntry {
     pub episodes: Vec<String>,
     /// The version published after this batch (0: none).
     pub published_version: u64,
+    /// `StepExamples::digest` of the whole batch (empty in logs written before it was
+    /// recorded): equal digests, equal training data.
+    #[serde(default)]
+    pub batch_sha256: String,
 }
 
 /// Reads `out_dir/train-log.jsonl`: one entry per (iteration, step), the last line of a
@@ -464,6 +468,7 @@ impl TrainerHost {
             loss: report.loss,
             episodes: r.episodes.clone(),
             published_version: published.map(|p| p.version).unwrap_or(0),
+            batch_sha256: r.examples.digest(),
         };
         let path = self.out_dir.join(TRAIN_LOG);
         let mut f = std::fs::OpenOptions::new()

@@ -73,6 +73,35 @@ sandbox_root = {:?}
     )
 }
 
+/// pytest ends its summary with the wall-clock time (`2 passed in 0.01s`), and that line
+/// reaches the episodes' observations: wherever it differs between the two runs (it did on
+/// a slower machine, by 0.01 s), they train on different tokens and their losses differ by
+/// ~1e-5 for a reason that has nothing to do with the learner. This conftest, added to
+/// every task's repository, leaves the summary line out (as `-qq` does; the per-test lines
+/// the grader reads stay), so both runs see the same episodes.
+const DETERMINISTIC_CONFTEST: &str = "\
+def pytest_configure(config):
+    config.option.verbose = min(config.option.verbose, -2)
+";
+
+fn deterministic_pytest(tasks: &Path) {
+    let text = std::fs::read_to_string(tasks).unwrap();
+    let mut out = String::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let mut task: serde_json::Value = serde_json::from_str(line).unwrap();
+        task["files"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({
+                "path": "conftest.py",
+                "content": DETERMINISTIC_CONFTEST,
+            }));
+        out.push_str(&serde_json::to_string(&task).unwrap());
+        out.push('\n');
+    }
+    std::fs::write(tasks, out).unwrap();
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -97,6 +126,7 @@ impl Prepared {
         let cfg = root.join("dp.toml");
         std::fs::write(&cfg, config(&sandboxes, iterations)).unwrap();
         let paths = common::prepare(&cfg, &root.join("runs"));
+        deterministic_pytest(Path::new(paths["train_tasks"].as_str().unwrap()));
         let token = root.join("token");
         std::fs::write(&token, "dp-test-token-0b9e2c47d1a3").unwrap();
         std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))
@@ -149,8 +179,9 @@ impl Prepared {
     }
 }
 
-/// One line of train-log.jsonl: what the learner trained at (iteration, step).
-type TrainLog = BTreeMap<(u64, u64), (u64, u64, f64)>;
+/// One line of train-log.jsonl: what the learner trained at (iteration, step): examples,
+/// label tokens, loss and the batch's digest.
+type TrainLog = BTreeMap<(u64, u64), (u64, u64, f64, String)>;
 
 fn read_train_log(learner_dir: &Path) -> TrainLog {
     let text = std::fs::read_to_string(learner_dir.join("train-log.jsonl")).unwrap();
@@ -165,6 +196,7 @@ fn read_train_log(learner_dir: &Path) -> TrainLog {
                     n("examples"),
                     n("label_tokens"),
                     v["loss"].as_f64().unwrap(),
+                    v["batch_sha256"].as_str().unwrap().to_string(),
                 ),
             )
         })
@@ -321,6 +353,11 @@ fn run(root: &Path, world: usize, iterations: u32, kills: &[(u64, usize)]) -> Pa
             r.log_tail()
         );
     }
+    // The episodes ran the tests, and pytest's timing stayed out of them.
+    let events = std::fs::read(run_dir.join("trajectories/events.log")).unwrap();
+    let has = |s: &[u8]| events.windows(s.len()).any(|w| w == s);
+    assert!(has(b"[100%]"), "no episode ran the tests");
+    assert!(!has(b" passed in "), "pytest's wall-clock time reached the episodes");
     if world > 1 {
         let log = std::fs::read_to_string(prep.logs.join("learner1.log")).unwrap();
         assert!(log.contains("joined the learner group"), "{log}");
@@ -329,13 +366,18 @@ fn run(root: &Path, world: usize, iterations: u32, kills: &[(u64, usize)]) -> Pa
     PathBuf::from(prep.p("learner_out_dir"))
 }
 
-/// Both runs trained the same batches (examples and label tokens), with the losses of the
+/// Both runs trained the same batches (the same tokens, by digest), with the losses of the
 /// whole batch (not of a rank's share).
 fn assert_same_batches(a: &TrainLog, b: &TrainLog) {
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    for (k, (ex_a, lab_a, loss_a)) in a {
-        let (ex_b, lab_b, loss_b) = b[k];
-        assert_eq!((ex_a, lab_a), (&ex_b, &lab_b), "batch {k:?} differs");
+    for (k, (ex_a, lab_a, loss_a, digest_a)) in a {
+        let (ex_b, lab_b, loss_b, digest_b) = &b[k];
+        assert_eq!((ex_a, lab_a), (ex_b, lab_b), "batch {k:?} differs");
+        assert_eq!(
+            digest_a, digest_b,
+            "batch {k:?}: the two runs' learners got different tokens (their episodes differ)"
+        );
+        let loss_b = *loss_b;
         assert!(
             (loss_a - loss_b).abs() <= 1e-5 * loss_a.abs().max(1.0),
             "batch {k:?}: loss {loss_a} with one rank, {loss_b} with two"
@@ -403,7 +445,7 @@ fn two_cpu_learner_processes_train_the_same_weights_as_one() {
     println!("train log, one rank: {a:?}\ntwo ranks: {b:?}");
     // Rank 1 really trained a share: batches of one example would leave it nothing.
     assert!(
-        a.values().filter(|(examples, _, _)| *examples >= 2).count() >= 2,
+        a.values().filter(|(examples, ..)| *examples >= 2).count() >= 2,
         "batches too small to split: {a:?}"
     );
     assert_same_batches(&a, &b);
