@@ -318,6 +318,26 @@ impl SandboxFactory {
         }
     }
 
+    /// Docker: removes every container still labelled with this factory's run and worker,
+    /// whatever left it (a removal the engine kept refusing); call it once no sandbox of
+    /// the factory is in use any more. Returns how many it removed (0 for local sandboxes).
+    pub async fn remove_leftovers(&self) -> usize {
+        let SandboxFactory::Docker(d) = self else {
+            return 0;
+        };
+        match crate::docker::remove_orphans(&d.docker, &d.run, Some(&d.worker)).await {
+            Ok(0) => 0,
+            Ok(n) => {
+                tracing::warn!(removed = n, run = %d.run, worker = %d.worker, "removed sandbox containers that were left behind");
+                n
+            }
+            Err(e) => {
+                tracing::warn!(run = %d.run, worker = %d.worker, error = %e, "listing or removing left-behind sandbox containers failed");
+                0
+            }
+        }
+    }
+
     pub fn kind(&self) -> &'static str {
         match self {
             SandboxFactory::Local { .. } => "local",

@@ -106,6 +106,10 @@ pub async fn connect() -> Result<Docker, DockerError> {
     Ok(docker)
 }
 
+/// How often `DockerSandbox::remove` asks the engine before it gives up (waiting 0.25 s,
+/// then twice as long each time).
+const REMOVE_ATTEMPTS: u32 = 4;
+
 /// Removes every container labelled with `run` (and `worker`, when given): what a
 /// killed worker left behind. Returns how many were removed.
 pub async fn remove_orphans(
@@ -509,6 +513,11 @@ impl DockerSandbox {
         &self.id
     }
 
+    /// Whether `remove` has removed the container (or found it gone).
+    pub fn is_removed(&self) -> bool {
+        self.removed
+    }
+
     /// True when the container came from the warm pool (crate::pool).
     pub fn pooled(&self) -> bool {
         self.pooled
@@ -853,23 +862,39 @@ impl DockerSandbox {
         self.current_file.as_deref()
     }
 
-    /// Removes the container. Safe to call twice.
+    /// Removes the container. Safe to call twice. A container already gone counts as
+    /// removed; other refusals (a busy engine: "could not kill", "removal already in
+    /// progress") are tried again, `REMOVE_ATTEMPTS` times in all.
     pub async fn remove(&mut self) {
         if self.removed {
             return;
         }
         self.shell = None;
-        match self
-            .docker
-            .remove_container(
-                &self.id,
-                Some(RemoveContainerOptionsBuilder::default().force(true).build()),
-            )
-            .await
-        {
-            Ok(()) => self.removed = true,
-            Err(e) => {
-                tracing::warn!(container = %self.id, error = %e, "removing a sandbox container failed")
+        let mut wait = Duration::from_millis(250);
+        for attempt in 1..=REMOVE_ATTEMPTS {
+            match self
+                .docker
+                .remove_container(
+                    &self.id,
+                    Some(RemoveContainerOptionsBuilder::default().force(true).build()),
+                )
+                .await
+            {
+                Ok(())
+                | Err(bollard::errors::Error::DockerResponseServerError {
+                    status_code: 404, ..
+                }) => {
+                    self.removed = true;
+                    return;
+                }
+                Err(e) if attempt < REMOVE_ATTEMPTS => {
+                    tracing::debug!(container = %self.id, error = %e, attempt, "removing a sandbox container failed; trying again");
+                    tokio::time::sleep(wait).await;
+                    wait *= 2;
+                }
+                Err(e) => {
+                    tracing::warn!(container = %self.id, error = %e, attempts = REMOVE_ATTEMPTS, "removing a sandbox container failed; `docker rm -f` removes it, and so does the next start of this worker")
+                }
             }
         }
     }

@@ -450,8 +450,9 @@ pub async fn run_worker(
     };
     sink.flush(Duration::from_secs(grace)).await;
     heartbeat.abort();
-    // The warm pool's containers go with the worker.
+    // The warm pool's containers go with the worker, and any a removal missed.
     env.sandboxes.shutdown().await;
+    env.sandboxes.remove_leftovers().await;
     tracing::info!(worker = %worker_id, version = student.loaded_version(), "worker stopped");
     Ok(())
 }

@@ -319,3 +319,59 @@ async fn a_command_that_kills_the_watchdog_does_not_lift_the_deadline() {
     assert_eq!(out.output.trim(), "alive");
     sb.remove().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_removed_behind_the_sandboxs_back_counts_as_removed() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-gone-{}", std::process::id());
+    let mut sb = sandbox(&d, &run).await;
+    d.remove_container(
+        sb.id(),
+        Some(
+            bollard::query_parameters::RemoveContainerOptionsBuilder::default()
+                .force(true)
+                .build(),
+        ),
+    )
+    .await
+    .unwrap();
+    assert!(!sb.is_removed());
+    let started = Instant::now();
+    sb.remove().await;
+    assert!(sb.is_removed(), "the engine's 404 was taken for a failure");
+    // Not retried: gone is gone.
+    assert!(
+        started.elapsed() < Duration::from_millis(250),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// What `tutor eval` and a stopping worker do last: every container still labelled with
+/// the factory's run and worker goes, whatever left it behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_factory_removes_its_leftover_containers() {
+    if engine().await.is_none() {
+        return;
+    }
+    let run = format!("test-leftover-{}", std::process::id());
+    let config = tutor_rollout::worker::WorkerConfig {
+        sandbox: tutor_rollout::worker::SandboxKind::Docker,
+        image: IMAGE.into(),
+        ..Default::default()
+    };
+    let factory = config.sandboxes(&run, "w-left").await.unwrap();
+    let f = factory.clone();
+    tokio::task::spawn_blocking(move || {
+        let sb = f.create(&task(), "e1").unwrap();
+        // As if its removal had failed: the handle goes without removing the container.
+        std::mem::forget(sb);
+    })
+    .await
+    .unwrap();
+    let d = engine().await.unwrap();
+    assert_eq!(containers_of(&d, &run).await, 1);
+    assert_eq!(factory.remove_leftovers().await, 1);
+    assert_eq!(containers_of(&d, &run).await, 0);
+    assert_eq!(factory.remove_leftovers().await, 0);
+}

@@ -357,7 +357,10 @@ fn run(root: &Path, world: usize, iterations: u32, kills: &[(u64, usize)]) -> Pa
     let events = std::fs::read(run_dir.join("trajectories/events.log")).unwrap();
     let has = |s: &[u8]| events.windows(s.len()).any(|w| w == s);
     assert!(has(b"[100%]"), "no episode ran the tests");
-    assert!(!has(b" passed in "), "pytest's wall-clock time reached the episodes");
+    assert!(
+        !has(b" passed in "),
+        "pytest's wall-clock time reached the episodes"
+    );
     if world > 1 {
         let log = std::fs::read_to_string(prep.logs.join("learner1.log")).unwrap();
         assert!(log.contains("joined the learner group"), "{log}");

@@ -37,6 +37,12 @@ fn eval(dir: &std::path::Path, sandbox: &str, agent: &str) -> Vec<serde_json::Va
         String::from_utf8_lossy(&o.stderr)
     );
     println!("{stdout}");
+    // Warnings (a container removal the engine refused, say) show with the test's output.
+    for line in String::from_utf8_lossy(&o.stderr).lines() {
+        if line.contains("WARN") || line.contains("ERROR") {
+            println!("tutor eval: {line}");
+        }
+    }
     results(&out)
 }
 
@@ -78,12 +84,23 @@ fn eval_local_oracle_resolves_all_noop_none() {
     check(&oracle, &noop, 6, "local");
 }
 
-fn eval_containers() -> usize {
+/// The containers `tutor eval` labelled, one line each: id, state, run label.
+fn eval_containers() -> Vec<String> {
     let o = Command::new("docker")
-        .args(["ps", "-aq", "--filter", "label=tutor.worker=eval"])
+        .args([
+            "ps",
+            "-a",
+            "--filter",
+            "label=tutor.worker=eval",
+            "--format",
+            "{{.ID}} {{.Status}} {{.Label \"tutor.run\"}}",
+        ])
         .output()
         .unwrap();
-    String::from_utf8_lossy(&o.stdout).lines().count()
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
 }
 
 #[test]
@@ -102,5 +119,10 @@ fn eval_docker_oracle_resolves_all_noop_none_and_leaves_no_container() {
     let oracle = eval(dir.path(), "docker", "oracle");
     let noop = eval(dir.path(), "docker", "noop");
     check(&oracle, &noop, 8, "docker");
-    assert_eq!(eval_containers(), 0, "containers left behind");
+    let left = eval_containers();
+    assert!(
+        left.is_empty(),
+        "containers left behind:\n{}",
+        left.join("\n")
+    );
 }

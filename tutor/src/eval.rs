@@ -171,8 +171,9 @@ pub async fn eval(args: EvalArgs) -> Result<()> {
             Err(e) => panicked = Some(e),
         }
     }
-    // The warm pool's containers (if any) go before the report.
+    // The warm pool's containers (if any) go before the report, and any a removal missed.
     factory.shutdown().await;
+    factory.remove_leftovers().await;
     if let Some(e) = panicked {
         return Err(e).context("an evaluation task panicked");
     }
