@@ -12,6 +12,7 @@ mod error;
 mod generate;
 mod model;
 mod packed;
+mod panels;
 mod tokenizer;
 
 use std::io::Read;

@@ -79,10 +79,6 @@ struct Mkl {
 fn mkl() -> Option<&'static Mkl> {
     static MKL: OnceLock<Option<Mkl>> = OnceLock::new();
     MKL.get_or_init(|| {
-        if std::env::var_os(DISABLE_ENV).is_some_and(|v| v == "0") {
-            tracing::info!("{DISABLE_ENV}=0: generation on the CPU uses unpacked weights");
-            return None;
-        }
         let get_size = symbol(c"cblas_sgemm_pack_get_size")?;
         let pack = symbol(c"cblas_sgemm_pack")?;
         let compute = symbol(c"cblas_sgemm_compute")?;
@@ -118,28 +114,117 @@ pub(crate) fn available() -> bool {
     mkl().is_some()
 }
 
+/// Which packed format, and so which product, generation uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Backend {
+    /// MKL's own format and `cblas_sgemm_compute`.
+    Mkl,
+    /// Tutor's panels and kernel (`panels.rs`).
+    Panels,
+}
+
+/// `TUTOR_DECODE_GEMM=mkl|tutor` picks the backend (to compare); unset, MKL on Intel
+/// processors and Tutor's kernel elsewhere (MKL's kernels for other vendors re-copy the
+/// weights on every product, see `panels.rs`).
+const BACKEND_ENV: &str = "TUTOR_DECODE_GEMM";
+
+/// The backend packing uses in this process (`None`: no packing); decided once.
+pub(crate) fn backend() -> Option<Backend> {
+    static BACKEND: OnceLock<Option<Backend>> = OnceLock::new();
+    *BACKEND.get_or_init(|| {
+        if std::env::var_os(DISABLE_ENV).is_some_and(|v| v == "0") {
+            tracing::info!("{DISABLE_ENV}=0: generation on the CPU uses unpacked weights");
+            return None;
+        }
+        let (mkl, panels) = (mkl().is_some(), crate::panels::supported());
+        let chosen = match std::env::var(BACKEND_ENV).ok().as_deref() {
+            Some("mkl") => mkl.then_some(Backend::Mkl),
+            Some("tutor") => panels.then_some(Backend::Panels),
+            Some(other) if !other.is_empty() => {
+                tracing::warn!(
+                    value = other,
+                    "{BACKEND_ENV} is `mkl` or `tutor`; choosing by CPU"
+                );
+                None
+            }
+            _ => None,
+        }
+        .or(match (mkl, panels) {
+            (true, true) if intel_cpu() => Some(Backend::Mkl),
+            (_, true) => Some(Backend::Panels),
+            (true, false) => Some(Backend::Mkl),
+            (false, false) => None,
+        });
+        tracing::debug!(backend = ?chosen, "packed weights for generation on the CPU");
+        chosen
+    })
+}
+
+/// Whether the CPU's vendor string says Intel.
+fn intel_cpu() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[allow(unused_unsafe)]
+        // SAFETY: CPUID leaf 0 exists on every x86-64 processor.
+        let id = unsafe { std::arch::x86_64::__cpuid(0) };
+        let mut vendor = Vec::with_capacity(12);
+        for r in [id.ebx, id.edx, id.ecx] {
+            vendor.extend_from_slice(&r.to_le_bytes());
+        }
+        vendor == b"GenuineIntel"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Rows Tutor's kernel takes in one product (in blocks of 8, one pass over the weights
+/// each); longer inputs (a long prompt's prefill) go to the ordinary product, which is
+/// compute-bound there.
+const PANEL_MAX_ROWS: i64 = 32;
+
 /// A float32 weight `W` `[out, in]` packed for products `x · Wᵀ`.
 pub(crate) struct PackedMatrix {
-    /// MKL's buffer. MKL's packed format must not move once written, so it is allocated
-    /// here and never reallocated. Most of its reserved size is workspace MKL does not
-    /// touch, which costs address space, not memory: about one more copy of the weight
-    /// is resident.
-    buf: NonNull<u8>,
-    layout: Layout,
+    repr: Repr,
     out_dim: c_int,
     in_dim: c_int,
 }
 
-// SAFETY: the buffer is owned by this value, written only in `new`, and read-only after
-// (MKL's compute reads the packed matrix and writes only the output).
-unsafe impl Send for PackedMatrix {}
-unsafe impl Sync for PackedMatrix {}
+enum Repr {
+    Mkl(MklBuffer),
+    Panels(Vec<f32>),
+}
+
+/// MKL's buffer. MKL's packed format must not move once written, so it is allocated
+/// here and never reallocated. Most of its reserved size is workspace MKL does not
+/// touch, which costs address space, not memory: about one more copy of the weight
+/// is resident.
+struct MklBuffer {
+    buf: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: the buffer is owned by this value, written only in `PackedMatrix::new`, and
+// read-only after (MKL's compute reads the packed matrix and writes only the output).
+unsafe impl Send for MklBuffer {}
+unsafe impl Sync for MklBuffer {}
+
+impl Drop for MklBuffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `PackedMatrix::new` with this layout.
+        unsafe { alloc::dealloc(self.buf.as_ptr(), self.layout) }
+    }
+}
 
 impl PackedMatrix {
-    /// Packs `weight` (`[out, in]`, float32, on the CPU, any strides). `None` when MKL's
-    /// packed products are not available or the matrix does not qualify.
+    /// Packs `weight` (`[out, in]`, float32, on the CPU, any strides) for this process's
+    /// [`backend`]. `None` when there is none or the matrix does not qualify.
     pub(crate) fn new(weight: &Tensor) -> Option<Self> {
-        let mkl = mkl()?;
+        Self::with_backend(weight, backend()?)
+    }
+
+    pub(crate) fn with_backend(weight: &Tensor, backend: Backend) -> Option<Self> {
         if weight.device() != Device::Cpu || weight.kind() != Kind::Float || weight.dim() != 2 {
             return None;
         }
@@ -151,8 +236,22 @@ impl PackedMatrix {
         if out_dim == 0 || in_dim == 0 {
             return None;
         }
-        // Row-major `[out, in]` is `Bᵀ` with leading dimension `in`.
         let w = weight.contiguous();
+        if backend == Backend::Panels {
+            if !crate::panels::supported() {
+                return None;
+            }
+            let n = out_dim as usize * in_dim as usize;
+            // SAFETY: `w` is a contiguous float32 CPU tensor of `n` elements, alive here.
+            let data = unsafe { std::slice::from_raw_parts(w.data_ptr() as *const f32, n) };
+            return Some(PackedMatrix {
+                repr: Repr::Panels(crate::panels::pack(data, out_dim as usize, in_dim as usize)),
+                out_dim,
+                in_dim,
+            });
+        }
+        let mkl = mkl()?;
+        // Row-major `[out, in]` is `Bᵀ` with leading dimension `in`.
         // SAFETY: plain size query.
         let size = unsafe { (mkl.get_size)(B_MATRIX, PLANNED_ROWS, out_dim, in_dim) };
         let layout = Layout::from_size_align(size.max(64), 64).ok()?;
@@ -175,8 +274,7 @@ impl PackedMatrix {
             );
         }
         Some(PackedMatrix {
-            buf,
-            layout,
+            repr: Repr::Mkl(MklBuffer { buf, layout }),
             out_dim,
             in_dim,
         })
@@ -185,7 +283,6 @@ impl PackedMatrix {
     /// `x · Wᵀ` for `x` `[..., in]` (float32, on the CPU): `[..., out]`. `None` for input
     /// this cannot take (another kind or device, or more rows than a C int counts).
     pub(crate) fn matmul_t(&self, x: &Tensor) -> Option<Tensor> {
-        let mkl = mkl()?;
         if x.device() != Device::Cpu || x.kind() != Kind::Float {
             return None;
         }
@@ -195,8 +292,34 @@ impl PackedMatrix {
             Some(self.in_dim as i64),
             "input's last dimension must be the matrix's input size"
         );
-        let rows = c_int::try_from(shape.iter().product::<i64>()).ok()?;
+        let rows = shape.iter().product::<i64>();
         shape.push(self.out_dim as i64);
+        let buf = match &self.repr {
+            Repr::Panels(panels) => {
+                if rows > PANEL_MAX_ROWS {
+                    return None;
+                }
+                let x = x.contiguous();
+                let out = Tensor::empty(shape.as_slice(), (Kind::Float, Device::Cpu));
+                // SAFETY: the panels exist only where the kernel runs (`new`); `x` is a
+                // contiguous float32 `[rows, in]` and `out` a fresh contiguous float32
+                // `[rows, out]` CPU tensor, both alive for the call.
+                unsafe {
+                    crate::panels::matmul_t(
+                        x.data_ptr() as *const f32,
+                        rows as usize,
+                        self.in_dim as usize,
+                        panels,
+                        self.out_dim as usize,
+                        out.data_ptr() as *mut f32,
+                    );
+                }
+                return Some(out);
+            }
+            Repr::Mkl(b) => b.buf,
+        };
+        let mkl = mkl()?;
+        let rows = c_int::try_from(rows).ok()?;
         let x = x.contiguous();
         let out = Tensor::empty(shape.as_slice(), (Kind::Float, Device::Cpu));
         if rows > 0 {
@@ -213,7 +336,7 @@ impl PackedMatrix {
                     self.in_dim,
                     x.data_ptr() as *const f32,
                     self.in_dim,
-                    self.buf.as_ptr() as *const f32,
+                    buf.as_ptr() as *const f32,
                     self.out_dim,
                     0.0,
                     out.data_ptr() as *mut f32,
@@ -222,13 +345,6 @@ impl PackedMatrix {
             }
         }
         Some(out)
-    }
-}
-
-impl Drop for PackedMatrix {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { alloc::dealloc(self.buf.as_ptr(), self.layout) }
     }
 }
 
@@ -259,24 +375,36 @@ mod tests {
 
     #[test]
     fn packed_products_equal_plain_ones() {
-        if !available() {
-            return;
-        }
+        let backends: Vec<Backend> = [
+            available().then_some(Backend::Mkl),
+            crate::panels::supported().then_some(Backend::Panels),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
         tch::manual_seed(3);
         for (out_dim, in_dim) in [(1024, 384), (384, 1024), (7, 5), (130, 33), (4096, 64)] {
             let w = Tensor::randn([out_dim, in_dim], (Kind::Float, Device::Cpu));
             // Also from a transposed layout (the one `use_decode_layout` falls back to).
             let w_t = w.transpose(0, 1).contiguous().transpose(0, 1);
-            for weight in [&w, &w_t] {
-                let p = PackedMatrix::new(weight).expect("packs");
+            for (weight, &backend) in backends.iter().flat_map(|b| [(&w, b), (&w_t, b)]) {
+                let p = PackedMatrix::with_backend(weight, backend).expect("packs");
                 for shape in [
                     vec![1, in_dim],
                     vec![8, in_dim],
                     vec![2, 20, in_dim],
                     vec![3, in_dim],
+                    vec![2, 17, in_dim],
                 ] {
                     let x = Tensor::randn(shape.as_slice(), (Kind::Float, Device::Cpu));
-                    let got = p.matmul_t(&x).expect("float32 on the CPU");
+                    let rows: i64 = shape[..shape.len() - 1].iter().product();
+                    let Some(got) = p.matmul_t(&x) else {
+                        assert!(
+                            backend == Backend::Panels && rows > PANEL_MAX_ROWS,
+                            "{backend:?} declined {shape:?}"
+                        );
+                        continue;
+                    };
                     let want = x.matmul(&w.transpose(0, 1));
                     assert_eq!(got.size(), want.size());
                     let scale = want.abs().max().double_value(&[]);
