@@ -1,5 +1,7 @@
-//! Matrix products against weights packed once into MKL's internal panel format
-//! (`cblas_sgemm_pack` / `cblas_sgemm_compute`), for generation on the CPU.
+//! Matrix products against weights packed once for generation on the CPU: into MKL's
+//! internal panel format (`cblas_sgemm_pack` / `cblas_sgemm_compute`) on Intel processors,
+//! into Tutor's own panels (`panels.rs`) elsewhere, where MKL's kernels re-copy the
+//! weights on every product ([`backend`]; `TUTOR_DECODE_GEMM=mkl|tutor` overrides).
 //!
 //! A decode step multiplies a few rows (one per sequence in the batch) by every
 //! projection matrix, so its time is spent streaming the weights. MKL's ordinary `sgemm`
@@ -11,8 +13,9 @@
 //!
 //! The symbols are the ones the PyTorch wheel's `libtorch_cpu.so` exports (its MKL is
 //! linked in statically). They are looked up at run time, so a libtorch built without
-//! MKL (another CPU architecture, a source build) still links and simply never packs.
-//! `TUTOR_PACK_WEIGHTS=0` in the environment turns packing off.
+//! MKL (another CPU architecture, a source build) still links and packs into Tutor's
+//! panels where the CPU has AVX2 and FMA, or not at all. `TUTOR_PACK_WEIGHTS=0` in the
+//! environment turns packing off.
 //!
 //! The packed copy is an inference-only snapshot: it does not follow later writes to the
 //! weight tensor and has no autograd. [`crate::Policy`] re-packs after loading weights,
