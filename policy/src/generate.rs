@@ -17,7 +17,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tch::{Device, Kind, Tensor};
 
-use crate::model::{AttnMask, KvCache, Segment};
+use crate::model::{AttnMask, KvCache};
 use crate::Policy;
 
 /// Sampling parameters for one prompt.
@@ -213,15 +213,9 @@ impl Policy {
             let ids: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
             let ids = Tensor::from_slice(&ids).view([1, len]).to_device(device);
             let positions = Tensor::arange(len, (Kind::Int64, device)).unsqueeze(0);
-            let segment = Segment {
-                start: 0,
-                len,
-                row,
-                slot: end - len,
-            };
             let h = self
                 .model
-                .prefill_segments(&ids, &positions, &[segment], cache)
+                .prefill_row(&ids, &positions, row, end - len, cache)
                 .squeeze_dim(0);
             logits.push(self.model.logits(&h.narrow(0, len - 1, 1)));
             hidden.push(keep.then_some(h));

@@ -401,25 +401,10 @@ impl Attention {
                 let v = v_cache.narrow(2, 0, start + s);
                 self.attend(&q, &k, &v, mask)
             }
-            Kv::Segments((k_cache, v_cache), segments) => {
-                let mut parts = Vec::with_capacity(segments.len());
-                for seg in segments {
-                    let (k, v) = (
-                        k.narrow(2, seg.start, seg.len),
-                        v.narrow(2, seg.start, seg.len),
-                    );
-                    k_cache
-                        .narrow(0, seg.row, 1)
-                        .narrow(2, seg.slot, seg.len)
-                        .copy_(&k);
-                    v_cache
-                        .narrow(0, seg.row, 1)
-                        .narrow(2, seg.slot, seg.len)
-                        .copy_(&v);
-                    let q = q.narrow(2, seg.start, seg.len);
-                    parts.push(self.attend(&q, &k, &v, &AttnMask::Causal));
-                }
-                Tensor::cat(&parts, 2)
+            Kv::Row((k_cache, v_cache), row, slot) => {
+                k_cache.narrow(0, row, 1).narrow(2, slot, s).copy_(&k);
+                v_cache.narrow(0, row, 1).narrow(2, slot, s).copy_(&v);
+                self.attend(&q, &k, &v, mask)
             }
         };
         let y = y
@@ -448,16 +433,6 @@ impl Attention {
     }
 }
 
-/// One prompt of a packed prefill ([`Decoder::prefill_segments`]): rows `start .. start +
-/// len` of the packed sequence, whose keys and values go to cache row `row`, slots `slot
-/// .. slot + len`.
-pub(crate) struct Segment {
-    pub(crate) start: i64,
-    pub(crate) len: i64,
-    pub(crate) row: i64,
-    pub(crate) slot: i64,
-}
-
 /// Where one layer's keys and values go, and what its queries attend.
 enum Kv<'a> {
     /// Nowhere: the pass's own keys, under the mask.
@@ -465,9 +440,9 @@ enum Kv<'a> {
     /// Into the cache at slot `start` of every row; queries attend slots `0 .. start + S`
     /// under the mask.
     Append(&'a mut (Tensor, Tensor), i64),
-    /// A packed prefill (batch 1): each segment attends causally within itself only and
-    /// is written to its own cache row.
-    Segments(&'a mut (Tensor, Tensor), &'a [Segment]),
+    /// One prompt's prefill (batch 1): its keys and values go to cache row `.1`, slots
+    /// `.2 .. .2 + S`; queries attend the pass's own keys under the mask.
+    Row(&'a mut (Tensor, Tensor), i64, i64),
 }
 
 struct Mlp {
@@ -665,20 +640,19 @@ impl Decoder {
         h
     }
 
-    /// Runs several prompts packed into one sequence, `input_ids` and `positions` `[1, T]`
-    /// (each prompt's positions start at 0): the projections and MLPs see all `T` rows at
-    /// once, attention stays within each prompt (`segments`), and each prompt's keys and
-    /// values go to its own row and slots of `cache` (whose `len` is left to the caller).
-    /// Returns the final normalized hidden states `[1, T, H]`.
-    pub(crate) fn prefill_segments(
+    /// Runs one prompt, `input_ids` and `positions` `[1, S]`, with causal attention, and
+    /// writes its keys and values to row `row`, slots `slot .. slot + S` of `cache` (whose
+    /// `len` is left to the caller). Returns the final normalized hidden states `[1, S, H]`.
+    pub(crate) fn prefill_row(
         &self,
         input_ids: &Tensor,
         positions: &Tensor,
-        segments: &[Segment],
+        row: i64,
+        slot: i64,
         cache: &mut KvCache,
     ) -> Tensor {
         self.run_layers(input_ids, positions, |i, x, rope, layer| {
-            let kv = Kv::Segments(&mut cache.layers[i], segments);
+            let kv = Kv::Row(&mut cache.layers[i], row, slot);
             layer.forward(x, rope, &AttnMask::Causal, kv)
         })
     }

@@ -297,55 +297,46 @@ impl PackedMatrix {
         );
         let rows = shape.iter().product::<i64>();
         shape.push(self.out_dim as i64);
-        let buf = match &self.repr {
-            Repr::Panels(panels) => {
-                if rows > PANEL_MAX_ROWS {
-                    return None;
-                }
-                let x = x.contiguous();
-                let out = Tensor::empty(shape.as_slice(), (Kind::Float, Device::Cpu));
-                // SAFETY: the panels exist only where the kernel runs (`new`); `x` is a
-                // contiguous float32 `[rows, in]` and `out` a fresh contiguous float32
-                // `[rows, out]` CPU tensor, both alive for the call.
-                unsafe {
-                    crate::panels::matmul_t(
-                        x.data_ptr() as *const f32,
-                        rows as usize,
-                        self.in_dim as usize,
-                        panels,
-                        self.out_dim as usize,
-                        out.data_ptr() as *mut f32,
-                    );
-                }
-                return Some(out);
-            }
-            Repr::Mkl(b) => b.buf,
+        let mkl_rows = match &self.repr {
+            Repr::Panels(_) if rows > PANEL_MAX_ROWS => return None,
+            Repr::Panels(_) => 0,
+            Repr::Mkl(_) => c_int::try_from(rows).ok()?,
         };
-        let mkl = mkl()?;
-        let rows = c_int::try_from(rows).ok()?;
         let x = x.contiguous();
         let out = Tensor::empty(shape.as_slice(), (Kind::Float, Device::Cpu));
-        if rows > 0 {
-            // SAFETY: `x` is a contiguous float32 `[rows, in]` and `out` a fresh contiguous
-            // float32 `[rows, out]` CPU tensor, both alive for the call; `buf` holds this
-            // matrix packed by `new`.
-            unsafe {
-                (mkl.compute)(
+        // SAFETY (both arms): `x` is a contiguous float32 `[rows, in]` and `out` a fresh
+        // contiguous float32 `[rows, out]` CPU tensor, both alive for the call.
+        match &self.repr {
+            // The panels exist only where the kernel runs (`with_backend`).
+            Repr::Panels(p) => unsafe {
+                crate::panels::matmul_t(
+                    x.data_ptr() as *const f32,
+                    rows as usize,
+                    self.in_dim as usize,
+                    p,
+                    self.out_dim as usize,
+                    out.data_ptr() as *mut f32,
+                );
+            },
+            // `buf` holds this matrix packed by `with_backend`.
+            Repr::Mkl(b) if mkl_rows > 0 => unsafe {
+                (mkl()?.compute)(
                     ROW_MAJOR,
                     NO_TRANS,
                     PACKED,
-                    rows,
+                    mkl_rows,
                     self.out_dim,
                     self.in_dim,
                     x.data_ptr() as *const f32,
                     self.in_dim,
-                    buf.as_ptr() as *const f32,
+                    b.buf.as_ptr() as *const f32,
                     self.out_dim,
                     0.0,
                     out.data_ptr() as *mut f32,
                     self.out_dim,
                 );
-            }
+            },
+            Repr::Mkl(_) => {}
         }
         Some(out)
     }
