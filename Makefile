@@ -14,11 +14,12 @@ export PATH := $(VENV)/bin:$(PATH)
 export TUTOR_PYTHON := $(VENV)/bin/python
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: setup build release images quickstart test bench-ingest bench-policy clean-runs help
+.PHONY: setup build release images quickstart test check-layout bench-ingest bench-policy clean-runs help
 
 help:
 	@echo "make quickstart   set up, build (release) and run configs/quickstart.toml"
-	@echo "make test         set up, build and run the whole test suite"
+	@echo "make test         set up, build and run the whole test suite (check-layout first)"
+	@echo "make check-layout no unused dependencies, no files of a crate importing each other"
 	@echo "make bench-ingest coordinator ingest throughput (release; BENCH_ARGS=... to change)"
 	@echo "make bench-policy generation and training step against transformers/PyTorch (CPU)"
 
@@ -55,7 +56,15 @@ images:
 		echo "no Docker engine reachable: sandbox images not built"; \
 	fi
 
-test: build images
+# The layout's rules (docs/architecture.md): no dependency a crate never uses, no two
+# files of a crate that import each other, and the page's crate graph and paths true to
+# the code. Python alone, so they fail in seconds.
+check-layout:
+	@$(PYTHON) build/check-unused-deps.py
+	@$(PYTHON) build/check-module-cycles.py
+	@$(PYTHON) build/check-architecture-doc.py
+
+test: check-layout build images
 	@if cargo nextest --version >/dev/null 2>&1; then \
 		cargo nextest run --workspace --no-fail-fast; \
 	else \

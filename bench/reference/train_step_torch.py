@@ -1,6 +1,6 @@
 """Reference for `cargo run --release -p tutor-bench --bin policy`: one training step of
 the benchmark's model in PyTorch eager (`transformers`' Qwen3ForCausalLM, its default
-attention), the same step Tutor's learner takes (learner/src/trainer.rs): right-padded
+attention), the same step Tutor's learner takes (learner/src/loss/cross_entropy.rs): right-padded
 batch, summed next-token cross-entropy over label tokens, backward, gradients divided by
 the label count, clipping by global norm, AdamW.
 

@@ -11,16 +11,8 @@ use crate::dataset::{
     dagger_examples, distill_example, policy_gradient_example, rft_examples, with_advantage,
 };
 use crate::rewards::{group_advantages, keep_group, trajectory_reward};
-use crate::scheduler::IterationRollouts;
-
-/// How many groups dynamic sampling kept and dropped.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct GroupStats {
-    /// Groups whose rewards differ: they carry gradient and are trained on.
-    pub kept: u32,
-    /// Groups whose rewards are all equal (every advantage 0): left out.
-    pub dropped: u32,
-}
+pub use crate::rollouts::GroupStats;
+use crate::rollouts::IterationRollouts;
 
 /// One finished training episode as DAPO's batch building sees it.
 #[derive(Debug, Clone, Copy)]
@@ -148,42 +140,6 @@ impl CoordinatorConfig {
             m.insert("mean_reward".into(), rollouts.mean_reward.into());
         }
         m
-    }
-
-    /// Checks the algorithm's settings; the message names the field.
-    pub fn validate_algorithm(&self) -> Result<(), String> {
-        if self.mixing == Mixing::Trajectory && self.algorithm != Algorithm::Dagger {
-            return Err(format!(
-                "coordinator.mixing = \"trajectory\" is a dagger variant; algorithm = \"{}\" \
-                 decides who acts by itself",
-                self.algorithm.as_str()
-            ));
-        }
-        match self.algorithm {
-            Algorithm::Dagger | Algorithm::Bc => Ok(()),
-            Algorithm::Rft if self.samples_per_task == 0 || self.tasks_per_iteration == 0 => Err(
-                "algorithm = \"rft\" needs coordinator.samples_per_task and \
-                     coordinator.tasks_per_iteration of at least 1"
-                    .into(),
-            ),
-            Algorithm::Rft => Ok(()),
-            Algorithm::Dapo if self.group_size < 2 => Err(format!(
-                "algorithm = \"dapo\" needs coordinator.group_size of at least 2 (got {}): \
-                 advantages are normalised within a group",
-                self.group_size
-            )),
-            Algorithm::Dapo if self.tasks_per_iteration == 0 => Err(
-                "algorithm = \"dapo\" needs coordinator.tasks_per_iteration of at least 1".into(),
-            ),
-            Algorithm::Dapo if self.advantage_eps.is_nan() || self.advantage_eps <= 0.0 => {
-                Err(format!(
-                    "coordinator.advantage_eps must be positive (got {})",
-                    self.advantage_eps
-                ))
-            }
-            Algorithm::Dapo => Ok(()),
-            Algorithm::Distill => Ok(()),
-        }
     }
 }
 
@@ -321,7 +277,11 @@ mod tests {
             group_size: 1,
             ..dapo
         };
-        assert!(bad.validate_algorithm().unwrap_err().contains("group_size"));
+        assert!(bad
+            .validate_algorithm()
+            .unwrap_err()
+            .to_string()
+            .contains("group_size"));
     }
 
     #[test]
@@ -341,7 +301,11 @@ mod tests {
             algorithm: Algorithm::Rft,
             ..traj
         };
-        assert!(bad.validate_algorithm().unwrap_err().contains("mixing"));
+        assert!(bad
+            .validate_algorithm()
+            .unwrap_err()
+            .to_string()
+            .contains("mixing"));
     }
 
     #[test]

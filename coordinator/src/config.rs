@@ -78,7 +78,7 @@ pub enum Mixing {
     Trajectory,
 }
 
-/// The training algorithm of a run (DESIGN.md, "Objectives (learner)").
+/// The training algorithm of a run (docs/architecture.md, "Objectives").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Algorithm {
@@ -144,7 +144,7 @@ pub struct CoordinatorConfig {
     /// dapo: δ in Â = (R − mean_G)/(std_G + δ).
     pub advantage_eps: f64,
     /// dapo: keep format-error turns out of the policy-gradient loss (in the context
-    /// only), as DESIGN.md asks of every loss. False trains them with the trajectory's
+    /// only), as docs/architecture.md ("Objectives") asks of every loss. False trains them with the trajectory's
     /// advantage, so a negative reward pushes malformed replies down.
     pub mask_format_errors: bool,
     /// Student-only (β = 0) episodes per iteration on held-out tasks; never trained on.
@@ -237,6 +237,92 @@ impl Default for CoordinatorConfig {
             shutdown_grace_s: 30.0,
         }
     }
+}
+
+impl CoordinatorConfig {
+    /// Checks `[coordinator]`; the message names the field and what it needs.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.iterations == 0 {
+            return Err(ConfigError::AtLeastOne("coordinator.iterations"));
+        }
+        if self.max_turns == 0 {
+            return Err(ConfigError::AtLeastOne("coordinator.max_turns"));
+        }
+        if self.batch_tokens < 16 || self.max_seq_len < 16 {
+            return Err(ConfigError::TooFewTokens);
+        }
+        if !(0.0..=1.0).contains(&self.beta.start) || !(0.0..=1.0).contains(&self.beta.end) {
+            return Err(ConfigError::Beta);
+        }
+        Ok(self.validate_algorithm()?)
+    }
+
+    /// Checks the algorithm's settings; the message names the field.
+    pub fn validate_algorithm(&self) -> Result<(), AlgorithmConfigError> {
+        if self.mixing == Mixing::Trajectory && self.algorithm != Algorithm::Dagger {
+            return Err(AlgorithmConfigError::TrajectoryMixing {
+                algorithm: self.algorithm.as_str(),
+            });
+        }
+        match self.algorithm {
+            Algorithm::Dagger | Algorithm::Bc => Ok(()),
+            Algorithm::Rft if self.samples_per_task == 0 || self.tasks_per_iteration == 0 => {
+                Err(AlgorithmConfigError::RftCounts)
+            }
+            Algorithm::Rft => Ok(()),
+            Algorithm::Dapo if self.group_size < 2 => Err(AlgorithmConfigError::DapoGroupSize {
+                got: self.group_size,
+            }),
+            Algorithm::Dapo if self.tasks_per_iteration == 0 => {
+                Err(AlgorithmConfigError::DapoTasks)
+            }
+            Algorithm::Dapo if self.advantage_eps.is_nan() || self.advantage_eps <= 0.0 => {
+                Err(AlgorithmConfigError::AdvantageEps {
+                    got: self.advantage_eps,
+                })
+            }
+            Algorithm::Dapo => Ok(()),
+            Algorithm::Distill => Ok(()),
+        }
+    }
+}
+
+/// A `[coordinator]` setting the coordinator cannot run with.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{0} must be at least 1")]
+    AtLeastOne(&'static str),
+    #[error("coordinator.batch_tokens and coordinator.max_seq_len must be at least 16")]
+    TooFewTokens,
+    #[error("coordinator.beta.start and coordinator.beta.end must lie in [0, 1]")]
+    Beta,
+    #[error(transparent)]
+    Algorithm(#[from] AlgorithmConfigError),
+}
+
+/// A `[coordinator]` setting the chosen algorithm cannot run with; the message names the
+/// field and what it needs.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum AlgorithmConfigError {
+    #[error(
+        "coordinator.mixing = \"trajectory\" is a dagger variant; algorithm = \"{algorithm}\" \
+         decides who acts by itself"
+    )]
+    TrajectoryMixing { algorithm: &'static str },
+    #[error(
+        "algorithm = \"rft\" needs coordinator.samples_per_task and \
+         coordinator.tasks_per_iteration of at least 1"
+    )]
+    RftCounts,
+    #[error(
+        "algorithm = \"dapo\" needs coordinator.group_size of at least 2 (got {got}): \
+         advantages are normalised within a group"
+    )]
+    DapoGroupSize { got: u32 },
+    #[error("algorithm = \"dapo\" needs coordinator.tasks_per_iteration of at least 1")]
+    DapoTasks,
+    #[error("coordinator.advantage_eps must be positive (got {got})")]
+    AdvantageEps { got: f64 },
 }
 
 #[cfg(test)]

@@ -20,8 +20,8 @@ use tutor_proto::{
 
 use crate::config::{CoordinatorConfig, ScheduleMode};
 use crate::dataset::{make_batches, make_episode_batches};
+use crate::run_events::EventLog;
 use crate::scheduler::{IterationRollouts, SchedulerHandle};
-use crate::service::EventLog;
 use crate::state::{state_path, Phase, RunState};
 
 pub struct Driver {

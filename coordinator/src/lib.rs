@@ -4,11 +4,15 @@
 
 pub mod algorithms;
 pub mod config;
+pub mod counters;
 pub mod dataset;
 pub mod driver;
+pub mod episode_id;
 pub mod learner_group;
 pub mod metrics;
 pub mod rewards;
+pub mod rollouts;
+pub mod run_events;
 pub mod scheduler;
 pub mod service;
 pub mod state;
@@ -24,6 +28,7 @@ use tokio::sync::Notify;
 use tutor_proto::auth::{AuthToken, ClientAuth, ServerAuth};
 use tutor_proto::control_server::ControlServer;
 use tutor_proto::learner_group_server::LearnerGroupServer;
+use tutor_proto::net::GrpcListener;
 use tutor_proto::rollout_server::RolloutServer;
 use tutor_proto::Task;
 
@@ -124,7 +129,7 @@ pub async fn serve(
             "resuming the run from its state and store"
         );
     }
-    let counters = Arc::new(metrics::EventCounters::default());
+    let counters = Arc::new(counters::EventCounters::default());
     let (store_tx, store_thread) = store::spawn_writer(store, counters.clone());
     let scheduler = scheduler::SchedulerHandle::spawn_recovered(
         opts.config.clone(),
@@ -136,7 +141,7 @@ pub async fn serve(
         },
     );
     // A restarted coordinator's watchers still get the earlier iterations' summaries.
-    let events = service::EventLog::with_history(if resumed {
+    let events = run_events::EventLog::with_history(if resumed {
         driver::read_summaries(&opts.run_dir.join("metrics.jsonl"))?
     } else {
         Vec::new()
@@ -144,10 +149,7 @@ pub async fn serve(
     let stop = Arc::new(Notify::new());
     let auth = ServerAuth::new(opts.auth_token.clone());
 
-    let listener = tokio::net::TcpListener::bind(opts.listen)
-        .await
-        .with_context(|| format!("binding the coordinator to {}", opts.listen))?;
-    let local = listener.local_addr()?;
+    let listener = GrpcListener::bind("coordinator", opts.listen).await?;
     let metrics_task = match opts.metrics_listen {
         Some(addr) => Some(
             metrics::start(
@@ -165,24 +167,15 @@ pub async fn serve(
         None => None,
     };
     // Last: the address file tells `tutor run` that everything is up.
-    if let Some(f) = &opts.addr_file {
-        tutor_proto::net::write_addr_file(f, local)
-            .with_context(|| format!("writing {}", f.display()))?;
-    }
+    listener.write_addr_file(opts.addr_file.as_deref())?;
     tracing::info!(
-        addr = %local,
+        addr = %listener.local_addr(),
         learner = %opts.learner_endpoint,
         tls = server_tls.is_some(),
         client_certificates = server_tls.as_ref().is_some_and(|t| t.is_mutual()),
         "coordinator listening"
     );
-    if !auth.is_enabled() {
-        tracing::warn!(
-            addr = %local,
-            "no auth token (--auth-token-file or TUTOR_AUTH_TOKEN): the coordinator accepts \
-             gRPC calls from anyone who can reach it"
-        );
-    }
+    listener.warn_if_unauthenticated(&auth);
 
     let grace = Duration::from_secs_f64(opts.config.shutdown_grace_s.max(0.0));
     let driver = driver::Driver {
@@ -234,17 +227,14 @@ pub async fn serve(
         .add_service(auth.intercept(LearnerGroupServer::new(
             learner_group::LearnerGroupService::default(),
         )))
-        // TCP_NODELAY, as tonic sets it on the sockets it binds itself (it does not on a
-        // listener handed in): without it Nagle holds back small acks until the peer's
-        // delayed ACK, ~40 ms on Linux, whenever a stream is not busy.
         .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            async move {
-                let _ = close_rx.await;
-                health
-                    .set_service_status("", tonic_health::ServingStatus::NotServing)
-                    .await;
-            },
+            listener.incoming(),
+            tutor_proto::net::not_serving_after(
+                async move {
+                    let _ = close_rx.await;
+                },
+                health,
+            ),
         );
     let mut server = Box::pin(server);
     let stop_requested = async {

@@ -1,5 +1,6 @@
-//! The coordinator's Prometheus metrics: pure event counts as atomics, everything the
-//! scheduler owns read from its snapshot, served as text by a minimal HTTP/1.1 responder.
+//! The coordinator's Prometheus metrics: the event counters, everything the scheduler
+//! owns read from its snapshot and the newest iteration's gauges, served as text at
+//! `GET /metrics` (axum).
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -9,33 +10,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use axum::extract::State;
+use axum::http::header::{CONNECTION, CONTENT_TYPE};
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tutor_proto::auth::ServerAuth;
 
+use crate::counters::EventCounters;
+use crate::run_events::EventLog;
 use crate::scheduler::{SchedulerHandle, SchedulerSnapshot};
-
-/// Counts of events the Rollout service ingests; bumped where they happen.
-#[derive(Debug, Default)]
-pub struct EventCounters {
-    /// Turn events stored for the first time.
-    pub turns_ingested: AtomicU64,
-    /// Outcome events stored for the first time (counted or not by the scheduler).
-    pub outcomes_ingested: AtomicU64,
-    /// Events a worker replayed that were already stored.
-    pub duplicate_events: AtomicU64,
-    /// Group commits of the trajectory store: one write of a batch and one fsync each.
-    pub store_commits: AtomicU64,
-    /// Bytes appended to the trajectory store (records with their headers).
-    pub store_bytes: AtomicU64,
-}
-
-impl EventCounters {
-    pub fn bump(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
-    }
-}
 
 /// What `/metrics` reads on each scrape.
 #[derive(Clone)]
@@ -44,7 +31,7 @@ pub struct MetricsSource {
     pub events: Arc<EventCounters>,
     pub auth: ServerAuth,
     /// Iteration summaries (solve rates, training throughput, phase times).
-    pub run_events: crate::service::EventLog,
+    pub run_events: EventLog,
 }
 
 impl MetricsSource {
@@ -180,9 +167,6 @@ pub fn render(
     out
 }
 
-/// Largest request head read; a scrape is one short line plus a few headers.
-const MAX_REQUEST_HEAD: usize = 8 * 1024;
-
 /// Gauges of the newest finished iteration: solve rates, training throughput, policy
 /// lag behind the learner, and how long each phase took.
 pub fn render_iteration(s: &tutor_proto::IterationSummary) -> String {
@@ -249,78 +233,65 @@ pub async fn start(
     Ok(tokio::spawn(serve(listener, source)))
 }
 
+/// The content type of the Prometheus text exposition, on every answer.
+const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
 /// Serves `GET /metrics` on `listener` until the task is dropped. One request per
 /// connection (`Connection: close`), which is all a Prometheus scrape needs.
 pub async fn serve(listener: TcpListener, source: MetricsSource) {
-    loop {
-        let (stream, peer) = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "metrics listener: accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let source = source.clone();
-        tokio::spawn(async move {
-            let answer = tokio::time::timeout(Duration::from_secs(10), respond(stream, &source));
-            match answer.await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "metrics request failed"),
-                Err(_) => tracing::debug!(%peer, "metrics request timed out"),
-            }
-        });
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(scrape)
+                .head(method_not_allowed)
+                .fallback(method_not_allowed),
+        )
+        .fallback(not_found)
+        .with_state(source)
+        .layer(axum::middleware::map_response(close_connection));
+    if let Err(e) = axum::serve(listener, app).await {
+        tracing::warn!(error = %e, "metrics endpoint stopped");
     }
 }
 
-async fn respond(mut stream: TcpStream, source: &MetricsSource) -> std::io::Result<()> {
-    let mut head = Vec::with_capacity(512);
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        if head.len() > MAX_REQUEST_HEAD {
-            return write_response(&mut stream, "431 Request Header Fields Too Large", "").await;
-        }
-        let n = stream.read(&mut buf).await?;
-        if n == 0 {
-            return Ok(()); // closed before a whole request head arrived
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
-    let line = head.split(|b| *b == b'\r').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
-    let mut parts = line.split(' ');
-    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let path = target.split('?').next().unwrap_or("");
-    match (method, path) {
-        ("GET", "/metrics") => {
-            let body = source.render().await;
-            write_response(&mut stream, "200 OK", &body).await
-        }
-        (_, "/metrics") => write_response(&mut stream, "405 Method Not Allowed", "").await,
-        _ => {
-            write_response(
-                &mut stream,
-                "404 Not Found",
-                "the coordinator serves GET /metrics only\n",
-            )
-            .await
+async fn scrape(State(source): State<MetricsSource>) -> Response {
+    // A scrape that cannot be answered in time is dropped rather than left hanging.
+    match tokio::time::timeout(Duration::from_secs(10), source.render()).await {
+        Ok(body) => text(StatusCode::OK, body),
+        Err(_) => {
+            tracing::debug!("metrics request timed out");
+            text(StatusCode::SERVICE_UNAVAILABLE, String::new())
         }
     }
 }
 
-async fn write_response(stream: &mut TcpStream, status: &str, body: &str) -> std::io::Result<()> {
-    let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body.as_bytes()).await?;
-    stream.shutdown().await
+async fn method_not_allowed() -> Response {
+    text(StatusCode::METHOD_NOT_ALLOWED, String::new())
+}
+
+async fn not_found() -> Response {
+    text(
+        StatusCode::NOT_FOUND,
+        "the coordinator serves GET /metrics only\n".to_string(),
+    )
+}
+
+fn text(status: StatusCode, body: String) -> Response {
+    (status, [(CONTENT_TYPE, TEXT_FORMAT)], body).into_response()
+}
+
+async fn close_connection(mut response: Response) -> Response {
+    response
+        .headers_mut()
+        .insert(CONNECTION, HeaderValue::from_static("close"));
+    response
 }
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
     use super::*;
 
     fn value(text: &str, series: &str) -> Option<u64> {
@@ -358,8 +329,10 @@ mod tests {
         assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
         assert!(ok.contains("text/plain; version=0.0.4"), "{ok}");
         let (head, body) = ok.split_once("\r\n\r\n").unwrap();
+        // Header names are case-insensitive; hyper writes them in lower case.
         assert!(
-            head.contains(&format!("Content-Length: {}", body.len())),
+            head.to_ascii_lowercase()
+                .contains(&format!("content-length: {}", body.len())),
             "{head}"
         );
         assert!(body.contains("tutor_coordinator_live_workers 0"), "{body}");

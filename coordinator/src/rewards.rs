@@ -1,7 +1,7 @@
 //! DAPO's reward side, free of tensors: the turn-count length penalty, the trajectory
-//! reward, group-normalised advantages and the dynamic-sampling filter (DESIGN.md,
-//! "Objectives (learner)"). The coordinator computes them; the learner re-exports them
-//! beside its losses (`tutor_learner::objectives`).
+//! reward, group-normalised advantages and the dynamic-sampling filter (docs/architecture.md,
+//! "Objectives"). The coordinator computes them and sends the advantages in its
+//! examples; the learner's losses are in `tutor_learner::loss`.
 
 /// Mean and population standard deviation (divides by n) of a non-empty slice.
 fn mean_std(xs: &[f64]) -> (f64, f64) {

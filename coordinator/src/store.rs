@@ -12,14 +12,72 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
 use prost::Message;
 use tokio::sync::{mpsc, oneshot};
 use tutor_proto::EpisodeEvent;
 
-use crate::metrics::EventCounters;
+use crate::counters::EventCounters;
 
 pub use tutor_proto::event_key;
+
+/// What went wrong with the trajectory store, and on which file.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    #[error(
+        "opening the trajectory store {}: {source}; check that the run directory exists, is \
+         writable and is not on a full disk",
+        path.display()
+    )]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    #[error(
+        "reading the trajectory store {}: {source}; check the file's permissions (a torn or \
+         corrupt tail is cut on open, not an error)",
+        path.display()
+    )]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    #[error(
+        "writing the trajectory store {}: {source}; nothing of this batch was acknowledged \
+         and the workers replay it: free disk space or fix the permissions, then the \
+         replays are stored",
+        path.display()
+    )]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+}
+
+impl StoreError {
+    fn open(path: &Path) -> impl FnOnce(std::io::Error) -> Self + '_ {
+        move |e| Self::Open {
+            path: path.to_path_buf(),
+            source: Arc::new(e),
+        }
+    }
+
+    fn read(path: &Path) -> impl FnOnce(std::io::Error) -> Self + '_ {
+        move |e| Self::Read {
+            path: path.to_path_buf(),
+            source: Arc::new(e),
+        }
+    }
+
+    fn write(path: &Path) -> impl FnOnce(std::io::Error) -> Self + '_ {
+        move |e| Self::Write {
+            path: path.to_path_buf(),
+            source: Arc::new(e),
+        }
+    }
+}
 
 /// How the store writes. The default is the only durable setting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,19 +107,22 @@ pub struct TrajectoryStore {
 
 impl TrajectoryStore {
     /// Opens (or creates) `dir/events.log`, recovering what a previous run stored.
-    pub fn open(dir: &Path) -> Result<Self> {
+    pub fn open(dir: &Path) -> Result<Self, StoreError> {
         Self::open_with(dir, StoreOptions::default())
     }
 
     /// `open` with explicit options.
-    pub fn open_with(dir: &Path, options: StoreOptions) -> Result<Self> {
+    pub fn open_with(dir: &Path, options: StoreOptions) -> Result<Self, StoreError> {
         Ok(Self::open_recovering(dir, options)?.0)
     }
 
     /// `open_with` that also returns every intact stored event, in store order: what a
     /// restarted coordinator rebuilds its iteration and datasets from.
-    pub fn open_recovering(dir: &Path, options: StoreOptions) -> Result<(Self, Vec<EpisodeEvent>)> {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    pub fn open_recovering(
+        dir: &Path,
+        options: StoreOptions,
+    ) -> Result<(Self, Vec<EpisodeEvent>), StoreError> {
+        std::fs::create_dir_all(dir).map_err(StoreError::open(dir))?;
         let path = dir.join("events.log");
         let (events, valid_len) = scan(&path)?;
         let mut file = OpenOptions::new()
@@ -70,14 +131,15 @@ impl TrajectoryStore {
             .read(true)
             .write(true)
             .open(&path)
-            .with_context(|| format!("opening {}", path.display()))?;
-        let len = file.metadata()?.len();
+            .map_err(StoreError::open(&path))?;
+        let len = file.metadata().map_err(StoreError::open(&path))?.len();
         if len != valid_len {
             tracing::warn!(path = %path.display(), cut = len - valid_len, "cutting a torn tail");
-            file.set_len(valid_len)?;
-            file.sync_all()?;
+            file.set_len(valid_len).map_err(StoreError::open(&path))?;
+            file.sync_all().map_err(StoreError::open(&path))?;
         }
-        file.seek(SeekFrom::End(0))?;
+        file.seek(SeekFrom::End(0))
+            .map_err(StoreError::open(&path))?;
         let seen = events.iter().filter_map(event_key).collect();
         let store = Self {
             path,
@@ -120,7 +182,7 @@ impl TrajectoryStore {
     pub fn append_batch<'a>(
         &mut self,
         events: impl IntoIterator<Item = &'a EpisodeEvent>,
-    ) -> Result<Vec<bool>> {
+    ) -> Result<Vec<bool>, StoreError> {
         let mut dup = Vec::new();
         let mut new_keys: HashSet<(String, u32)> = HashSet::new();
         let mut bytes = 0u64;
@@ -137,18 +199,18 @@ impl TrajectoryStore {
             ev.encode(&mut self.scratch)
                 .expect("a Vec grows to hold any message");
             let record = &self.scratch;
-            self.file.write_all(&(record.len() as u32).to_le_bytes())?;
-            self.file
-                .write_all(&crc32fast::hash(record).to_le_bytes())?;
-            self.file.write_all(record)?;
+            write_record(&mut self.file, record).map_err(StoreError::write(&self.path))?;
             bytes += 8 + record.len() as u64;
             new_keys.insert(key);
             dup.push(false);
         }
         if !new_keys.is_empty() {
-            self.file.flush()?;
+            self.file.flush().map_err(StoreError::write(&self.path))?;
             if self.options.fsync {
-                self.file.get_ref().sync_data()?;
+                self.file
+                    .get_ref()
+                    .sync_data()
+                    .map_err(StoreError::write(&self.path))?;
             }
             self.commits += 1;
             self.bytes += bytes;
@@ -158,18 +220,24 @@ impl TrajectoryStore {
     }
 }
 
+/// Appends one record: its length, its CRC, its bytes.
+fn write_record(file: &mut impl Write, record: &[u8]) -> std::io::Result<()> {
+    file.write_all(&(record.len() as u32).to_le_bytes())?;
+    file.write_all(&crc32fast::hash(record).to_le_bytes())?;
+    file.write_all(record)
+}
+
 /// Reads every intact record of a store file; returns them and the length of the intact
 /// prefix (a torn or corrupt record ends the scan).
-pub fn scan(path: &Path) -> Result<(Vec<EpisodeEvent>, u64)> {
+pub fn scan(path: &Path) -> Result<(Vec<EpisodeEvent>, u64), StoreError> {
     let mut events = Vec::new();
     let mut data = Vec::new();
     match File::open(path) {
         Ok(mut f) => {
-            f.read_to_end(&mut data)
-                .with_context(|| format!("reading {}", path.display()))?;
+            f.read_to_end(&mut data).map_err(StoreError::read(path))?;
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((events, 0)),
-        Err(e) => return Err(e).with_context(|| format!("opening {}", path.display())),
+        Err(e) => return Err(StoreError::read(path)(e)),
     }
     let mut pos = 0usize;
     while pos + 8 <= data.len() {
@@ -199,7 +267,7 @@ pub struct StoreRequest {
 pub struct StoreReply {
     pub event: EpisodeEvent,
     /// Whether the event was a duplicate; an error if the batch could not be written.
-    pub result: Result<bool, String>,
+    pub result: Result<bool, StoreError>,
 }
 
 /// Largest batch one group commit writes.
@@ -244,11 +312,11 @@ pub fn spawn_writer(
                         }
                     }
                     Err(e) => {
-                        tracing::error!(error = %format!("{e:#}"), path = %store.path().display(), "trajectory store write failed");
+                        tracing::error!(error = %e, "trajectory store write failed");
                         for r in batch.drain(..) {
                             let _ = r.reply.send(StoreReply {
                                 event: r.event,
-                                result: Err(format!("store write failed: {e:#}")),
+                                result: Err(e.clone()),
                             });
                         }
                     }

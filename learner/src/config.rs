@@ -90,14 +90,7 @@ pub enum Precision {
     Bf16,
 }
 
-/// Which collective the learner ranks use (see `LearnerConfig::collective`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CollectiveChoice {
-    #[default]
-    Cpu,
-    Nccl,
-}
+pub use tutor_collective::CollectiveChoice;
 
 /// How a cross-entropy step lays its examples out (see `LearnerConfig::packing`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -1,23 +1,19 @@
 //! Learner: owns the optimizer and the student's training weights; trains on token-level
 //! batches from the coordinator and publishes each new policy version as safetensors.
 
-pub mod broadcast;
 pub mod checkpoint;
-pub mod collective;
 pub mod config;
 pub mod group;
 pub mod loss;
-pub mod objectives;
 pub mod optim;
 pub mod packing;
-pub mod rl;
 pub mod schedule;
 pub mod service;
 pub mod trainer;
 pub mod weights;
 
-pub use collective::{Collective, CollectiveError, CpuCollective};
 pub use config::{CollectiveChoice, LearnerConfig};
 pub use service::{serve, LearnerHandle, ServeOptions};
-pub use trainer::{StepReport, Trainer};
+pub use trainer::{StepError, StepReport, Trainer};
+pub use tutor_collective::{Collective, CollectiveError, CpuCollective};
 pub use weights::WeightsStore;

@@ -22,7 +22,7 @@
 //! trunk) are appended to the row as separate chains with their own positions, so the
 //! (context, label) pairs of a row are always exactly those of `dagger_examples`.
 
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 use tutor_proto::{Actor, TurnRecord};
 
 /// One trajectory with its labels, as a tree of token sequences in one row.
@@ -405,33 +405,12 @@ impl PackedBatch {
     }
 }
 
-/// Sum of label-token negative log-likelihoods of a packed batch; `logits` `[B, L, V]`
-/// from `Policy::forward_tree` on it.
-pub fn packed_nll_sum(logits: &Tensor, batch: &PackedBatch) -> Tensor {
-    let (b, l, v) = logits.size3().expect("logits must be [B, L, V]");
-    if batch.label_tokens == 0 {
-        return Tensor::zeros([], (Kind::Float, logits.device()));
-    }
-    let pred = logits
-        .reshape([b * l, v])
-        .index_select(0, &batch.pred_index)
-        .log_softmax(-1, Kind::Float);
-    -pred
-        .gather(1, &batch.targets.unsqueeze(1), false)
-        .sum(Kind::Float)
-}
-
-/// Mean label-token cross-entropy of a packed batch: the same value as
-/// `masked_cross_entropy` over the equivalent separate examples.
-pub fn packed_cross_entropy(logits: &Tensor, batch: &PackedBatch) -> Tensor {
-    packed_nll_sum(logits, batch) / (batch.label_tokens.max(1) as f64)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::loss::{masked_cross_entropy, PaddedBatch};
+    use crate::loss::{masked_cross_entropy, packed_nll_sum, PaddedBatch};
     use rand::{Rng, SeedableRng};
+    use tch::Kind;
     use tutor_coordinator::dataset::dagger_examples;
     use tutor_policy::{ModelConfig, Policy};
 

@@ -34,8 +34,11 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
+use tutor_collective::rendezvous::GroupOptions;
+use tutor_collective::CpuCollective;
 use tutor_proto::auth::{AuthToken, ServerAuth};
 use tutor_proto::learner_server::{Learner, LearnerServer};
+use tutor_proto::net::GrpcListener;
 use tutor_proto::weights_server::WeightsServer;
 use tutor_proto::{
     LearnerStatus, LearnerStatusRequest, SaveCheckpointRequest, SaveCheckpointResponse, TrainBatch,
@@ -43,11 +46,10 @@ use tutor_proto::{
 };
 
 use crate::checkpoint;
-use crate::collective::CpuCollective;
 use crate::config::LearnerConfig;
-use crate::group::{encode_batch, GroupLead, GroupOptions};
-use crate::rl::StepExamples;
-use crate::trainer::{is_collective_error, StepReport, Trainer};
+use crate::group::{encode_batch, GroupLead};
+use crate::loss::StepExamples;
+use crate::trainer::{StepError, StepReport, Trainer};
 use crate::weights::{PublishedVersion, WeightsStore};
 
 /// The learner's checkpoint inside its `out_dir`.
@@ -421,10 +423,11 @@ impl TrainerHost {
                 let share = r.examples.shard(0, group.world_size());
                 match self.trainer.train_step(&share) {
                     Ok(report) => report,
-                    Err(e) => {
-                        if is_collective_error(&e) {
-                            group.broken(&mut self.trainer, &format!("{e:#}"));
-                        }
+                    Err(e @ StepError::Collective { .. }) => {
+                        // A rank died, hung or went out of step: rank 0 goes on alone and
+                        // forms the group again at its next batch.
+                        let e = anyhow::Error::new(e);
+                        group.broken(&mut self.trainer, &format!("{e:#}"));
                         return Err(e.context("training step"));
                     }
                 }
@@ -683,35 +686,24 @@ pub async fn serve(
     let stopper = handle.clone();
     let broadcast_stop = Arc::new(AtomicBool::new(false));
     if let Some(b) = opts.broadcast {
-        crate::broadcast::spawn_broadcaster(
+        let store = store.clone();
+        tutor_collective::broadcast::spawn_broadcaster(
             b,
-            store.clone(),
+            move || store.latest().map(|pv| pv.file()),
             tokio::runtime::Handle::current(),
             broadcast_stop.clone(),
         )?;
     }
-    let listener = tokio::net::TcpListener::bind(opts.listen)
-        .await
-        .with_context(|| format!("binding the learner to {}", opts.listen))?;
-    let local = listener.local_addr()?;
-    if let Some(f) = &opts.addr_file {
-        tutor_proto::net::write_addr_file(f, local)
-            .with_context(|| format!("writing {}", f.display()))?;
-    }
+    let listener = GrpcListener::bind("learner", opts.listen).await?;
+    listener.write_addr_file(opts.addr_file.as_deref())?;
     tracing::info!(
-        addr = %local,
+        addr = %listener.local_addr(),
         tls = server_tls.is_some(),
         client_certificates = server_tls.as_ref().is_some_and(|t| t.is_mutual()),
         "learner listening"
     );
     let auth = ServerAuth::new(opts.auth_token);
-    if !auth.is_enabled() {
-        tracing::warn!(
-            addr = %local,
-            "no auth token (--auth-token-file or TUTOR_AUTH_TOKEN): the learner accepts \
-             gRPC calls from anyone who can reach it"
-        );
-    }
+    listener.warn_if_unauthenticated(&auth);
     // Probes carry no secrets: the health service is the one left unauthenticated.
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<LearnerServer<LearnerHandle>>().await;
@@ -727,15 +719,8 @@ pub async fn serve(
         )
         .add_service(auth.intercept(WeightsServer::new(store)))
         .serve_with_incoming_shutdown(
-            // tonic sets TCP_NODELAY only on listeners it binds itself; without it small
-            // replies wait on delayed ACKs (~40 ms each).
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            async move {
-                shutdown.await;
-                health
-                    .set_service_status("", tonic_health::ServingStatus::NotServing)
-                    .await;
-            },
+            listener.incoming(),
+            tutor_proto::net::not_serving_after(shutdown, health),
         );
     tokio::select! {
         r = server => r.context("learner server")?,

@@ -22,6 +22,18 @@ pub struct PublishedVersion {
     pub bytes: u64,
 }
 
+impl PublishedVersion {
+    /// What the weights broadcast sends of it.
+    pub fn file(&self) -> tutor_collective::broadcast::VersionFile {
+        tutor_collective::broadcast::VersionFile {
+            version: self.version,
+            sha256: self.sha256.clone(),
+            bytes: self.bytes,
+            path: self.path.clone(),
+        }
+    }
+}
+
 /// The versions this learner has published. Shared read-mostly between the trainer
 /// (which adds versions) and the Weights service (which streams them).
 #[derive(Clone, Default)]

@@ -10,11 +10,11 @@ use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use tutor_learner::broadcast::{
+use tutor_collective::broadcast::{
     spawn_broadcaster, spawn_receiver, Arrived, ReceiverEvent, GROUP, RECEIVE_TIMEOUT,
 };
-use tutor_learner::collective::{Collective, CpuCollective, CpuCollectiveTimeouts};
-use tutor_learner::group::{fetch, GroupOptions};
+use tutor_collective::rendezvous::{fetch, GroupOptions};
+use tutor_collective::{Collective, CpuCollective, CpuCollectiveTimeouts};
 use tutor_learner::{CollectiveChoice, WeightsStore};
 use tutor_proto::auth::ClientAuth;
 
@@ -92,7 +92,10 @@ fn versions_reach_receivers_and_the_group_forms_again_after_a_receiver_dies() {
     let stop = Arc::new(AtomicBool::new(false));
     spawn_broadcaster(
         options(&coordinator, 0, 3),
-        store.clone(),
+        {
+            let store = store.clone();
+            move || store.latest().map(|pv| pv.file())
+        },
         rt.handle().clone(),
         stop.clone(),
     )

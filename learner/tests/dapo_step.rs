@@ -6,7 +6,7 @@
 use tch::{Device, Kind, Tensor};
 use tutor_coordinator::algorithms::{dapo_examples, GroupedEpisode};
 use tutor_coordinator::dataset::policy_gradient_example;
-use tutor_learner::rl::{RlExample, StepExamples};
+use tutor_learner::loss::{RlExample, StepExamples};
 use tutor_learner::{LearnerConfig, Trainer};
 use tutor_policy::{GenParams, ModelConfig, Policy};
 use tutor_proto::{Actor, TrainExample, TurnRecord};

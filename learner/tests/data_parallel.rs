@@ -6,7 +6,7 @@ use std::time::Duration;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tch::Device;
-use tutor_learner::collective::{CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
+use tutor_collective::{CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
 use tutor_learner::trainer::rank_shard;
 use tutor_learner::{LearnerConfig, Trainer};
 use tutor_policy::{ModelConfig, Policy};

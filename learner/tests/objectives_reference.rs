@@ -11,9 +11,9 @@ use std::process::Command;
 
 use serde_json::{json, Value};
 use tch::{Kind, Tensor};
-use tutor_learner::loss::masked_cross_entropy;
-use tutor_learner::objectives::{
-    dapo_clip_fraction, dapo_loss, group_advantages, reverse_kl_advantage,
+use tutor_coordinator::rewards::group_advantages;
+use tutor_learner::loss::{
+    dapo_clip_fraction, dapo_loss, masked_cross_entropy, reverse_kl_advantage,
 };
 
 const TOL_F64: f64 = 1e-9;

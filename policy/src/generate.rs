@@ -10,6 +10,8 @@
 //! < 1); DAPO's importance ratio needs exactly that as ℓ_old. Nucleus truncation happens
 //! only when a caller asks for it (`top_p` defaults to 1): the design forbids silent
 //! truncation of RL rollouts.
+//!
+//! Over 800 lines because its tests (380 lines) sit beside the sampling code they pin down.
 
 use std::collections::HashMap;
 

@@ -24,8 +24,8 @@ pub use chat_template::{ChatTemplate, CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE}
 pub use checkpoint::{weight_files, INDEX_FILE};
 pub use config::{Family, ModelConfig, RopeScaling, SUPPORTED_MODELS};
 pub use engine::{
-    spawn_engine, DoneEvent, EngineConfig, EngineEvent, EngineHandle, EngineRequest, RequestError,
-    TokenEvent,
+    spawn_engine, Completion, DoneEvent, EngineConfig, EngineEvent, EngineHandle, EngineRequest,
+    EventSender, LoadError, RequestError, TokenEvent,
 };
 pub use error::PolicyError;
 pub use generate::{fit_context, FinishReason, GenParams, Generation};
@@ -44,16 +44,24 @@ pub fn parse_device(text: &str, default_gpu: usize) -> Option<tch::Device> {
     }
 }
 
+/// A CUDA device libtorch does not see.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "cuda:{index} is not there: libtorch sees {count} CUDA device(s) (a CPU-only libtorch, \
+     no driver, or CUDA_VISIBLE_DEVICES hides it)"
+)]
+pub struct MissingDevice {
+    pub index: usize,
+    pub count: i64,
+}
+
 /// Checks that libtorch sees `device` (a CUDA index below the device count); the error
 /// says how many it sees.
-pub fn check_device(device: tch::Device) -> Result<(), String> {
-    if let tch::Device::Cuda(n) = device {
+pub fn check_device(device: tch::Device) -> Result<(), MissingDevice> {
+    if let tch::Device::Cuda(index) = device {
         let count = tch::Cuda::device_count();
-        if n as i64 >= count {
-            return Err(format!(
-                "cuda:{n} is not there: libtorch sees {count} CUDA device(s) (a CPU-only \
-                 libtorch, no driver, or CUDA_VISIBLE_DEVICES hides it)"
-            ));
+        if index as i64 >= count {
+            return Err(MissingDevice { index, count });
         }
     }
     Ok(())

@@ -16,6 +16,10 @@
 //! One code path serves training (`forward`, full sequences; `forward_tree`, packed rows
 //! with explicit positions and attention structure) and generation (prefill and one-token
 //! decode steps with a KV cache); they differ only in positions, mask and cache.
+//!
+//! Long on purpose (~900 lines of code, 400 of tests): the layers, the decoder and `Policy`
+//! share private fields and one forward path for training and generation, which reads best
+//! in one place.
 
 use std::sync::Mutex;
 

@@ -13,3 +13,95 @@ pub fn write_addr_file(path: &Path, addr: SocketAddr) -> std::io::Result<()> {
     std::fs::write(&tmp, addr.to_string())?;
     std::fs::rename(&tmp, path)
 }
+
+/// Why a server could not start listening.
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    #[error("binding the {role} to {addr}: {source} (is another process listening there? pick another address or port 0)")]
+    Bind {
+        role: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("writing the {role}'s address file {}: {source}", path.display())]
+    AddrFile {
+        role: &'static str,
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// A gRPC server's socket, bound before its services are assembled, so the address
+/// (port 0 included) is known and can be announced. Every Tutor gRPC server starts the
+/// same way: bind, announce (log line, the missing-auth warning, the address file), then
+/// serve [`GrpcListener::incoming`] until shutdown, its health service turned to
+/// NOT_SERVING first ([`not_serving_after`]).
+pub struct GrpcListener {
+    role: &'static str,
+    listener: tokio::net::TcpListener,
+    addr: SocketAddr,
+}
+
+impl GrpcListener {
+    /// Binds `addr` for the server named `role` in messages ("coordinator", "learner").
+    pub async fn bind(role: &'static str, addr: SocketAddr) -> Result<Self, ListenError> {
+        let bind_error = |source| ListenError::Bind { role, addr, source };
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(bind_error)?;
+        let addr = listener.local_addr().map_err(bind_error)?;
+        Ok(GrpcListener {
+            role,
+            listener,
+            addr,
+        })
+    }
+
+    /// The bound address (the real port when bound to port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Writes the bound address to `path` (`--addr-file`): what tells a watcher such as
+    /// `tutor run` that the server is up, so it is the last step before serving.
+    pub fn write_addr_file(&self, path: Option<&Path>) -> Result<(), ListenError> {
+        match path {
+            Some(p) => write_addr_file(p, self.addr).map_err(|source| ListenError::AddrFile {
+                role: self.role,
+                path: p.to_path_buf(),
+                source,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Warns, once at start, when the server takes calls from anyone.
+    pub fn warn_if_unauthenticated(&self, auth: &crate::auth::ServerAuth) {
+        if !auth.is_enabled() {
+            tracing::warn!(
+                addr = %self.addr,
+                "no auth token (--auth-token-file or TUTOR_AUTH_TOKEN): the {} accepts \
+                 gRPC calls from anyone who can reach it",
+                self.role
+            );
+        }
+    }
+
+    /// The connections to serve. tonic sets TCP_NODELAY only on listeners it binds
+    /// itself; without it small replies wait on delayed ACKs (~40 ms each).
+    pub fn incoming(self) -> tonic::transport::server::TcpIncoming {
+        tonic::transport::server::TcpIncoming::from(self.listener).with_nodelay(Some(true))
+    }
+}
+
+/// Resolves when `shutdown` does, after marking every service of `health` NOT_SERVING:
+/// probes see the server going before its connections close.
+pub async fn not_serving_after(
+    shutdown: impl std::future::Future<Output = ()>,
+    health: tonic_health::server::HealthReporter,
+) {
+    shutdown.await;
+    health
+        .set_service_status("", tonic_health::ServingStatus::NotServing)
+        .await;
+}

@@ -1,23 +1,26 @@
-//! One episode with turn-level mixing (DAgger): at every visited state the teacher
-//! labels the best action; the student proposes its own; the executed action is the
-//! teacher's with probability β, else the student's. Every turn is streamed as it
-//! happens; tokens are kept exactly as generated.
+//! One episode, turn by turn, from the lease to the graded outcome.
+//!
+//! At every visited state the teacher labels the best action, the student proposes its own
+//! when it may act, and the executed action is the one whoever acts chose
+//! ([`crate::mixing`] decides). Every turn is streamed as it happens, with its tokens
+//! exactly as generated; at the end the submission is graded.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use tokio::sync::mpsc;
 use tutor_policy::{ChatTokenizer, GenParams};
 use tutor_proto::{
     episode_event, Actor, EpisodeEvent, EpisodeLease, EpisodeOutcome, OutcomeStatus, TurnRecord,
 };
 
-use crate::action::{parse_action, Action};
-use crate::backend::SandboxFactory;
+use crate::action::{parse_action, Action, FormatError};
 use crate::grade::grade_fresh;
+use crate::mixing::Mixing;
 use crate::observation::format_observation;
+use crate::sandbox::{Sandbox, SandboxFactory};
 use crate::student::StudentHost;
 use crate::tasks::TaskRecord;
 use crate::teacher::{ExecutedStep, OracleTeacher, Teacher, TeacherState};
@@ -41,18 +44,19 @@ pub fn render_system_prompt(template: &str, repo: &str) -> String {
 pub enum TeacherSource {
     Oracle,
     /// Shared by every episode of the worker (one connection pool, one concurrency limit).
-    Endpoint(Arc<crate::endpoint::ChatEndpoint>, tokio::runtime::Handle),
+    Endpoint(
+        Arc<crate::teacher::endpoint::ChatEndpoint>,
+        tokio::runtime::Handle,
+    ),
 }
 
 impl TeacherSource {
     pub fn make(&self, seed: u64) -> Box<dyn Teacher> {
         match self {
             TeacherSource::Oracle => Box::new(OracleTeacher::new()),
-            TeacherSource::Endpoint(e, rt) => Box::new(crate::endpoint::EndpointTeacher::new(
-                e.clone(),
-                rt.clone(),
-                Some(seed),
-            )),
+            TeacherSource::Endpoint(e, rt) => Box::new(
+                crate::teacher::endpoint::EndpointTeacher::new(e.clone(), rt.clone(), Some(seed)),
+            ),
         }
     }
 }
@@ -85,8 +89,7 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
         ..Default::default()
     };
     let Some(task_proto) = lease.task.as_ref() else {
-        outcome.status = OutcomeStatus::SandboxError as i32;
-        outcome.error = "lease carries no task".into();
+        fail(&mut outcome, "lease carries no task".into());
         return finish(env, lease, outcome, start);
     };
     let task = TaskRecord::from_proto(task_proto);
@@ -94,8 +97,7 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
     let mut sandbox = match env.sandboxes.create(&task, &lease.episode_id) {
         Ok(s) => s,
         Err(e) => {
-            outcome.status = OutcomeStatus::SandboxError as i32;
-            outcome.error = format!("creating the sandbox: {e}");
+            fail(&mut outcome, format!("creating the sandbox: {e}"));
             return finish(env, lease, outcome, start);
         }
     };
@@ -103,27 +105,16 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
     let im_end = tok.im_end_id();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(lease.seed);
     let mut teacher = env.teacher.make(lease.seed);
-    let sampling = lease.sampling.unwrap_or_default();
-    // Unbiased mode: the policy's own distribution, whatever the temperature says.
-    let temperature = if sampling.unbiased {
-        1.0
-    } else {
-        sampling.temperature
-    };
-    let timeout = Duration::from_millis(lease.command_timeout_ms.max(1000) as u64);
-    let max_obs = lease.observation_max_chars.max(200) as usize;
-    let beta = lease.beta.clamp(0.0, 1.0);
-    // Trajectory-level mixing: the student acts for the first κ turns, the teacher after.
-    let student_turns = lease.student_turns;
-    let version = outcome.policy_version;
+    let settings = TurnSettings::from_lease(lease);
+    let mixing = Mixing::from_lease(lease);
 
     let mut history: Vec<u32> = Vec::new();
     let system = render_system_prompt(&env.system_prompt, sandbox.repo_display());
     let mut delta = match tok.render_prompt(&system, &task.problem_statement) {
         Ok(ids) => ids,
         Err(e) => {
-            outcome.status = OutcomeStatus::SandboxError as i32;
-            outcome.error = format!("rendering the prompt with the chat template: {e}");
+            let e = format!("rendering the prompt with the chat template: {e}");
+            fail(&mut outcome, e);
             drop(sandbox);
             return finish(env, lease, outcome, start);
         }
@@ -140,7 +131,7 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
         history.extend_from_slice(&delta);
 
         // 1. The teacher labels this state, always.
-        let teacher_reply = match teacher.next_action(&TeacherState {
+        let reply = match teacher.next_action(&TeacherState {
             task: &task,
             system_prompt: &system,
             sandbox: sandbox.as_ref(),
@@ -150,170 +141,52 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
         }) {
             Ok(r) => r,
             Err(e) => {
-                outcome.status = OutcomeStatus::SandboxError as i32;
-                outcome.error = e.to_string();
+                fail(&mut outcome, e.to_string());
                 break;
             }
         };
-        let teacher_text = teacher_reply.text;
-        let teacher_action = parse_action(&teacher_text);
-        let teacher_tokens = tok.encode_assistant(&teacher_text);
-
-        // 2. The student proposes, whenever it may be executed.
-        let student_may_act = match student_turns {
-            Some(kappa) => t < kappa,
-            None => beta < 1.0,
+        let label = Proposal {
+            tokens: tok.encode_assistant(&reply.text),
+            logprobs: reply.logprobs,
+            action: parse_action(&reply.text),
+            text: reply.text,
         };
-        let student = if student_may_act {
-            let params = GenParams {
-                temperature,
-                // No truncation: the recorded log-probs are the policy's (RL needs them).
-                top_p: 1.0,
-                max_new_tokens: sampling.max_new_tokens.max(1) as usize,
-                seed: sampling.seed.wrapping_add(t as u64),
-                stop_token_ids: vec![im_end],
-            };
-            match env.student.generate_blocking(history.clone(), params) {
-                Ok(g) => Some(g),
+
+        // 2. Who acts this turn (crate::mixing). The student proposes whenever it may be
+        // executed; for on-policy distillation the teacher scores the student's tokens.
+        let roles = mixing.roles(t, &mut rng);
+        let (student, teacher_logprobs_of_student) = if roles.student_generates {
+            let score = lease.score_student;
+            match student_turn(env, &settings, teacher.as_mut(), &history, t, score) {
+                Ok((p, lps)) => (Some(p), lps),
                 Err(e) => {
-                    outcome.status = OutcomeStatus::SandboxError as i32;
-                    outcome.error = format!("student generation failed: {e:#}");
+                    fail(&mut outcome, e);
                     break;
                 }
             }
         } else {
-            None
-        };
-        let (student_tokens, student_logprobs, student_text, student_action) = match &student {
-            Some(g) => {
-                let text = tok.decode(&g.tokens);
-                let action = parse_action(&text);
-                (g.tokens.clone(), g.logprobs.clone(), text, Some(action))
-            }
-            None => (Vec::new(), Vec::new(), String::new(), None),
+            (None, Vec::new())
         };
 
-        // 2b. On-policy distillation: the teacher scores the student's tokens.
-        let mut teacher_logprobs_of_student = Vec::new();
-        if lease.score_student && !student_tokens.is_empty() {
-            let scored = match teacher.score(&history, &student_tokens) {
-                Some(Ok(lps)) if lps.len() == student_tokens.len() => Ok(lps),
-                Some(Ok(lps)) => Err(format!(
-                    "the teacher scored {} of the student's {} tokens",
-                    lps.len(),
-                    student_tokens.len()
-                )),
-                Some(Err(e)) => Err(format!("the teacher could not score the student: {e}")),
-                None => Err(format!(
-                    "the lease asks for teacher log-probs of the student's tokens, which the \
-                     {} teacher cannot give (use [worker.teacher] kind = \"endpoint\")",
-                    teacher.name()
-                )),
-            };
-            match scored {
-                Ok(lps) => teacher_logprobs_of_student = lps,
-                Err(e) => {
-                    outcome.status = OutcomeStatus::SandboxError as i32;
-                    outcome.error = e;
-                    break;
-                }
-            }
-        }
-
-        // 3. Mix: the teacher's action with probability β (turn level), or the student's
-        // within its κ turns (trajectory level).
-        let teacher_executes =
-            student.is_none() || (student_turns.is_none() && rng.gen::<f64>() < beta);
-        let (executed_actor, executed_tokens, executed_action) = if teacher_executes {
-            (Actor::Teacher, &teacher_tokens, &teacher_action)
-        } else {
-            (
-                Actor::Student,
-                &student_tokens,
-                student_action.as_ref().expect("student generated"),
-            )
+        // 3. Execute the action of whoever acts.
+        let actor = match &student {
+            Some(_) if roles.executes == Actor::Student => Actor::Student,
+            _ => Actor::Teacher,
         };
-        let executed_text = if teacher_executes {
-            teacher_text.clone()
-        } else {
-            student_text.clone()
-        };
-        let agreement = match (&teacher_action, &student_action) {
-            (Ok(a), Some(Ok(b))) => a == b,
-            _ => false,
-        };
-
-        // 4. Execute.
-        let (command, observation, exit_code, timed_out) = match executed_action {
-            Ok(Action::Submit) => {
-                submitted = true;
-                ("submit".to_string(), "Submitted.".to_string(), 0, false)
-            }
-            Ok(Action::Shell(cmd)) => {
-                let out = sandbox.run(&crate::tools::prepare_command(cmd), timeout);
-                let current = sandbox.current_file();
-                let obs = format_observation(
-                    &out.output,
-                    out.exit_code,
-                    out.timed_out,
-                    &sandbox.cwd(),
-                    current.as_deref(),
-                    max_obs,
-                );
-                steps.push(ExecutedStep {
-                    command: Some(cmd.clone()),
-                    output: out.output,
-                    exit_code: out.exit_code,
-                    reply: executed_text.clone(),
-                    observation: obs.clone(),
-                });
-                (cmd.clone(), obs, out.exit_code, out.timed_out)
-            }
-            Err(e) => {
-                let current = sandbox.current_file();
-                let obs = format_observation(
-                    &e.to_string(),
-                    1,
-                    false,
-                    &sandbox.cwd(),
-                    current.as_deref(),
-                    max_obs,
-                );
-                steps.push(ExecutedStep {
-                    command: None,
-                    output: e.to_string(),
-                    exit_code: 1,
-                    reply: executed_text.clone(),
-                    observation: obs.clone(),
-                });
-                (String::new(), obs, 1, false)
-            }
-        };
-
-        let record = TurnRecord {
-            turn_index: t,
-            context_delta_tokens: std::mem::take(&mut delta),
-            teacher_tokens: teacher_tokens.clone(),
-            teacher_text,
-            teacher_format_error: teacher_action.is_err(),
-            teacher_endpoint_logprobs: teacher_reply.logprobs,
-            sampling_temperature: if student.is_some() { temperature } else { 0.0 },
-            unbiased_sampling: student.is_some() && sampling.unbiased,
-            student_tokens: student_tokens.clone(),
-            student_logprobs,
+        let turn = TurnMessages {
+            label,
+            student,
             teacher_logprobs_of_student,
-            student_text,
-            student_format_error: matches!(student_action, Some(Err(_))),
-            student_generated: student.is_some(),
-            executed: executed_actor as i32,
-            command,
-            observation: observation.clone(),
-            exit_code,
-            timed_out,
-            policy_version: version,
-            agreement,
+            actor,
         };
-        let executed_tokens = executed_tokens.clone();
+        let mut done = execute(sandbox.as_mut(), turn.executed(), &settings);
+        submitted = done.submitted;
+        steps.extend(done.step.take());
+        let executed_tokens = turn.executed().tokens.clone();
+
+        // 4. Record the turn, as it happened.
+        let delta_tokens = std::mem::take(&mut delta);
+        let record = turn.record(t, delta_tokens, &done, &settings, outcome.policy_version);
         send(env, lease, episode_event::Event::Turn(record));
         turns = t + 1;
         history.extend_from_slice(&executed_tokens);
@@ -325,11 +198,11 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
         if executed_tokens.last() != Some(&im_end) {
             delta.push(im_end);
         }
-        match tok.render_observation(&observation) {
+        match tok.render_observation(&done.observation) {
             Ok(ids) => delta.extend(ids),
             Err(e) => {
-                outcome.status = OutcomeStatus::SandboxError as i32;
-                outcome.error = format!("rendering the observation with the chat template: {e}");
+                let e = format!("rendering the observation with the chat template: {e}");
+                fail(&mut outcome, e);
                 break;
             }
         }
@@ -340,18 +213,268 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
     let patch = sandbox.diff();
     drop(sandbox);
     if outcome.status != OutcomeStatus::SandboxError as i32 {
-        let g = grade_fresh(
-            &task,
-            &patch,
-            env.grade_timeout,
-            &env.sandboxes,
-            &format!("{}-grade", lease.episode_id),
-        );
-        outcome.status = g.status as i32;
-        outcome.test_statuses = g.test_statuses.into_iter().collect();
+        grade_submission(env, lease, &task, &patch, &mut outcome);
     }
     outcome.patch = patch;
     finish(env, lease, outcome, start)
+}
+
+/// The lease's settings for every turn of its episode.
+struct TurnSettings {
+    /// The student's sampling temperature: 1 in unbiased mode (the policy's own
+    /// distribution, whatever the lease's temperature says).
+    temperature: f32,
+    unbiased: bool,
+    max_new_tokens: usize,
+    sampling_seed: u64,
+    command_timeout: Duration,
+    observation_max_chars: usize,
+}
+
+impl TurnSettings {
+    fn from_lease(lease: &EpisodeLease) -> Self {
+        let sampling = lease.sampling.unwrap_or_default();
+        TurnSettings {
+            temperature: if sampling.unbiased {
+                1.0
+            } else {
+                sampling.temperature
+            },
+            unbiased: sampling.unbiased,
+            max_new_tokens: sampling.max_new_tokens.max(1) as usize,
+            sampling_seed: sampling.seed,
+            command_timeout: Duration::from_millis(lease.command_timeout_ms.max(1000) as u64),
+            observation_max_chars: lease.observation_max_chars.max(200) as usize,
+        }
+    }
+}
+
+/// One side's message at a turn: the teacher's label or the student's proposal.
+struct Proposal {
+    text: String,
+    /// As generated (student) or as encoded from the text (teacher).
+    tokens: Vec<u32>,
+    /// The student's sampling log-probs; the teacher endpoint's, when it gives them.
+    logprobs: Vec<f32>,
+    action: Result<Action, FormatError>,
+}
+
+/// One turn's messages before its action runs: the teacher's label, the student's
+/// proposal when it was asked, the teacher's scores of that proposal, and who acts.
+struct TurnMessages {
+    label: Proposal,
+    student: Option<Proposal>,
+    teacher_logprobs_of_student: Vec<f32>,
+    /// The student only when it generated.
+    actor: Actor,
+}
+
+impl TurnMessages {
+    /// The message whose action is executed.
+    fn executed(&self) -> &Proposal {
+        match &self.student {
+            Some(s) if self.actor == Actor::Student => s,
+            _ => &self.label,
+        }
+    }
+
+    /// The turn as streamed to the coordinator; `delta` is the context added since the
+    /// previous turn.
+    fn record(
+        self,
+        turn_index: u32,
+        delta: Vec<u32>,
+        done: &Executed,
+        settings: &TurnSettings,
+        policy_version: u64,
+    ) -> TurnRecord {
+        let agreement = match (&self.label.action, self.student.as_ref().map(|s| &s.action)) {
+            (Ok(a), Some(Ok(b))) => a == b,
+            _ => false,
+        };
+        let generated = self.student.is_some();
+        let (student_tokens, student_logprobs, student_text, student_format_error) =
+            match self.student {
+                Some(s) => (s.tokens, s.logprobs, s.text, s.action.is_err()),
+                None => (Vec::new(), Vec::new(), String::new(), false),
+            };
+        TurnRecord {
+            turn_index,
+            context_delta_tokens: delta,
+            teacher_tokens: self.label.tokens,
+            teacher_text: self.label.text,
+            teacher_format_error: self.label.action.is_err(),
+            teacher_endpoint_logprobs: self.label.logprobs,
+            sampling_temperature: if generated { settings.temperature } else { 0.0 },
+            unbiased_sampling: generated && settings.unbiased,
+            student_tokens,
+            student_logprobs,
+            teacher_logprobs_of_student: self.teacher_logprobs_of_student,
+            student_text,
+            student_format_error,
+            student_generated: generated,
+            executed: self.actor as i32,
+            command: done.command.clone(),
+            observation: done.observation.clone(),
+            exit_code: done.exit_code,
+            timed_out: done.timed_out,
+            policy_version,
+            agreement,
+        }
+    }
+}
+
+/// The student's message for the state `history` at turn `t`.
+fn student_proposal(
+    env: &EpisodeEnv,
+    settings: &TurnSettings,
+    history: &[u32],
+    t: u32,
+) -> Result<Proposal, String> {
+    let params = GenParams {
+        temperature: settings.temperature,
+        // No truncation: the recorded log-probs are the policy's (RL needs them).
+        top_p: 1.0,
+        max_new_tokens: settings.max_new_tokens,
+        seed: settings.sampling_seed.wrapping_add(t as u64),
+        stop_token_ids: vec![env.tokenizer.im_end_id()],
+    };
+    let g = env
+        .student
+        .generate_blocking(history.to_vec(), params)
+        .map_err(|e| format!("student generation failed: {e:#}"))?;
+    let text = env.tokenizer.decode(&g.tokens);
+    Ok(Proposal {
+        action: parse_action(&text),
+        text,
+        tokens: g.tokens,
+        logprobs: g.logprobs,
+    })
+}
+
+/// The student's proposal at turn `t` and, when the lease asks for them (`score`), the
+/// teacher's log-probs of its tokens.
+fn student_turn(
+    env: &EpisodeEnv,
+    settings: &TurnSettings,
+    teacher: &mut dyn Teacher,
+    history: &[u32],
+    t: u32,
+    score: bool,
+) -> Result<(Proposal, Vec<f32>), String> {
+    let proposal = student_proposal(env, settings, history, t)?;
+    let scores = if score && !proposal.tokens.is_empty() {
+        score_student(teacher, history, &proposal.tokens)?
+    } else {
+        Vec::new()
+    };
+    Ok((proposal, scores))
+}
+
+/// The teacher's log-prob of each of the student's `tokens` after `history`.
+fn score_student(
+    teacher: &mut dyn Teacher,
+    history: &[u32],
+    tokens: &[u32],
+) -> Result<Vec<f32>, String> {
+    match teacher.score(history, tokens) {
+        Some(Ok(lps)) if lps.len() == tokens.len() => Ok(lps),
+        Some(Ok(lps)) => Err(format!(
+            "the teacher scored {} of the student's {} tokens",
+            lps.len(),
+            tokens.len()
+        )),
+        Some(Err(e)) => Err(format!("the teacher could not score the student: {e}")),
+        None => Err(format!(
+            "the lease asks for teacher log-probs of the student's tokens, which the \
+             {} teacher cannot give (use [worker.teacher] kind = \"endpoint\")",
+            teacher.name()
+        )),
+    }
+}
+
+/// What executing one message did.
+struct Executed {
+    /// `submit`, the shell command, or empty for a format error.
+    command: String,
+    observation: String,
+    exit_code: i32,
+    timed_out: bool,
+    submitted: bool,
+    /// What teachers see of it from the next turn on (none for `submit`).
+    step: Option<ExecutedStep>,
+}
+
+/// Executes `message`'s action in the sandbox: `submit` ends the episode, a command runs,
+/// a format error is shown as the observation.
+fn execute(sandbox: &mut dyn Sandbox, message: &Proposal, settings: &TurnSettings) -> Executed {
+    let (command, output, exit_code, timed_out) = match &message.action {
+        Ok(Action::Submit) => {
+            return Executed {
+                command: "submit".into(),
+                observation: "Submitted.".into(),
+                exit_code: 0,
+                timed_out: false,
+                submitted: true,
+                step: None,
+            }
+        }
+        Ok(Action::Shell(cmd)) => {
+            let prepared = crate::tools::prepare_command(cmd);
+            let out = sandbox.run(&prepared, settings.command_timeout);
+            (Some(cmd.clone()), out.output, out.exit_code, out.timed_out)
+        }
+        Err(e) => (None, e.to_string(), 1, false),
+    };
+    let current = sandbox.current_file();
+    let observation = format_observation(
+        &output,
+        exit_code,
+        timed_out,
+        &sandbox.cwd(),
+        current.as_deref(),
+        settings.observation_max_chars,
+    );
+    Executed {
+        command: command.clone().unwrap_or_default(),
+        observation: observation.clone(),
+        exit_code,
+        timed_out,
+        submitted: false,
+        step: Some(ExecutedStep {
+            command,
+            output,
+            exit_code,
+            reply: message.text.clone(),
+            observation,
+        }),
+    }
+}
+
+/// Grades `patch` in a fresh sandbox (SWE-bench rules) into the outcome's status and
+/// test statuses.
+fn grade_submission(
+    env: &EpisodeEnv,
+    lease: &EpisodeLease,
+    task: &TaskRecord,
+    patch: &str,
+    outcome: &mut EpisodeOutcome,
+) {
+    let g = grade_fresh(
+        task,
+        patch,
+        env.grade_timeout,
+        &env.sandboxes,
+        &format!("{}-grade", lease.episode_id),
+    );
+    outcome.status = g.status as i32;
+    outcome.test_statuses = g.test_statuses.into_iter().collect();
+}
+
+/// Marks the episode failed before grading (the outcome is SANDBOX_ERROR with `error`).
+fn fail(outcome: &mut EpisodeOutcome, error: String) {
+    outcome.status = OutcomeStatus::SandboxError as i32;
+    outcome.error = error;
 }
 
 fn finish(

@@ -9,10 +9,10 @@ use serde::Serialize;
 use tutor_proto::OutcomeStatus;
 
 use crate::action::{parse_action, Action};
-use crate::backend::SandboxFactory;
 use crate::episode::render_system_prompt;
 use crate::grade::grade_fresh;
 use crate::observation::format_observation;
+use crate::sandbox::SandboxFactory;
 use crate::tasks::TaskRecord;
 use crate::teacher::{
     format_reply, ExecutedStep, Teacher, TeacherError, TeacherReply, TeacherState,

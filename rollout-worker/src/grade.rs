@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use tutor_proto::OutcomeStatus;
 
-use crate::backend::{Sandbox, SandboxFactory};
 use crate::observation::truncate_head_tail;
 use crate::sandbox::LocalSandbox;
+use crate::sandbox::{Sandbox, SandboxFactory};
 use crate::tasks::TaskRecord;
 
 /// Timeout for the git steps (they are local and quick; this only guards against hangs).
@@ -206,7 +206,7 @@ pub fn grade_in_sandbox(
     if !patch.trim().is_empty() {
         let p = match sb.write_scratch("model.patch", &ensure_newline(patch)) {
             Ok(p) => p,
-            Err(e) => return GradeResult::fail(OutcomeStatus::SandboxError, e),
+            Err(e) => return GradeResult::fail(OutcomeStatus::SandboxError, e.to_string()),
         };
         // As in the SWE-bench harness: git apply, then GNU patch with fuzz as a fallback.
         let out = sb.run(
@@ -248,7 +248,7 @@ pub fn grade_in_sandbox(
     if !task.test_patch.trim().is_empty() {
         let p = match sb.write_scratch("test.patch", &ensure_newline(&task.test_patch)) {
             Ok(p) => p,
-            Err(e) => return GradeResult::fail(OutcomeStatus::SandboxError, e),
+            Err(e) => return GradeResult::fail(OutcomeStatus::SandboxError, e.to_string()),
         };
         let out = sb.run(&format!("git apply --verbose {p}"), GIT_STEP_TIMEOUT);
         log.push_str(">>> apply test patch\n");
@@ -354,7 +354,7 @@ FAILED tests/test_a.py::test_param[c - d] - AssertionError: assert 'c - d' ==...
     }
 
     fn task_with(f2p: &[&str], p2p: &[&str]) -> TaskRecord {
-        let mut t = crate::sandbox::tests::tiny_task();
+        let mut t = crate::sandbox::local::tests::tiny_task();
         t.fail_to_pass = f2p.iter().map(|s| s.to_string()).collect();
         t.pass_to_pass = p2p.iter().map(|s| s.to_string()).collect();
         t

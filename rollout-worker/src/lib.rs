@@ -2,14 +2,11 @@
 //! coordinator and streams every turn back; also the task formats and the toy tasks.
 
 pub mod action;
-pub mod backend;
-pub mod docker;
-pub mod endpoint;
 pub mod episode;
 pub mod eval;
 pub mod grade;
+pub mod mixing;
 pub mod observation;
-pub mod pool;
 pub mod sandbox;
 pub mod student;
 pub mod tasks;

@@ -10,11 +10,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context, Result};
-use tokio::sync::mpsc;
+use anyhow::{anyhow, Context, Result};
 use tutor_policy::{
-    spawn_engine, ChatTokenizer, EngineConfig, EngineEvent, EngineHandle, EngineRequest,
-    FinishReason, GenParams, Generation, ModelConfig, Policy,
+    spawn_engine, ChatTokenizer, EngineConfig, EngineHandle, EngineRequest, GenParams, Generation,
+    ModelConfig, Policy,
 };
 use tutor_proto::auth::ClientAuth;
 use tutor_proto::PolicyVersion;
@@ -23,7 +22,7 @@ use tutor_proto::PolicyVersion;
 pub const NO_VERSION: u64 = u64::MAX;
 
 /// Policy versions that arrived over the weights broadcast (version → sha256 and file),
-/// filled by the receiver thread (`tutor_learner::broadcast::spawn_receiver`), taken by
+/// filled by the receiver thread (`tutor_collective::broadcast::spawn_receiver`), taken by
 /// `StudentHost::ensure`. Keeps the files of the two newest versions.
 #[derive(Clone)]
 pub struct BroadcastInbox {
@@ -202,10 +201,7 @@ impl StudentHost {
                 (path, "grpc")
             }
         };
-        self.engine
-            .load_weights(&path)
-            .await
-            .map_err(|e| anyhow!(e))?;
+        self.engine.load_weights(&path).await?;
         let _ = std::fs::remove_file(&path);
         self.loaded.store(policy.version, Ordering::SeqCst);
         tracing::info!(
@@ -236,37 +232,23 @@ impl StudentHost {
         } else {
             prompt
         };
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        self.engine
-            .submit_blocking(EngineRequest {
+        let done = self
+            .engine
+            .generate_blocking(|events| EngineRequest {
                 prompt,
                 params,
                 stop: Vec::new(),
                 top_logprobs: 0,
                 prompt_logprobs: false,
                 text: false,
-                events: tx,
+                events,
             })
             .map_err(|e| anyhow!("the student cannot run this turn: {e}"))?;
-        let mut out = Generation {
-            tokens: Vec::new(),
-            logprobs: Vec::new(),
-            finish: FinishReason::Length,
-        };
-        while let Some(event) = rx.blocking_recv() {
-            match event {
-                EngineEvent::Prompt(_) => {}
-                EngineEvent::Token(t) => {
-                    out.tokens.push(t.id);
-                    out.logprobs.push(t.logprob);
-                }
-                EngineEvent::Done(d) => {
-                    out.finish = d.finish;
-                    return Ok(out);
-                }
-            }
-        }
-        bail!("the student engine stopped in the middle of a generation")
+        Ok(Generation {
+            tokens: done.tokens.iter().map(|t| t.id).collect(),
+            logprobs: done.tokens.iter().map(|t| t.logprob).collect(),
+            finish: done.done.finish,
+        })
     }
 }
 

@@ -18,11 +18,11 @@ use tutor_proto::auth::{AuthChannel, ClientAuth};
 use tutor_proto::rollout_client::RolloutClient;
 use tutor_proto::{EpisodeEvent, HeartbeatRequest, LeaseRequest, RegisterRequest};
 
-use crate::backend::{DockerSettings, ImageRule, SandboxFactory};
-use crate::endpoint::{ChatEndpoint, TeacherConfig, TeacherKind};
 use crate::episode::{run_episode, EpisodeEnv, TeacherSource, DEFAULT_SYSTEM_PROMPT};
-use crate::pool::WarmPool;
+use crate::sandbox::WarmPool;
+use crate::sandbox::{DockerSettings, ImageRule, SandboxFactory};
 use crate::student::StudentHost;
+use crate::teacher::endpoint::{ChatEndpoint, TeacherConfig, TeacherKind};
 
 /// The worker's typed configuration (section `[worker]` of a run config).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -193,8 +193,9 @@ impl WorkerConfig {
                 let user = parse_user(&self.container_user).with_context(|| {
                     format!("worker.container_user = {:?}", self.container_user)
                 })?;
-                let docker = crate::docker::connect().await?;
-                let removed = crate::docker::remove_orphans(&docker, run, Some(worker)).await?;
+                let docker = crate::sandbox::docker::connect().await?;
+                let removed =
+                    crate::sandbox::docker::remove_orphans(&docker, run, Some(worker)).await?;
                 if removed > 0 {
                     tracing::warn!(
                         removed,

@@ -7,10 +7,12 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use tutor_rollout::backend::SandboxFactory;
-use tutor_rollout::docker::{self, ContainerSpec, LABEL_EPISODE, LABEL_RUN, LABEL_WORKER};
-use tutor_rollout::pool::{WarmPool, LABEL_POOL};
-use tutor_rollout::worker::{SandboxKind, WorkerConfig};
+use tutor_rollout_worker::sandbox::docker::{
+    self, ContainerSpec, LABEL_EPISODE, LABEL_RUN, LABEL_WORKER,
+};
+use tutor_rollout_worker::sandbox::pool::{WarmPool, LABEL_POOL};
+use tutor_rollout_worker::sandbox::SandboxFactory;
+use tutor_rollout_worker::worker::{SandboxKind, WorkerConfig};
 
 const IMAGE: &str = "tutor/python-task:latest";
 const WORKER: &str = "test-worker";
@@ -28,8 +30,8 @@ async fn engine() -> Option<bollard::Docker> {
     }
 }
 
-fn task() -> tutor_rollout::tasks::TaskRecord {
-    tutor_rollout::toy::generate(1, 11).remove(0)
+fn task() -> tutor_rollout_worker::tasks::TaskRecord {
+    tutor_rollout_worker::toy::generate(1, 11).remove(0)
 }
 
 fn spec(run: &str, episode: &str) -> ContainerSpec {

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use tutor_rollout::docker::{self, ContainerSpec, DockerError, DockerSandbox};
+use tutor_rollout_worker::sandbox::docker::{self, ContainerSpec, DockerError, DockerSandbox};
 
 const IMAGE: &str = "tutor/python-task:latest";
 
@@ -18,8 +18,8 @@ async fn engine() -> Option<bollard::Docker> {
     }
 }
 
-fn task() -> tutor_rollout::tasks::TaskRecord {
-    tutor_rollout::toy::generate(1, 11).remove(0)
+fn task() -> tutor_rollout_worker::tasks::TaskRecord {
+    tutor_rollout_worker::toy::generate(1, 11).remove(0)
 }
 
 fn spec(run: &str, episode: &str) -> ContainerSpec {
@@ -355,8 +355,8 @@ async fn the_factory_removes_its_leftover_containers() {
         return;
     }
     let run = format!("test-leftover-{}", std::process::id());
-    let config = tutor_rollout::worker::WorkerConfig {
-        sandbox: tutor_rollout::worker::SandboxKind::Docker,
+    let config = tutor_rollout_worker::worker::WorkerConfig {
+        sandbox: tutor_rollout_worker::worker::SandboxKind::Docker,
         image: IMAGE.into(),
         ..Default::default()
     };

@@ -5,10 +5,10 @@ mod common;
 use std::time::Duration;
 
 use tutor_proto::OutcomeStatus;
-use tutor_rollout::grade::grade;
-use tutor_rollout::sandbox::{shell_quote, LocalSandbox};
-use tutor_rollout::tasks::TaskRecord;
-use tutor_rollout::toy::generate;
+use tutor_rollout_worker::grade::grade;
+use tutor_rollout_worker::sandbox::{shell_quote, LocalSandbox};
+use tutor_rollout_worker::tasks::TaskRecord;
+use tutor_rollout_worker::toy::generate;
 
 fn task() -> TaskRecord {
     generate(1, 42).remove(0)

@@ -12,9 +12,11 @@ use std::time::Duration;
 use tutor_policy::{ChatTokenizer, ModelConfig};
 use tutor_proto::auth::ClientAuth;
 use tutor_proto::{episode_event, Actor, EpisodeLease, EpisodePurpose, SamplingParams, TurnRecord};
-use tutor_rollout::backend::SandboxFactory;
-use tutor_rollout::episode::{run_episode, EpisodeEnv, TeacherSource, DEFAULT_SYSTEM_PROMPT};
-use tutor_rollout::student::StudentHost;
+use tutor_rollout_worker::episode::{
+    run_episode, EpisodeEnv, TeacherSource, DEFAULT_SYSTEM_PROMPT,
+};
+use tutor_rollout_worker::sandbox::SandboxFactory;
+use tutor_rollout_worker::student::StudentHost;
 
 struct Setup {
     _dir: tempfile::TempDir,
@@ -26,7 +28,7 @@ struct Setup {
 fn setup() -> Setup {
     common::init_python();
     let dir = tempfile::tempdir().unwrap();
-    let task = tutor_rollout::toy::generate(1, 11).remove(0);
+    let task = tutor_rollout_worker::toy::generate(1, 11).remove(0);
     let corpus = vec![
         DEFAULT_SYSTEM_PROMPT.to_string(),
         task.problem_statement.clone(),
@@ -41,7 +43,7 @@ fn setup() -> Setup {
         dir.path(),
         dir.path(),
         tokenizer.clone(),
-        tutor_rollout::worker::WorkerConfig::default().student_engine(),
+        tutor_rollout_worker::worker::WorkerConfig::default().student_engine(),
         ClientAuth::default(),
     )
     .unwrap();

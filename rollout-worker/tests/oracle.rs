@@ -5,12 +5,12 @@ mod common;
 
 use common::{drive, exec};
 use tutor_proto::OutcomeStatus;
-use tutor_rollout::action::{parse_action, Action};
-use tutor_rollout::grade::grade;
-use tutor_rollout::sandbox::{shell_quote, LocalSandbox};
-use tutor_rollout::tasks::{RepoFileRecord, TaskRecord};
-use tutor_rollout::teacher::{ExecutedStep, OracleTeacher, Teacher, TeacherState};
-use tutor_rollout::toy::generate;
+use tutor_rollout_worker::action::{parse_action, Action};
+use tutor_rollout_worker::grade::grade;
+use tutor_rollout_worker::sandbox::{shell_quote, LocalSandbox};
+use tutor_rollout_worker::tasks::{RepoFileRecord, TaskRecord};
+use tutor_rollout_worker::teacher::{ExecutedStep, OracleTeacher, Teacher, TeacherState};
+use tutor_rollout_worker::toy::generate;
 
 fn commands(history: &[ExecutedStep]) -> Vec<String> {
     history.iter().filter_map(|s| s.command.clone()).collect()
@@ -284,7 +284,7 @@ fn multi_hunk_task() -> TaskRecord {
 fn oracle_handles_multi_hunk_multi_file_patches_and_partial_progress() {
     common::init_python();
     let task = multi_hunk_task();
-    let parsed = tutor_rollout::tasks::parse_unified_diff(&task.patch).unwrap();
+    let parsed = tutor_rollout_worker::tasks::parse_unified_diff(&task.patch).unwrap();
     assert_eq!(parsed.len(), 3);
     assert_eq!(parsed[0].hunks.len(), 2);
     assert_eq!(

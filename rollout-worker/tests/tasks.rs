@@ -2,8 +2,8 @@
 
 use std::path::Path;
 
-use tutor_rollout::tasks::{load_tasks, write_tasks, TaskError, TaskRecord};
-use tutor_rollout::toy::generate;
+use tutor_rollout_worker::tasks::{load_tasks, write_tasks, TaskError, TaskRecord};
+use tutor_rollout_worker::toy::generate;
 
 fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
     let p = dir.join(name);
@@ -108,7 +108,7 @@ fn parquet(dir: &Path, name: &str, rows: &str, compression: &str) -> std::path::
         "import pyarrow as pa, pyarrow.parquet as pq\nrows = {rows}\npq.write_table(pa.Table.from_pylist(rows), {:?}, compression={compression:?})\n",
         out.display().to_string()
     );
-    let o = std::process::Command::new(tutor_rollout::sandbox::python_interpreter())
+    let o = std::process::Command::new(tutor_rollout_worker::sandbox::python_interpreter())
         .args(["-c", &script])
         .output()
         .expect("python");

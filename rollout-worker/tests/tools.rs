@@ -6,9 +6,9 @@
 
 use std::time::Duration;
 
-use tutor_rollout::backend::{Sandbox, SandboxFactory};
-use tutor_rollout::observation::format_observation;
-use tutor_rollout::worker::{SandboxKind, WorkerConfig};
+use tutor_rollout_worker::observation::format_observation;
+use tutor_rollout_worker::sandbox::{Sandbox, SandboxFactory};
+use tutor_rollout_worker::worker::{SandboxKind, WorkerConfig};
 
 const T: Duration = Duration::from_secs(30);
 
@@ -21,7 +21,7 @@ struct Step {
 }
 
 fn exec(sb: &mut dyn Sandbox, cmd: &str) -> Step {
-    let out = sb.run(&tutor_rollout::tools::prepare_command(cmd), T);
+    let out = sb.run(&tutor_rollout_worker::tools::prepare_command(cmd), T);
     let obs = format_observation(
         &out.output,
         out.exit_code,
@@ -195,8 +195,8 @@ fn script(sb: &mut dyn Sandbox) -> Vec<Step> {
     steps
 }
 
-fn task() -> tutor_rollout::tasks::TaskRecord {
-    tutor_rollout::toy::generate(1, 5).remove(0)
+fn task() -> tutor_rollout_worker::tasks::TaskRecord {
+    tutor_rollout_worker::toy::generate(1, 5).remove(0)
 }
 
 #[test]

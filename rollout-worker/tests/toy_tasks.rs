@@ -7,9 +7,9 @@ mod common;
 use std::sync::Mutex;
 
 use tutor_proto::OutcomeStatus;
-use tutor_rollout::grade::grade;
-use tutor_rollout::sandbox::{shell_quote, LocalSandbox};
-use tutor_rollout::toy::{generate_detailed, ToyTask};
+use tutor_rollout_worker::grade::grade;
+use tutor_rollout_worker::sandbox::{shell_quote, LocalSandbox};
+use tutor_rollout_worker::toy::{generate_detailed, ToyTask};
 
 fn check(t: &ToyTask) -> Result<(), String> {
     let r = &t.record;

@@ -63,7 +63,7 @@ max_turns = 2
 max_new_tokens = 8
 temperature = 0.5            # ignored: dapo samples unbiased (temperature 1)
 # The random student only writes malformed replies; train on them so the kept groups
-# carry gradient (the default masks them, as DESIGN.md asks).
+# carry gradient (the default masks them, as docs/architecture.md ("Objectives") asks).
 mask_format_errors = false
 batch_tokens = 1000000
 max_seq_len = 4096

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use tutor_coordinator::CoordinatorConfig;
 use tutor_learner::LearnerConfig;
 use tutor_policy::ModelConfig;
-use tutor_rollout::worker::WorkerConfig;
+use tutor_rollout_worker::worker::WorkerConfig;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -194,22 +194,12 @@ impl RunConfig {
     }
 
     pub fn validate(&self) -> Result<()> {
+        // Each section is checked by the crate that owns it; what spans two sections here.
         let c = &self.coordinator;
-        if c.iterations == 0 {
-            bail!("coordinator.iterations must be at least 1");
-        }
-        if c.max_turns == 0 {
-            bail!("coordinator.max_turns must be at least 1");
-        }
-        if c.batch_tokens < 16 || c.max_seq_len < 16 {
-            bail!("coordinator.batch_tokens and coordinator.max_seq_len must be at least 16");
-        }
-        if !(0.0..=1.0).contains(&c.beta.start) || !(0.0..=1.0).contains(&c.beta.end) {
-            bail!("coordinator.beta.start and coordinator.beta.end must lie in [0, 1]");
-        }
-        c.validate_algorithm().map_err(|e| anyhow!(e))?;
+        c.validate()?;
         if c.algorithm == tutor_coordinator::config::Algorithm::Distill
-            && self.worker.teacher.kind != tutor_rollout::endpoint::TeacherKind::Endpoint
+            && self.worker.teacher.kind
+                != tutor_rollout_worker::teacher::endpoint::TeacherKind::Endpoint
         {
             bail!(
                 "coordinator.algorithm = \"distill\" needs a teacher that scores the student's \

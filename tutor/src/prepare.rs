@@ -7,8 +7,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 use tutor_policy::{ChatTokenizer, ModelConfig};
-use tutor_rollout::episode::DEFAULT_SYSTEM_PROMPT;
-use tutor_rollout::tasks::{load_tasks, write_tasks, TaskRecord};
+use tutor_rollout_worker::episode::DEFAULT_SYSTEM_PROMPT;
+use tutor_rollout_worker::tasks::{load_tasks, write_tasks, TaskRecord};
 
 use crate::config::{RunConfig, TaskSource};
 
@@ -28,9 +28,9 @@ pub fn tasks_for(config: &RunConfig) -> Result<(Vec<TaskRecord>, Vec<TaskRecord>
     let t = &config.tasks;
     match t.source {
         TaskSource::Toy => {
-            let all = tutor_rollout::toy::generate(t.toy_train + t.toy_heldout, t.seed);
+            let all = tutor_rollout_worker::toy::generate(t.toy_train + t.toy_heldout, t.seed);
             let frac = t.toy_heldout as f64 / (t.toy_train + t.toy_heldout).max(1) as f64;
-            Ok(tutor_rollout::toy::split(all, frac))
+            Ok(tutor_rollout_worker::toy::split(all, frac))
         }
         TaskSource::File => {
             let train_path = t.train_path.as_ref().expect("validated");
@@ -152,4 +152,25 @@ fn fill(
         n_train: train.len(),
         n_heldout: heldout.len(),
     })
+}
+
+/// `tutor prepare`: prepares the run of `config` and prints the paths the roles take as
+/// one JSON object.
+pub fn prepare_and_print(config: &Path) -> Result<()> {
+    let (cfg, text) = RunConfig::load(config)?;
+    let p = prepare(&cfg, &text)?;
+    let s = |p: &std::path::Path| p.display().to_string();
+    let out = serde_json::json!({
+        "run_dir": s(&p.dir),
+        "config": s(&p.config_path),
+        "model_dir": s(&p.model_dir),
+        "train_tasks": s(&p.train_tasks),
+        "heldout_tasks": s(&p.heldout_tasks),
+        "learner_out_dir": s(&p.dir.join("learner")),
+        "n_train": p.n_train,
+        "n_heldout": p.n_heldout,
+        "parameters": p.parameters,
+    });
+    println!("{out}");
+    Ok(())
 }

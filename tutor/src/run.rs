@@ -17,8 +17,8 @@ use tutor_proto::control_client::ControlClient;
 use tutor_proto::{run_event, IterationSummary, RunFinished, WatchRunRequest};
 
 use crate::config::RunConfig;
+use crate::logging::LogFormat;
 use crate::prepare::{prepare, PreparedRun};
-use crate::LogFormat;
 
 struct Proc {
     role: String,
@@ -178,7 +178,8 @@ pub fn row(s: &IterationSummary) -> String {
 
 pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
     let (config, text) = RunConfig::load(config_path)?;
-    let broadcast = config.worker.weights_from == tutor_rollout::worker::WeightsFrom::Broadcast;
+    let broadcast =
+        config.worker.weights_from == tutor_rollout_worker::worker::WeightsFrom::Broadcast;
     if broadcast && config.learner.weight_receivers != config.run.workers as usize {
         bail!(
             "{}: [worker] weights_from = \"broadcast\" needs [learner] weight_receivers = {} \

@@ -19,8 +19,8 @@ use std::time::Instant;
 use rand::{Rng, SeedableRng};
 use tch::{Device, Tensor};
 use tutor_coordinator::dataset::dagger_examples;
-use tutor_learner::loss::{masked_cross_entropy, PaddedBatch};
-use tutor_learner::packing::{pack_trajectory, packed_nll_sum, PackedBatch};
+use tutor_learner::loss::{masked_cross_entropy, packed_nll_sum, PaddedBatch};
+use tutor_learner::packing::{pack_trajectory, PackedBatch};
 use tutor_policy::{ModelConfig, Policy};
 use tutor_proto::{Actor, TurnRecord};
 

@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 use bollard::models::ExecConfig;
 use clap::Parser;
 use futures::StreamExt;
-use tutor_rollout::docker::{self, ContainerSpec, DockerSandbox};
-use tutor_rollout::pool::WarmPool;
-use tutor_rollout::sandbox::LocalSandbox;
+use tutor_rollout_worker::sandbox::docker::{self, ContainerSpec, DockerSandbox};
+use tutor_rollout_worker::sandbox::pool::WarmPool;
+use tutor_rollout_worker::sandbox::LocalSandbox;
 
 #[derive(Parser)]
 struct Args {
@@ -52,7 +52,7 @@ fn summary(name: &str, mut v: Vec<Duration>) -> f64 {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let d = docker::connect().await?;
-    let task = tutor_rollout::toy::generate(1, 0).remove(0);
+    let task = tutor_rollout_worker::toy::generate(1, 0).remove(0);
     let run = format!("bench-{}", std::process::id());
     let timeout = Duration::from_secs(10);
 

@@ -4,7 +4,7 @@
 Usage: objectives_ref.py IN.json OUT.json
 
 Reads the random inputs written by learner/tests/objectives_reference.rs, computes each
-objective from its textbook definition (DESIGN.md, "Objectives (learner)") in float64 with
+objective from its textbook definition (docs/architecture.md, "Objectives") in float64 with
 PyTorch autograd, and writes the values and the gradients w.r.t. the log-probabilities (the
 logits for cross-entropy) as JSON. Exit status 3 when torch cannot be imported.
 """

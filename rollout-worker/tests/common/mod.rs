@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
-use tutor_rollout::action::{parse_action, Action};
-use tutor_rollout::sandbox::LocalSandbox;
-use tutor_rollout::tasks::TaskRecord;
-use tutor_rollout::teacher::{ExecutedStep, Teacher, TeacherState};
+use tutor_rollout_worker::action::{parse_action, Action};
+use tutor_rollout_worker::sandbox::LocalSandbox;
+use tutor_rollout_worker::tasks::TaskRecord;
+use tutor_rollout_worker::teacher::{ExecutedStep, Teacher, TeacherState};
 
 pub const CMD_TIMEOUT: Duration = Duration::from_secs(60);
 pub const GRADE_TIMEOUT: Duration = Duration::from_secs(120);

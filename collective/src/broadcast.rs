@@ -1,0 +1,311 @@
+//! Policy versions pushed to rollout workers over a collective (`[learner]
+//! weight_receivers = N`, `[worker] weights_from = "broadcast"`): NCCL when the workers
+//! share a communicator with learner rank 0 (GPU workers), else the CPU collective.
+//!
+//! It only moves bytes ahead of time. The version a worker runs is still the one the
+//! coordinator names in the lease, checked against the sha256 the learner registered: a
+//! version that arrived over the broadcast is the same file the Weights service would have
+//! streamed, and a worker that did not get it (not in the group yet, group broken, too
+//! slow) downloads it over gRPC as before. So the version semantics are the same either
+//! way, and a dead receiver never stops training.
+//!
+//! Rank 0 (the learner) publishes the rendezvous of group [`GROUP`] at the coordinator,
+//! waits for the N receivers, then sends every version it registers: a JSON
+//! [`Header`], then the safetensors file's bytes (`Collective::broadcast_bytes`). While
+//! nothing is published it sends a keepalive header every [`KEEPALIVE`]. A failed send
+//! (a receiver died) drops the group; rank 0 publishes a new generation and the receivers,
+//! restarted or not, join it and get the newest version at once.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use tutor_proto::CollectiveKind;
+
+use crate::rendezvous::{fetch, form_as_rank0, join_rendezvous, CollectiveChoice, GroupOptions};
+use crate::Collective;
+
+/// A policy version on disk, as the learner registered it: what the broadcaster sends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VersionFile {
+    pub version: u64,
+    pub sha256: String,
+    pub bytes: u64,
+    pub path: PathBuf,
+}
+
+/// The rendezvous group of learner rank 0 and the weight receivers.
+pub const GROUP: &str = "weights";
+/// How often rank 0 sends a keepalive while no version is published.
+pub const KEEPALIVE: Duration = Duration::from_secs(5);
+/// How long a receiver waits for rank 0's next message before it calls the group lost
+/// (several keepalives).
+pub const RECEIVE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What precedes each version's bytes. `version` `None`: a keepalive, no bytes follow.
+#[derive(Debug, Serialize, Deserialize)]
+struct Header {
+    version: Option<u64>,
+    sha256: String,
+    bytes: u64,
+}
+
+/// Learner rank 0: a thread that keeps the group of `opts` (rank 0, world size N + 1,
+/// group [`GROUP`]) formed and sends it the newest version `latest` returns, newest first
+/// when a group forms. Runs until `stop` is set (checked between messages).
+pub fn spawn_broadcaster(
+    opts: GroupOptions,
+    latest: impl Fn() -> Option<VersionFile> + Send + 'static,
+    rt: tokio::runtime::Handle,
+    stop: Arc<AtomicBool>,
+) -> Result<std::thread::JoinHandle<()>> {
+    if opts.rank != 0 || opts.group != GROUP {
+        bail!("the weights broadcaster is rank 0 of group {GROUP:?}");
+    }
+    opts.validate()?;
+    std::thread::Builder::new()
+        .name("weights-broadcast".into())
+        .spawn(move || broadcaster(opts, &latest, rt, stop))
+        .context("starting the weights broadcaster thread")
+}
+
+fn broadcaster(
+    opts: GroupOptions,
+    latest: &dyn Fn() -> Option<VersionFile>,
+    rt: tokio::runtime::Handle,
+    stop: Arc<AtomicBool>,
+) {
+    let receivers = opts.world_size - 1;
+    let mut group: Option<(Box<dyn Collective>, u64)> = None;
+    // The version the current group has; `None` right after it formed.
+    let mut sent: Option<u64> = None;
+    let mut last_message = Instant::now();
+    while !stop.load(Ordering::SeqCst) {
+        let Some((collective, generation)) = group.as_mut() else {
+            match form_as_rank0(&opts, &rt, "weights broadcast group") {
+                Ok(g) => {
+                    tracing::info!(
+                        generation = g.1,
+                        receivers,
+                        "weight receivers joined: new policy versions go to them over the collective"
+                    );
+                    group = Some(g);
+                    sent = None;
+                    last_message = Instant::now();
+                }
+                Err(e) => {
+                    tracing::warn!(error = %format!("{e:#}"), receivers, "the weight receivers did not all join; trying again (workers download over gRPC meanwhile)");
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            }
+            continue;
+        };
+        let newest = latest().filter(|pv| Some(pv.version) != sent);
+        let result = match &newest {
+            Some(pv) => send_version(collective.as_mut(), pv),
+            None if last_message.elapsed() >= KEEPALIVE => send_header(
+                collective.as_mut(),
+                &Header {
+                    version: None,
+                    sha256: String::new(),
+                    bytes: 0,
+                },
+            ),
+            None => {
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        last_message = Instant::now();
+        match result {
+            Ok(()) => {
+                if let Some(pv) = newest {
+                    tracing::info!(
+                        version = pv.version,
+                        bytes = pv.bytes,
+                        generation = *generation,
+                        "sent policy version to the weight receivers"
+                    );
+                    sent = Some(pv.version);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(
+                    generation = *generation,
+                    error = %format!("{e:#}"),
+                    "lost a weight receiver: forming the group again (workers download over gRPC meanwhile)"
+                );
+                group = None;
+            }
+        }
+    }
+}
+
+fn send_header(c: &mut dyn Collective, header: &Header) -> Result<()> {
+    let mut bytes = serde_json::to_vec(header)?;
+    c.broadcast_bytes(&mut bytes)
+        .context("sending a header to the weight receivers")
+}
+
+fn send_version(c: &mut dyn Collective, pv: &VersionFile) -> Result<()> {
+    let mut data =
+        std::fs::read(&pv.path).with_context(|| format!("reading {}", pv.path.display()))?;
+    send_header(
+        c,
+        &Header {
+            version: Some(pv.version),
+            sha256: pv.sha256.clone(),
+            bytes: data.len() as u64,
+        },
+    )?;
+    c.broadcast_bytes(&mut data)
+        .with_context(|| format!("sending policy version {}", pv.version))
+}
+
+/// A version a receiver got: the file holds the bytes whose sha256 is `sha256`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Arrived {
+    pub version: u64,
+    pub sha256: String,
+    pub path: PathBuf,
+}
+
+/// What a receiver reports to its owner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReceiverEvent {
+    /// It is in a formed group: new versions will come.
+    Joined {
+        generation: u64,
+    },
+    /// Its group broke (or never formed): nothing comes until it joins again, so there
+    /// is no point waiting for a version.
+    Left,
+    Arrived(Arrived),
+}
+
+/// A weight receiver (a rollout worker): a thread that joins the newest generation of
+/// group [`GROUP`] as `opts.rank` (1..N; the world size comes from the rendezvous),
+/// writes each version it receives into `dir` (checksum verified, renamed into place)
+/// and reports it, and its joining and leaving groups, to `on_event`. Joins again
+/// whenever the group breaks; runs for the
+/// life of the process.
+pub fn spawn_receiver(
+    opts: GroupOptions,
+    rt: tokio::runtime::Handle,
+    dir: PathBuf,
+    on_event: impl Fn(ReceiverEvent) + Send + 'static,
+) -> Result<std::thread::JoinHandle<()>> {
+    if opts.rank == 0 || opts.group != GROUP {
+        bail!(
+            "a weight receiver has a rank of 1 or more in group {GROUP:?} (got rank {})",
+            opts.rank
+        );
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::thread::Builder::new()
+        .name("weights-receive".into())
+        .spawn(move || receiver(opts, rt, &dir, &on_event))
+        .context("starting the weights receiver thread")
+}
+
+fn receiver(
+    opts: GroupOptions,
+    rt: tokio::runtime::Handle,
+    dir: &Path,
+    on_event: &dyn Fn(ReceiverEvent),
+) {
+    let mut after = 0;
+    loop {
+        let rdv = match rt.block_on(fetch(&opts, after)) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(error = %format!("{e:#}"), "no weights broadcast group yet");
+                std::thread::sleep(Duration::from_secs(1));
+                continue;
+            }
+        };
+        let mut o = opts.clone();
+        o.world_size = rdv.world_size as usize;
+        if o.rank >= o.world_size {
+            tracing::warn!(
+                rank = o.rank,
+                receivers = o.world_size - 1,
+                "this worker's weights rank is not below the learner's weight_receivers + 1: \
+                 it downloads every version over gRPC"
+            );
+            after = rdv.generation;
+            continue;
+        }
+        // The learner chose the collective (`[learner] broadcast_collective`).
+        o.collective = match CollectiveKind::try_from(rdv.kind) {
+            Ok(CollectiveKind::Nccl) => CollectiveChoice::Nccl,
+            _ => CollectiveChoice::Cpu,
+        };
+        let result = join_rendezvous(&o, &rdv).and_then(|mut c| {
+            tracing::info!(
+                generation = rdv.generation,
+                rank = o.rank,
+                "joined the weights broadcast group"
+            );
+            on_event(ReceiverEvent::Joined {
+                generation: rdv.generation,
+            });
+            receive(c.as_mut(), dir, on_event)
+        });
+        on_event(ReceiverEvent::Left);
+        if let Err(e) = result {
+            tracing::warn!(
+                generation = rdv.generation,
+                error = %format!("{e:#}"),
+                "left the weights broadcast group: waiting for a newer one (versions come over gRPC meanwhile)"
+            );
+        }
+        after = rdv.generation;
+    }
+}
+
+/// Receives versions until the group fails.
+fn receive(c: &mut dyn Collective, dir: &Path, on_event: &dyn Fn(ReceiverEvent)) -> Result<()> {
+    loop {
+        let mut bytes = Vec::new();
+        c.broadcast_bytes(&mut bytes)
+            .context("waiting for learner rank 0's next message")?;
+        let header: Header = serde_json::from_slice(&bytes).context(
+            "learner rank 0 sent a header this worker cannot read (same tutor version?)",
+        )?;
+        let Some(version) = header.version else {
+            continue; // keepalive
+        };
+        let mut data = Vec::new();
+        c.broadcast_bytes(&mut data)
+            .with_context(|| format!("receiving policy version {version}"))?;
+        let sha = hex::encode(Sha256::digest(&data));
+        if data.len() as u64 != header.bytes || sha != header.sha256 {
+            bail!(
+                "policy version {version} arrived with {} bytes and sha256 {sha}, the header said {} bytes and {}",
+                data.len(),
+                header.bytes,
+                header.sha256
+            );
+        }
+        let path = dir.join(format!("policy-v{version:06}.safetensors"));
+        let tmp = dir.join(format!(".policy-v{version:06}.safetensors.part"));
+        std::fs::write(&tmp, &data).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &path).with_context(|| format!("renaming to {}", path.display()))?;
+        tracing::info!(
+            version,
+            bytes = data.len(),
+            "policy version arrived over the weights broadcast"
+        );
+        on_event(ReceiverEvent::Arrived(Arrived {
+            version,
+            sha256: sha,
+            path,
+        }));
+    }
+}

@@ -1,0 +1,128 @@
+//! Collectives between processes: the `Collective` interface, a CPU implementation over
+//! TCP (a star through rank 0) and, behind the `nccl` feature, NCCL; the rendezvous through
+//! the coordinator's LearnerGroup service that forms a group; and the weights broadcast
+//! from learner rank 0 to rollout workers built on it. Used by the learner (gradient
+//! all-reduce between data-parallel ranks) and the rollout worker (weights receiver);
+//! it knows neither training nor episodes.
+
+pub mod broadcast;
+mod cpu;
+#[cfg(feature = "nccl")]
+mod nccl;
+pub mod rendezvous;
+
+use std::io;
+use std::time::Duration;
+
+use tch::{Device, Tensor};
+
+pub use cpu::{CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
+#[cfg(feature = "nccl")]
+pub use nccl::{NcclCollective, NcclUniqueId};
+pub use rendezvous::{CollectiveChoice, GroupOptions};
+
+/// Why a collective failed. Messages name the peer so a hung or dead rank can be found.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectiveError {
+    #[error("rank {rank}: {what} with rank {peer} ({addr}) failed: {source}{hint}", hint = timeout_hint(source))]
+    Peer {
+        rank: usize,
+        peer: usize,
+        addr: String,
+        what: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("rank {rank}: could not reach rank 0 at {addr} within {waited:?}: {source} (is rank 0 running and listening there?)")]
+    Connect {
+        rank: usize,
+        addr: String,
+        waited: Duration,
+        #[source]
+        source: io::Error,
+    },
+    #[error("rank 0: only {joined} of {world_size} ranks joined at {addr} within {waited:?} (missing ranks: {missing:?})")]
+    Rendezvous {
+        addr: String,
+        joined: usize,
+        world_size: usize,
+        missing: Vec<usize>,
+        waited: Duration,
+    },
+    #[error("rank {rank}: rank {peer} is out of step: {detail} (every rank must issue the same collectives in the same order with the same tensor shapes)")]
+    Mismatch {
+        rank: usize,
+        peer: usize,
+        detail: String,
+    },
+    #[error("invalid collective setup: {0}")]
+    Setup(String),
+    #[error("NCCL: {0}")]
+    Nccl(String),
+}
+
+fn timeout_hint(e: &io::Error) -> &'static str {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            " (timed out: the peer is stuck, dead, or slower than the collective timeout)"
+        }
+        io::ErrorKind::UnexpectedEof
+        | io::ErrorKind::ConnectionReset
+        | io::ErrorKind::BrokenPipe => " (the peer closed the connection: it probably exited)",
+        _ => "",
+    }
+}
+
+/// Operations between the ranks of one data-parallel group. Every rank must call the same
+/// operations in the same order with tensors of the same shapes; each call blocks until all
+/// ranks have made it.
+pub trait Collective: Send {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+
+    /// Replaces each tensor by its sum over the ranks, in place. Every rank ends with
+    /// bit-identical values (the reduction order does not depend on the rank).
+    fn all_reduce_sum(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError>;
+
+    /// Replaces each tensor by its mean over the ranks, in place.
+    fn all_reduce_mean(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError> {
+        self.all_reduce_sum(tensors)?;
+        let n = self.world_size() as f64;
+        if n > 1.0 {
+            tch::no_grad(|| {
+                for t in tensors.iter_mut() {
+                    let _ = t.g_div_scalar_(n);
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// Overwrites each tensor on every rank with rank 0's values.
+    fn broadcast(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError>;
+
+    /// Replaces `data` on every rank with rank 0's bytes, whatever their length (what
+    /// the other ranks pass in is ignored). Rank 0 shares batches and its training state
+    /// with it.
+    fn broadcast_bytes(&mut self, data: &mut Vec<u8>) -> Result<(), CollectiveError>;
+
+    /// Returns once every rank has called it.
+    fn barrier(&mut self) -> Result<(), CollectiveError>;
+
+    /// Sums host scalars over the ranks (counts, loss sums), exactly in f64.
+    fn all_reduce_sum_f64(&mut self, values: &mut [f64]) -> Result<(), CollectiveError> {
+        if self.world_size() == 1 {
+            return Ok(());
+        }
+        let mut t = [Tensor::from_slice(values).to_device(self.device())];
+        self.all_reduce_sum(&mut t)?;
+        let back = t[0].to_device(Device::Cpu);
+        back.copy_data(values, values.len());
+        Ok(())
+    }
+
+    /// Where this collective's tensors live.
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+}

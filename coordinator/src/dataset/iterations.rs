@@ -1,0 +1,219 @@
+//! The dataset of each iteration (D_i, and D = ∪ D_i when aggregating): the counted
+//! training episodes' examples, and the staleness filter that leaves out episodes lagging
+//! the learner by more than `max_staleness` (async mode).
+
+use std::collections::BTreeMap;
+
+use tutor_proto::TrainExample;
+
+use crate::algorithms::{dapo_examples, group_stats, GroupedEpisode};
+use crate::config::{Algorithm, CoordinatorConfig, ScheduleMode};
+use crate::rollouts::GroupStats;
+
+/// The training examples of one counted training episode, with the policy version the
+/// episode was sampled with (for the staleness filter), its group and its reward (dapo).
+pub struct EpisodeData {
+    pub policy_version: u64,
+    pub examples: Vec<TrainExample>,
+    pub group: u32,
+    pub reward: f64,
+}
+
+/// Counted training episodes by iteration, and per iteration whose training started:
+/// the learner version it started from and how many of its episodes were too stale.
+pub struct IterationDatasets {
+    config: CoordinatorConfig,
+    episodes: BTreeMap<u32, Vec<EpisodeData>>,
+    train_bases: BTreeMap<u32, u64>,
+    stale: BTreeMap<u32, u64>,
+}
+
+impl IterationDatasets {
+    pub fn new(config: CoordinatorConfig) -> Self {
+        Self {
+            config,
+            episodes: BTreeMap::new(),
+            train_bases: BTreeMap::new(),
+            stale: BTreeMap::new(),
+        }
+    }
+
+    /// Starts `iteration`'s dataset empty (a replanned iteration is counted again).
+    pub fn open(&mut self, iteration: u32) {
+        self.episodes.insert(iteration, Vec::new());
+    }
+
+    pub fn push(&mut self, iteration: u32, episode: EpisodeData) {
+        self.episodes.entry(iteration).or_default().push(episode);
+    }
+
+    /// Teacher labels (DAgger examples) of the iterations up to `iteration`.
+    pub fn teacher_labels_through(&self, iteration: u32) -> u64 {
+        self.episodes
+            .range(..=iteration)
+            .flat_map(|(_, eps)| eps)
+            .map(|e| e.examples.len() as u64)
+            .sum()
+    }
+
+    /// Records that training on `iteration` starts from learner version `base_version`
+    /// and returns how many of its episodes are too stale to train on.
+    pub fn seal(&mut self, iteration: u32, base_version: u64) -> u64 {
+        self.train_bases.insert(iteration, base_version);
+        let stale = self
+            .episodes
+            .get(&iteration)
+            .map(|eps| eps.iter().filter(|e| self.is_stale(iteration, e)).count())
+            .unwrap_or(0) as u64;
+        if stale > 0 {
+            tracing::warn!(
+                iteration,
+                stale,
+                base_version,
+                max_staleness = self.config.max_staleness,
+                "episodes too stale to train on"
+            );
+        }
+        self.stale.insert(iteration, stale);
+        stale
+    }
+
+    /// Episodes left out for staleness, over the iterations sealed so far.
+    pub fn stale_total(&self) -> u64 {
+        self.stale.values().sum()
+    }
+
+    /// Whether an episode of `iteration` lags the version its training started from by
+    /// more than `max_staleness`. Only async mode filters: in sync mode an iteration's
+    /// episodes are sampled with the version its training starts from.
+    fn is_stale(&self, iteration: u32, e: &EpisodeData) -> bool {
+        self.config.mode == ScheduleMode::Async
+            && self.train_bases.get(&iteration).is_some_and(|base| {
+                base.saturating_sub(e.policy_version) > self.config.max_staleness
+            })
+    }
+
+    /// The training examples of `iteration` (with `aggregate`, of every iteration up to
+    /// it), less the episodes the staleness filter left out.
+    pub fn examples(&self, iteration: u32, aggregate: bool) -> Vec<TrainExample> {
+        let first = if aggregate { 0 } else { iteration };
+        if self.config.algorithm == Algorithm::Dapo {
+            // Advantages are normalised within each iteration's groups.
+            return self
+                .episodes
+                .range(first..=iteration)
+                .flat_map(|(&k, eps)| {
+                    let grouped: Vec<GroupedEpisode> = eps
+                        .iter()
+                        .filter(|e| !self.is_stale(k, e))
+                        .map(|e| GroupedEpisode {
+                            group: e.group,
+                            reward: e.reward,
+                            examples: &e.examples,
+                        })
+                        .collect();
+                    dapo_examples(&grouped, self.config.advantage_eps).0
+                })
+                .collect();
+        }
+        self.episodes
+            .range(first..=iteration)
+            .flat_map(|(&k, eps)| eps.iter().map(move |e| (k, e)))
+            .filter(|(k, e)| !self.is_stale(*k, e))
+            .flat_map(|(_, e)| e.examples.iter().cloned())
+            .collect()
+    }
+
+    /// Kept and dropped groups among `iteration`'s finished episodes.
+    pub fn group_stats(&self, iteration: u32) -> GroupStats {
+        group_stats(
+            self.episodes
+                .get(&iteration)
+                .into_iter()
+                .flatten()
+                .map(|e| (e.group, e.reward)),
+        )
+    }
+
+    /// The mean reward of `iteration`'s training episodes; None before the first.
+    pub fn mean_reward(&self, iteration: u32) -> Option<f64> {
+        let rewards: Vec<f64> = self
+            .episodes
+            .get(&iteration)
+            .map(|eps| eps.iter().map(|e| e.reward).collect())
+            .unwrap_or_default();
+        (!rewards.is_empty()).then(|| rewards.iter().sum::<f64>() / rewards.len() as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tutor_proto::{episode_event, EpisodeEvent, Task, TurnRecord};
+
+    use crate::config::{CoordinatorConfig, ScheduleMode};
+    use crate::scheduler::tests::outcome;
+    use crate::scheduler::SchedulerHandle;
+
+    /// Three training episodes sampled with versions 1, 2 and 3; training starts from
+    /// version 3. With max_staleness 1 the version-1 episode (lag 2) is left out of
+    /// training and counted; sync mode trains on everything.
+    async fn stale_filter(mode: ScheduleMode) -> (u64, Vec<String>, u64) {
+        let config = CoordinatorConfig {
+            episodes_per_iteration: 3,
+            heldout_episodes: 0,
+            mode,
+            max_staleness: 1,
+            ..Default::default()
+        };
+        let sched = SchedulerHandle::spawn(config, vec![Task::default()], vec![]);
+        let (worker, _) = sched.register("w".into(), 4).await.unwrap();
+        let runner = sched.clone();
+        let iteration = tokio::spawn(async move { runner.run_iteration(0, 1.0).await });
+        let mut leases = Vec::new();
+        while leases.len() < 3 {
+            leases.extend(sched.lease(worker.clone(), 3).await.unwrap().leases);
+        }
+        for (l, version) in leases.iter().zip([1u64, 2, 3]) {
+            sched
+                .stored(EpisodeEvent {
+                    episode_id: l.episode_id.clone(),
+                    worker_id: worker.clone(),
+                    event: Some(episode_event::Event::Turn(TurnRecord {
+                        teacher_tokens: vec![7],
+                        policy_version: version,
+                        ..Default::default()
+                    })),
+                })
+                .await;
+            let mut ev = outcome(&l.episode_id);
+            if let Some(episode_event::Event::Outcome(o)) = ev.event.as_mut() {
+                o.policy_version = version;
+            }
+            sched.stored(ev).await;
+        }
+        iteration.await.unwrap().unwrap();
+        let stale = sched.seal(0, 3).await;
+        let trained = sched
+            .examples(0, true)
+            .await
+            .into_iter()
+            .map(|e| e.episode_id)
+            .collect();
+        let total = sched.snapshot().await.unwrap().stale_episodes_total;
+        assert_eq!(total, stale);
+        (stale, trained, leases.len() as u64)
+    }
+
+    #[tokio::test]
+    async fn async_mode_leaves_out_episodes_staler_than_max_staleness() {
+        let (stale, trained, _) = stale_filter(ScheduleMode::Async).await;
+        assert_eq!(stale, 1);
+        assert_eq!(trained.len(), 2, "{trained:?}");
+        assert!(
+            trained.iter().all(|id| id != "it000-train0000-g0a0"),
+            "{trained:?}"
+        );
+        let (stale, trained, _) = stale_filter(ScheduleMode::Sync).await;
+        assert_eq!((stale, trained.len()), (0, 3));
+    }
+}

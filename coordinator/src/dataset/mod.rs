@@ -1,0 +1,625 @@
+//! The DAgger dataset: one example per visited state, context h_t (attended to, not in
+//! the loss) followed by the teacher's label y*_t (in the loss); the RFT dataset: one
+//! example per resolved trajectory; the DAPO policy-gradient example of a trajectory
+//! (old log-probs and advantages per token); and batching by a padded-token budget.
+//! Each iteration's dataset and the staleness filter are in `iterations`.
+
+mod iterations;
+
+pub use iterations::{EpisodeData, IterationDatasets};
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use tutor_proto::{Actor, LossKind, TrainBatch, TrainExample, TurnRecord};
+
+/// Builds the DAgger examples of one episode from its turns (sorted by turn index).
+/// The history is rebuilt from the recorded token deltas and the executed tokens, so
+/// nothing is re-tokenized. Turns whose teacher label is a format error are skipped;
+/// contexts longer than `max_seq_len` lose their oldest tokens.
+pub fn dagger_examples(
+    episode_id: &str,
+    turns: &[TurnRecord],
+    max_seq_len: usize,
+) -> Vec<TrainExample> {
+    let mut history: Vec<u32> = Vec::new();
+    let mut out = Vec::new();
+    for t in turns {
+        history.extend_from_slice(&t.context_delta_tokens);
+        if !t.teacher_format_error && !t.teacher_tokens.is_empty() {
+            let label = &t.teacher_tokens;
+            let room = max_seq_len.saturating_sub(label.len()).max(1);
+            let ctx = &history[history.len().saturating_sub(room)..];
+            let label = &label[..label
+                .len()
+                .min(max_seq_len.saturating_sub(ctx.len()).max(1))];
+            let mut tokens = Vec::with_capacity(ctx.len() + label.len());
+            tokens.extend_from_slice(ctx);
+            tokens.extend_from_slice(label);
+            let mut loss_mask = vec![false; ctx.len()];
+            loss_mask.resize(tokens.len(), true);
+            out.push(TrainExample {
+                tokens,
+                loss_mask,
+                episode_id: episode_id.to_string(),
+                turn_index: t.turn_index,
+                ..Default::default()
+            });
+        }
+        let executed = if t.executed == Actor::Student as i32 {
+            &t.student_tokens
+        } else {
+            &t.teacher_tokens
+        };
+        history.extend_from_slice(executed);
+    }
+    out
+}
+
+/// Builds the RFT example of one episode (turns sorted by turn index): SFT on the
+/// executed trajectory of a resolved episode. The example is the whole executed history
+/// (context deltas and the executed actor's tokens of every turn); the loss mask is true
+/// on the executed assistant tokens of turns that are not format errors (the executed
+/// actor's flag, `student_format_error` or `teacher_format_error`) and false on context
+/// tokens and on format-error turns, which stay in the context. One example per resolved
+/// episode, none for an unresolved one. A history longer than `max_seq_len` is cut at
+/// the end (the task statement and the early turns are kept); if no label token is
+/// left, there is no example. `turn_index` is the last turn's index.
+pub fn rft_examples(
+    episode_id: &str,
+    turns: &[TurnRecord],
+    resolved: bool,
+    max_seq_len: usize,
+) -> Vec<TrainExample> {
+    if !resolved {
+        return Vec::new();
+    }
+    let mut tokens: Vec<u32> = Vec::new();
+    let mut loss_mask: Vec<bool> = Vec::new();
+    for t in turns {
+        tokens.extend_from_slice(&t.context_delta_tokens);
+        loss_mask.resize(tokens.len(), false);
+        let (executed, format_error) = if t.executed == Actor::Student as i32 {
+            (&t.student_tokens, t.student_format_error)
+        } else {
+            (&t.teacher_tokens, t.teacher_format_error)
+        };
+        tokens.extend_from_slice(executed);
+        loss_mask.resize(tokens.len(), !format_error);
+    }
+    tokens.truncate(max_seq_len);
+    loss_mask.truncate(max_seq_len);
+    if !loss_mask.iter().any(|m| *m) {
+        return Vec::new();
+    }
+    vec![TrainExample {
+        tokens,
+        loss_mask,
+        episode_id: episode_id.to_string(),
+        turn_index: turns.last().map(|t| t.turn_index).unwrap_or(0),
+        ..Default::default()
+    }]
+}
+
+/// Builds the policy-gradient example of one episode (turns sorted by turn index) for
+/// DAPO: the whole executed history, like `rft_examples`, with the loss on the tokens the
+/// student generated and executed, and `old_logprobs` set to the log-probs the sampler
+/// recorded for them (0 elsewhere). Masked out, context kept: format-error turns (unless
+/// `mask_format_errors` is false: then the reward's signal reaches them too), turns
+/// the teacher executed (no sampling log-probs), and turns whose recorded log-probs do not
+/// match their tokens one to one. `advantages` stays empty until the group is known (see
+/// `with_advantage`). A history longer than `max_seq_len` is cut at the end; `None` if
+/// no trained token is left.
+pub fn policy_gradient_example(
+    episode_id: &str,
+    turns: &[TurnRecord],
+    max_seq_len: usize,
+    mask_format_errors: bool,
+) -> Option<TrainExample> {
+    let mut tokens: Vec<u32> = Vec::new();
+    let mut loss_mask: Vec<bool> = Vec::new();
+    let mut old_logprobs: Vec<f32> = Vec::new();
+    for t in turns {
+        tokens.extend_from_slice(&t.context_delta_tokens);
+        loss_mask.resize(tokens.len(), false);
+        old_logprobs.resize(tokens.len(), 0.0);
+        let by_student = t.executed == Actor::Student as i32;
+        let executed = if by_student {
+            &t.student_tokens
+        } else {
+            &t.teacher_tokens
+        };
+        let trained = by_student
+            && !(mask_format_errors && t.student_format_error)
+            && t.student_logprobs.len() == t.student_tokens.len();
+        tokens.extend_from_slice(executed);
+        if trained {
+            loss_mask.resize(tokens.len(), true);
+            old_logprobs.extend_from_slice(&t.student_logprobs);
+        } else {
+            loss_mask.resize(tokens.len(), false);
+            old_logprobs.resize(tokens.len(), 0.0);
+        }
+    }
+    tokens.truncate(max_seq_len);
+    loss_mask.truncate(max_seq_len);
+    old_logprobs.truncate(max_seq_len);
+    if !loss_mask.iter().any(|m| *m) {
+        return None;
+    }
+    Some(TrainExample {
+        tokens,
+        loss_mask,
+        episode_id: episode_id.to_string(),
+        turn_index: turns.last().map(|t| t.turn_index).unwrap_or(0),
+        old_logprobs,
+        advantages: Vec::new(),
+        loss_kind: LossKind::Dapo as i32,
+    })
+}
+
+/// On-policy distillation's example of an episode: the student's executed tokens with
+/// their sampling log-probs, as for DAPO, and on each the per-token advantage
+/// ℓ_teacher − ℓ_student = −(ℓ_student − ℓ_teacher) (the reverse-KL estimate), from the
+/// teacher's scores recorded with the turn. Turns the teacher did not score (or scored
+/// with a different length) stay in the context, untrained. None when nothing is trained.
+pub fn distill_example(
+    episode_id: &str,
+    turns: &[TurnRecord],
+    max_seq_len: usize,
+) -> Option<TrainExample> {
+    let scored: Vec<TurnRecord> = turns
+        .iter()
+        .map(|t| {
+            let mut t = t.clone();
+            if t.teacher_logprobs_of_student.len() != t.student_tokens.len() {
+                t.student_logprobs.clear(); // untrained (see policy_gradient_example)
+            }
+            t
+        })
+        .collect();
+    let mut ex = policy_gradient_example(episode_id, &scored, max_seq_len, true)?;
+    let mut advantages: Vec<f32> = Vec::with_capacity(ex.tokens.len());
+    for t in &scored {
+        advantages.resize(advantages.len() + t.context_delta_tokens.len(), 0.0);
+        let by_student = t.executed == Actor::Student as i32;
+        let trained = by_student
+            && !t.student_format_error
+            && !t.student_logprobs.is_empty()
+            && t.student_logprobs.len() == t.student_tokens.len();
+        if trained {
+            advantages.extend(
+                t.teacher_logprobs_of_student
+                    .iter()
+                    .zip(&t.student_logprobs)
+                    .map(|(teacher, student)| teacher - student),
+            );
+        } else {
+            let n = if by_student {
+                t.student_tokens.len()
+            } else {
+                t.teacher_tokens.len()
+            };
+            advantages.resize(advantages.len() + n, 0.0);
+        }
+    }
+    advantages.truncate(ex.tokens.len());
+    debug_assert_eq!(advantages.len(), ex.tokens.len());
+    ex.advantages = advantages;
+    Some(ex)
+}
+
+/// The example with its trajectory's advantage on every trained token (0 elsewhere).
+pub fn with_advantage(mut example: TrainExample, advantage: f64) -> TrainExample {
+    example.advantages = example
+        .loss_mask
+        .iter()
+        .map(|&m| if m { advantage as f32 } else { 0.0 })
+        .collect();
+    example
+}
+
+/// `make_batches` for prefix-shared packing (`[learner] packing = "tree"`): every episode's
+/// examples stay together in one batch (its DAgger labels branch off one trajectory, which
+/// the learner then computes once). Episodes are shuffled per epoch; a batch's budget
+/// counts each episode's longest example once (about its packed size) plus the label
+/// tokens of its other examples. An episode larger than the budget forms a batch alone.
+pub fn make_episode_batches(
+    examples: &[TrainExample],
+    iteration: u32,
+    batch_tokens: usize,
+    epochs: u32,
+    max_steps: u32,
+    seed: u64,
+) -> Vec<TrainBatch> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ ((iteration as u64) << 32));
+    // Episodes in first-appearance order, each with its examples and packed-size estimate.
+    let mut index: std::collections::HashMap<&str, usize> = Default::default();
+    let mut episodes: Vec<(Vec<usize>, usize)> = Vec::new();
+    for (i, e) in examples.iter().enumerate() {
+        let k = *index.entry(e.episode_id.as_str()).or_insert_with(|| {
+            episodes.push((Vec::new(), 0));
+            episodes.len() - 1
+        });
+        episodes[k].0.push(i);
+    }
+    for (members, size) in &mut episodes {
+        let longest = members
+            .iter()
+            .map(|&i| examples[i].tokens.len())
+            .max()
+            .unwrap_or(0);
+        let labels: usize = members
+            .iter()
+            .map(|&i| examples[i].loss_mask.iter().filter(|m| **m).count())
+            .sum();
+        *size = longest + labels;
+    }
+    let mut batches: Vec<Vec<TrainExample>> = Vec::new();
+    'epochs: for _ in 0..epochs.max(1) {
+        let mut order: Vec<usize> = (0..episodes.len()).collect();
+        order.shuffle(&mut rng);
+        let mut cur: Vec<TrainExample> = Vec::new();
+        let mut cur_size = 0usize;
+        let mut epoch_batches: Vec<Vec<TrainExample>> = Vec::new();
+        for k in order {
+            let (members, size) = &episodes[k];
+            if !cur.is_empty() && cur_size + size > batch_tokens {
+                epoch_batches.push(std::mem::take(&mut cur));
+                cur_size = 0;
+            }
+            cur_size += size;
+            cur.extend(members.iter().map(|&i| examples[i].clone()));
+        }
+        if !cur.is_empty() {
+            epoch_batches.push(cur);
+        }
+        for b in epoch_batches {
+            if batches.len() as u32 >= max_steps.max(1) {
+                break 'epochs;
+            }
+            batches.push(b);
+        }
+    }
+    numbered(batches, iteration)
+}
+
+/// Groups examples into batches whose padded size (rows × longest row) stays within
+/// `batch_tokens`, for `epochs` passes in a seeded order, at most `max_steps` batches.
+/// The last batch is marked `publish`. Always returns at least one batch, so a phase
+/// with no data still publishes a version.
+pub fn make_batches(
+    examples: &[TrainExample],
+    iteration: u32,
+    batch_tokens: usize,
+    epochs: u32,
+    max_steps: u32,
+    seed: u64,
+) -> Vec<TrainBatch> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ ((iteration as u64) << 32));
+    let mut batches: Vec<Vec<TrainExample>> = Vec::new();
+    'epochs: for _ in 0..epochs.max(1) {
+        // Similar lengths together wastes less padding; the batch order is shuffled.
+        let mut order: Vec<usize> = (0..examples.len()).collect();
+        order.shuffle(&mut rng);
+        order.sort_by_key(|&i| examples[i].tokens.len());
+        let mut epoch_batches: Vec<Vec<TrainExample>> = Vec::new();
+        let mut cur: Vec<TrainExample> = Vec::new();
+        let mut cur_max = 0usize;
+        for i in order {
+            let len = examples[i].tokens.len();
+            let new_max = cur_max.max(len);
+            if !cur.is_empty() && new_max * (cur.len() + 1) > batch_tokens {
+                epoch_batches.push(std::mem::take(&mut cur));
+                cur_max = 0;
+            }
+            cur_max = cur_max.max(len);
+            cur.push(examples[i].clone());
+        }
+        if !cur.is_empty() {
+            epoch_batches.push(cur);
+        }
+        epoch_batches.shuffle(&mut rng);
+        for b in epoch_batches {
+            if batches.len() as u32 >= max_steps.max(1) {
+                break 'epochs;
+            }
+            batches.push(b);
+        }
+    }
+    numbered(batches, iteration)
+}
+
+/// The batches of an iteration as `TrainBatch`es numbered in order, the last one marked
+/// `publish`; at least one (empty) batch, so a phase with no data still publishes.
+fn numbered(mut batches: Vec<Vec<TrainExample>>, iteration: u32) -> Vec<TrainBatch> {
+    if batches.is_empty() {
+        batches.push(Vec::new());
+    }
+    let n = batches.len();
+    batches
+        .into_iter()
+        .enumerate()
+        .map(|(i, examples)| TrainBatch {
+            iteration,
+            step: i as u32,
+            examples,
+            publish: i + 1 == n,
+            // Set by the driver, which holds the run state.
+            run_id: String::new(),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn turn(
+        i: u32,
+        delta: &[u32],
+        teacher: &[u32],
+        student: &[u32],
+        executed: Actor,
+    ) -> TurnRecord {
+        TurnRecord {
+            turn_index: i,
+            context_delta_tokens: delta.to_vec(),
+            teacher_tokens: teacher.to_vec(),
+            student_tokens: student.to_vec(),
+            executed: executed as i32,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn labels_branch_off_the_executed_history() {
+        let turns = vec![
+            turn(0, &[1, 2, 3], &[10, 11], &[20], Actor::Student),
+            turn(1, &[4], &[12, 13], &[21, 22], Actor::Teacher),
+            turn(2, &[5], &[14], &[], Actor::Teacher),
+        ];
+        let ex = dagger_examples("e", &turns, 100);
+        assert_eq!(ex.len(), 3);
+        assert_eq!(ex[0].tokens, vec![1, 2, 3, 10, 11]);
+        assert_eq!(ex[0].loss_mask, vec![false, false, false, true, true]);
+        // The student acted at turn 0: its tokens, not the teacher's, are the context.
+        assert_eq!(ex[1].tokens, vec![1, 2, 3, 20, 4, 12, 13]);
+        assert_eq!(
+            ex[1].loss_mask,
+            vec![false, false, false, false, false, true, true]
+        );
+        assert_eq!(ex[2].tokens, vec![1, 2, 3, 20, 4, 12, 13, 5, 14]);
+        assert_eq!(ex[2].loss_mask.iter().filter(|m| **m).count(), 1);
+    }
+
+    #[test]
+    fn format_error_labels_are_skipped_and_long_contexts_cut() {
+        let mut bad = turn(0, &[1, 2, 3, 4, 5, 6], &[9, 9], &[], Actor::Teacher);
+        bad.teacher_format_error = true;
+        let turns = vec![bad, turn(1, &[7], &[10, 11], &[], Actor::Teacher)];
+        let ex = dagger_examples("e", &turns, 5);
+        assert_eq!(ex.len(), 1);
+        assert_eq!(ex[0].tokens, vec![9, 9, 7, 10, 11]);
+        assert_eq!(ex[0].loss_mask, vec![false, false, false, true, true]);
+    }
+
+    #[test]
+    fn rft_trains_on_executed_turns_without_format_errors() {
+        let mut t1 = turn(1, &[4], &[12, 13], &[21, 22], Actor::Student);
+        t1.student_format_error = true; // the executed reply was malformed: masked
+        t1.teacher_format_error = false;
+        let mut t2 = turn(2, &[5], &[14, 15], &[23], Actor::Teacher);
+        t2.student_format_error = true; // not executed: irrelevant
+        let turns = vec![
+            turn(0, &[1, 2, 3], &[10, 11], &[20], Actor::Student),
+            t1,
+            t2,
+            turn(3, &[6, 7], &[16], &[24, 25], Actor::Student),
+        ];
+        let ex = rft_examples("ep", &turns, true, 100);
+        assert_eq!(ex.len(), 1);
+        // delta(1 2 3) student(20) delta(4) student(21 22, format error) delta(5)
+        // teacher(14 15) delta(6 7) student(24 25)
+        assert_eq!(
+            ex[0].tokens,
+            vec![1, 2, 3, 20, 4, 21, 22, 5, 14, 15, 6, 7, 24, 25]
+        );
+        let f = false;
+        let t = true;
+        assert_eq!(
+            ex[0].loss_mask,
+            vec![f, f, f, t, f, f, f, f, t, t, f, f, t, t]
+        );
+        assert_eq!(ex[0].episode_id, "ep");
+        assert_eq!(ex[0].turn_index, 3);
+    }
+
+    #[test]
+    fn rft_skips_unresolved_and_label_free_trajectories() {
+        let turns = vec![
+            turn(0, &[1, 2, 3], &[10, 11], &[20], Actor::Student),
+            turn(1, &[4], &[12], &[], Actor::Teacher),
+        ];
+        assert!(rft_examples("ep", &turns, false, 100).is_empty());
+        assert!(rft_examples("ep", &[], true, 100).is_empty());
+        // Teacher format error on the executed teacher turn: masked, context kept.
+        let mut bad = turn(0, &[1, 2], &[9, 9], &[30], Actor::Teacher);
+        bad.teacher_format_error = true;
+        assert!(rft_examples("ep", std::slice::from_ref(&bad), true, 100).is_empty());
+        let ex = rft_examples(
+            "ep",
+            &[bad, turn(1, &[3], &[10], &[], Actor::Teacher)],
+            true,
+            100,
+        );
+        assert_eq!(ex[0].tokens, vec![1, 2, 9, 9, 3, 10]);
+        assert_eq!(
+            ex[0].loss_mask,
+            vec![false, false, false, false, false, true]
+        );
+    }
+
+    #[test]
+    fn rft_cuts_long_histories_at_the_end() {
+        let turns = vec![
+            turn(0, &[1, 2, 3], &[10, 11], &[], Actor::Teacher),
+            turn(1, &[4, 5], &[12, 13], &[], Actor::Teacher),
+        ];
+        let ex = rft_examples("ep", &turns, true, 6);
+        assert_eq!(ex[0].tokens, vec![1, 2, 3, 10, 11, 4]);
+        assert_eq!(
+            ex[0].loss_mask,
+            vec![false, false, false, true, true, false]
+        );
+        // Cut before the first label token: no example.
+        assert!(rft_examples("ep", &turns, true, 3).is_empty());
+    }
+
+    #[test]
+    fn distill_example_has_the_reverse_kl_advantage_on_scored_student_tokens() {
+        let mut t0 = turn(0, &[1, 2], &[10], &[20, 21], Actor::Student);
+        t0.student_logprobs = vec![-0.5, -1.5];
+        t0.teacher_logprobs_of_student = vec![-0.25, -3.0];
+        let mut t1 = turn(1, &[4], &[12], &[22], Actor::Student);
+        t1.student_logprobs = vec![-0.1]; // not scored: context only
+        let mut t2 = turn(2, &[5], &[14], &[25, 26], Actor::Student);
+        t2.student_logprobs = vec![-2.0, -0.7];
+        t2.teacher_logprobs_of_student = vec![-1.0, -0.7];
+        let ex = distill_example("ep", &[t0, t1, t2], 100).unwrap();
+        assert_eq!(ex.tokens, vec![1, 2, 20, 21, 4, 22, 5, 25, 26]);
+        let (f, t) = (false, true);
+        assert_eq!(ex.loss_mask, vec![f, f, t, t, f, f, f, t, t]);
+        assert_eq!(
+            ex.advantages,
+            vec![0.0, 0.0, 0.25, -1.5, 0.0, 0.0, 0.0, 1.0, 0.0]
+        );
+        assert_eq!(ex.old_logprobs[2..4], [-0.5, -1.5]);
+        assert_eq!(ex.loss_kind, LossKind::Dapo as i32);
+        // Nothing scored: nothing to train.
+        let mut u = turn(0, &[1], &[10], &[20], Actor::Student);
+        u.student_logprobs = vec![-0.5];
+        assert!(distill_example("ep", &[u], 100).is_none());
+    }
+
+    #[test]
+    fn policy_gradient_example_carries_the_sampling_logprobs_of_trained_tokens() {
+        let mut t0 = turn(0, &[1, 2, 3], &[10, 11], &[20, 21], Actor::Student);
+        t0.student_logprobs = vec![-0.5, -1.5];
+        let mut t1 = turn(1, &[4], &[12], &[22, 23, 24], Actor::Student);
+        t1.student_logprobs = vec![-0.1, -0.2, -0.3];
+        t1.student_format_error = true; // masked, kept in the context
+        let t2 = turn(2, &[5], &[14, 15], &[], Actor::Teacher); // no sampling log-probs
+        let mut t3 = turn(3, &[6], &[16], &[25], Actor::Student);
+        t3.student_logprobs = vec![-2.0];
+        let ex = policy_gradient_example(
+            "ep",
+            &[t0.clone(), t1.clone(), t2.clone(), t3.clone()],
+            100,
+            true,
+        )
+        .unwrap();
+        assert_eq!(
+            ex.tokens,
+            vec![1, 2, 3, 20, 21, 4, 22, 23, 24, 5, 14, 15, 6, 25]
+        );
+        let (f, t) = (false, true);
+        assert_eq!(ex.loss_mask, vec![f, f, f, t, t, f, f, f, f, f, f, f, f, t]);
+        let mut want = vec![0.0f32; 14];
+        want[3] = -0.5;
+        want[4] = -1.5;
+        want[13] = -2.0;
+        assert_eq!(ex.old_logprobs, want);
+        assert_eq!(ex.loss_kind, LossKind::Dapo as i32);
+        assert!(ex.advantages.is_empty());
+        // With format errors trained on, turn 1's tokens and log-probs are in too.
+        let all = policy_gradient_example("ep", &[t0, t1, t2, t3.clone()], 100, false).unwrap();
+        assert_eq!(
+            all.loss_mask,
+            vec![f, f, f, t, t, f, t, t, t, f, f, f, f, t]
+        );
+        assert_eq!(&all.old_logprobs[6..9], &[-0.1, -0.2, -0.3]);
+        let ex = with_advantage(ex, -0.75);
+        let adv: Vec<f32> = ex
+            .loss_mask
+            .iter()
+            .map(|&m| if m { -0.75 } else { 0.0 })
+            .collect();
+        assert_eq!(ex.advantages, adv);
+        // Log-probs that do not match the tokens one to one: the turn is not trained.
+        let mut bad = t3;
+        bad.student_logprobs = vec![-1.0, -1.0];
+        assert!(policy_gradient_example("ep", &[bad], 100, true).is_none());
+        // Cut at the end before the first trained token: no example.
+        let mut t0 = turn(0, &[1, 2, 3], &[], &[20], Actor::Student);
+        t0.student_logprobs = vec![-1.0];
+        assert!(policy_gradient_example("ep", std::slice::from_ref(&t0), 3, true).is_none());
+        assert_eq!(
+            policy_gradient_example("ep", &[t0], 4, true)
+                .unwrap()
+                .loss_mask,
+            vec![f, f, f, t]
+        );
+    }
+
+    #[test]
+    fn episode_batches_keep_each_episodes_examples_together() {
+        let mut examples = Vec::new();
+        for ep in 0..6u32 {
+            for t in 0..3u32 {
+                let n = 20 + 10 * t as usize; // growing prefixes, 4 label tokens each
+                let mut mask = vec![false; n];
+                mask[n - 4..].fill(true);
+                examples.push(TrainExample {
+                    tokens: vec![1; n],
+                    loss_mask: mask,
+                    episode_id: format!("ep{ep}"),
+                    turn_index: t,
+                    ..Default::default()
+                });
+            }
+        }
+        // Each episode: longest 40 + 12 labels = 52; a budget of 110 holds two.
+        let batches = make_episode_batches(&examples, 0, 110, 2, 100, 7);
+        assert_eq!(batches.len(), 6, "2 epochs x 3 batches");
+        let mut seen = std::collections::BTreeMap::new();
+        for b in &batches {
+            let eps: std::collections::BTreeSet<&str> =
+                b.examples.iter().map(|e| e.episode_id.as_str()).collect();
+            assert_eq!(eps.len(), 2);
+            for ep in eps {
+                let n = b.examples.iter().filter(|e| e.episode_id == ep).count();
+                assert_eq!(n, 3, "an episode's examples are never split");
+                *seen.entry(ep.to_string()).or_insert(0) += 1;
+            }
+        }
+        assert!(seen.values().all(|&k| k == 2), "{seen:?}");
+        assert!(batches.last().unwrap().publish);
+        let capped = make_episode_batches(&examples, 0, 110, 2, 4, 7);
+        assert_eq!(capped.len(), 4);
+    }
+
+    #[test]
+    fn batches_respect_the_budget_and_publish_last() {
+        let examples: Vec<TrainExample> = (1..=10)
+            .map(|n| TrainExample {
+                tokens: vec![1; n * 10],
+                loss_mask: vec![true; n * 10],
+                ..Default::default()
+            })
+            .collect();
+        let batches = make_batches(&examples, 0, 200, 2, 100, 1);
+        for b in &batches {
+            let max = b.examples.iter().map(|e| e.tokens.len()).max().unwrap();
+            assert!(max * b.examples.len() <= 200 || b.examples.len() == 1);
+        }
+        let total: usize = batches.iter().map(|b| b.examples.len()).sum();
+        assert_eq!(total, 20);
+        assert!(batches.last().unwrap().publish);
+        assert_eq!(batches.iter().filter(|b| b.publish).count(), 1);
+        let capped = make_batches(&examples, 0, 200, 2, 3, 1);
+        assert_eq!(capped.len(), 3);
+        let empty = make_batches(&[], 0, 200, 2, 3, 1);
+        assert_eq!(empty.len(), 1);
+        assert!(empty[0].publish);
+    }
+}

@@ -1,0 +1,798 @@
+//! The scheduler actor: the one owner of leases, episode progress, workers, the policy
+//! version and the DAgger dataset. Everything else talks to it through `SchedulerHandle`;
+//! this file holds the handle, the command loop and the rules that join the parts (the
+//! lease table, the worker registry, the iteration's plan, recovery, the datasets).
+
+mod lease;
+mod plan;
+mod recovery;
+mod workers;
+
+pub use recovery::Recovery;
+pub use workers::HEARTBEAT_INTERVAL;
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+use tutor_proto::{
+    episode_event, EpisodeEvent, HeartbeatResponse, LeaseResponse, PolicyVersion, Task,
+    TrainExample, TurnRecord,
+};
+
+use self::lease::{episode_lease, Leases};
+use self::plan::Plan;
+use self::recovery::Backlog;
+use self::workers::Workers;
+use crate::config::{Algorithm, CoordinatorConfig};
+use crate::dataset::{EpisodeData, IterationDatasets};
+use crate::episode_id::{EpisodeId, Purpose};
+pub use crate::rollouts::IterationRollouts;
+
+enum Cmd {
+    Register {
+        name: String,
+        capacity: u32,
+        reply: oneshot::Sender<(String, PolicyVersion)>,
+    },
+    Lease {
+        worker_id: String,
+        max: u32,
+        reply: oneshot::Sender<LeaseResponse>,
+    },
+    /// May this outcome be stored? Claims its slot for the attempt (see
+    /// `Slot::claimed_by`); false when another attempt already completed or claimed it.
+    ClaimOutcome {
+        event: Box<EpisodeEvent>,
+        reply: oneshot::Sender<bool>,
+    },
+    Stored {
+        // Boxed: turns carry token vectors, the other commands are small.
+        event: Box<EpisodeEvent>,
+    },
+    Heartbeat {
+        worker_id: String,
+        active: Vec<String>,
+        loaded: u64,
+        reply: oneshot::Sender<HeartbeatResponse>,
+    },
+    StartIteration {
+        iteration: u32,
+        beta: f64,
+        reply: oneshot::Sender<IterationRollouts>,
+    },
+    SetPolicy {
+        policy: PolicyVersion,
+    },
+    Examples {
+        iteration: u32,
+        aggregate: bool,
+        reply: oneshot::Sender<Vec<TrainExample>>,
+    },
+    WorkerVersions {
+        reply: oneshot::Sender<BTreeMap<String, u64>>,
+    },
+    Progress {
+        reply: oneshot::Sender<(u32, u32)>,
+    },
+    Snapshot {
+        reply: oneshot::Sender<SchedulerSnapshot>,
+    },
+    TeacherLabels {
+        iteration: u32,
+        reply: oneshot::Sender<u64>,
+    },
+    Seal {
+        iteration: u32,
+        base_version: u64,
+        reply: oneshot::Sender<u64>,
+    },
+    Drain,
+    Finish,
+    Tick,
+}
+
+/// The scheduler's numbers at one instant, for metrics. Counters (`*_total`) count
+/// since the coordinator started; the rest are gauges.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SchedulerSnapshot {
+    pub policy_version: u64,
+    pub iteration: u32,
+    /// Episodes of the current iteration waiting for a worker (the lease queue).
+    pub pending_episodes: u64,
+    /// Leases handed out and not yet finished or expired.
+    pub outstanding_leases: u64,
+    /// Of those, the ones held by a live worker (episodes that may still finish).
+    pub outstanding_live_leases: u64,
+    /// Workers heard from within three heartbeat intervals.
+    pub live_workers: u64,
+    pub train_episodes_completed_total: u64,
+    pub eval_episodes_completed_total: u64,
+    pub lease_expiries_total: u64,
+    /// Training episodes left out of training for lagging the learner by more than
+    /// `max_staleness` (async mode), over the iterations sealed so far.
+    pub stale_episodes_total: u64,
+    pub run_finished: bool,
+    /// No new leases: the coordinator is shutting down.
+    pub draining: bool,
+}
+
+#[derive(Clone)]
+pub struct SchedulerHandle {
+    tx: mpsc::Sender<Cmd>,
+}
+
+impl SchedulerHandle {
+    pub fn spawn(config: CoordinatorConfig, train: Vec<Task>, heldout: Vec<Task>) -> Self {
+        Self::spawn_recovered(config, train, heldout, Recovery::default())
+    }
+
+    /// `spawn` for a coordinator restarted on a run directory: iterations rebuild their
+    /// slots, completions and datasets from `recovery.history` when they start.
+    pub fn spawn_recovered(
+        config: CoordinatorConfig,
+        train: Vec<Task>,
+        heldout: Vec<Task>,
+        recovery: Recovery,
+    ) -> Self {
+        let (tx, rx) = mpsc::channel(1024);
+        let state = Scheduler::new(config, train, heldout, recovery);
+        tokio::spawn(state.run(rx));
+        let handle = Self { tx };
+        let ticker = handle.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                every.tick().await;
+                if ticker.tx.send(Cmd::Tick).await.is_err() {
+                    return;
+                }
+            }
+        });
+        handle
+    }
+
+    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Cmd) -> Option<T> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(make(reply)).await.ok()?;
+        rx.await.ok()
+    }
+
+    pub async fn register(&self, name: String, capacity: u32) -> Option<(String, PolicyVersion)> {
+        self.ask(|reply| Cmd::Register {
+            name,
+            capacity,
+            reply,
+        })
+        .await
+    }
+    pub async fn lease(&self, worker_id: String, max: u32) -> Option<LeaseResponse> {
+        self.ask(|reply| Cmd::Lease {
+            worker_id,
+            max,
+            reply,
+        })
+        .await
+    }
+    /// Before an outcome is stored: false if another attempt of its slot already
+    /// completed it (the caller then drops it). A stopped scheduler allows everything.
+    pub async fn claim_outcome(&self, event: EpisodeEvent) -> bool {
+        self.ask(|reply| Cmd::ClaimOutcome {
+            event: Box::new(event),
+            reply,
+        })
+        .await
+        .unwrap_or(true)
+    }
+    /// Called after the event is durable in the store (and only for new events).
+    pub async fn stored(&self, event: EpisodeEvent) {
+        let _ = self
+            .tx
+            .send(Cmd::Stored {
+                event: Box::new(event),
+            })
+            .await;
+    }
+    pub async fn heartbeat(
+        &self,
+        worker_id: String,
+        active: Vec<String>,
+        loaded: u64,
+    ) -> Option<HeartbeatResponse> {
+        self.ask(|reply| Cmd::Heartbeat {
+            worker_id,
+            active,
+            loaded,
+            reply,
+        })
+        .await
+    }
+    /// Queues the iteration's episodes and resolves when every one has an outcome.
+    pub async fn run_iteration(&self, iteration: u32, beta: f64) -> Option<IterationRollouts> {
+        self.ask(|reply| Cmd::StartIteration {
+            iteration,
+            beta,
+            reply,
+        })
+        .await
+    }
+    pub async fn set_policy(&self, policy: PolicyVersion) {
+        let _ = self.tx.send(Cmd::SetPolicy { policy }).await;
+    }
+    /// The training examples of `iteration` (with `aggregate`, of every iteration up to
+    /// it), less the episodes the staleness filter left out.
+    pub async fn examples(&self, iteration: u32, aggregate: bool) -> Vec<TrainExample> {
+        self.ask(|reply| Cmd::Examples {
+            iteration,
+            aggregate,
+            reply,
+        })
+        .await
+        .unwrap_or_default()
+    }
+    /// Records that training on `iteration` starts from learner version `base_version`
+    /// and returns how many of its episodes are too stale to train on (async mode).
+    pub async fn seal(&self, iteration: u32, base_version: u64) -> u64 {
+        self.ask(|reply| Cmd::Seal {
+            iteration,
+            base_version,
+            reply,
+        })
+        .await
+        .unwrap_or(0)
+    }
+    /// Teacher labels (DAgger examples) of the iterations up to `iteration`.
+    pub async fn teacher_labels_through(&self, iteration: u32) -> u64 {
+        self.ask(|reply| Cmd::TeacherLabels { iteration, reply })
+            .await
+            .unwrap_or(0)
+    }
+    /// Stops handing out leases; leases already out keep running.
+    pub async fn drain(&self) {
+        let _ = self.tx.send(Cmd::Drain).await;
+    }
+    /// The loaded policy version of every live worker.
+    pub async fn worker_versions(&self) -> BTreeMap<String, u64> {
+        self.ask(|reply| Cmd::WorkerVersions { reply })
+            .await
+            .unwrap_or_default()
+    }
+    /// (episodes done, episodes total) of the current iteration.
+    pub async fn progress(&self) -> (u32, u32) {
+        self.ask(|reply| Cmd::Progress { reply })
+            .await
+            .unwrap_or((0, 0))
+    }
+    /// The numbers behind the metrics endpoint.
+    pub async fn snapshot(&self) -> Option<SchedulerSnapshot> {
+        self.ask(|reply| Cmd::Snapshot { reply }).await
+    }
+    pub async fn finish(&self) {
+        let _ = self.tx.send(Cmd::Finish).await;
+    }
+}
+
+struct Scheduler {
+    config: CoordinatorConfig,
+    train_tasks: Vec<Task>,
+    heldout_tasks: Vec<Task>,
+    generation: u64,
+    policy: PolicyVersion,
+    /// The current iteration's slots.
+    plan: Plan,
+    leases: Leases,
+    workers: Workers,
+    datasets: IterationDatasets,
+    /// Stored events not replayed yet, and early outcome claims.
+    backlog: Backlog,
+    /// Turns of the episodes in progress.
+    turns: HashMap<EpisodeId, Vec<TurnRecord>>,
+    rollouts: IterationRollouts,
+    iteration_reply: Option<oneshot::Sender<IterationRollouts>>,
+    finished: bool,
+    draining: bool,
+    /// Since start, across iterations: counted episodes by purpose.
+    completed_train: u64,
+    completed_eval: u64,
+}
+
+impl Scheduler {
+    fn new(
+        config: CoordinatorConfig,
+        train_tasks: Vec<Task>,
+        heldout_tasks: Vec<Task>,
+        recovery: Recovery,
+    ) -> Self {
+        Self {
+            datasets: IterationDatasets::new(config.clone()),
+            config,
+            train_tasks,
+            heldout_tasks,
+            generation: recovery.generation,
+            policy: PolicyVersion::default(),
+            plan: Plan::none(),
+            leases: Leases::default(),
+            workers: Workers::new(recovery.generation),
+            backlog: Backlog::new(recovery.history),
+            turns: HashMap::new(),
+            rollouts: IterationRollouts::default(),
+            iteration_reply: None,
+            finished: false,
+            draining: false,
+            completed_train: 0,
+            completed_eval: 0,
+        }
+    }
+
+    async fn run(mut self, mut rx: mpsc::Receiver<Cmd>) {
+        while let Some(cmd) = rx.recv().await {
+            match cmd {
+                Cmd::Register {
+                    name,
+                    capacity,
+                    reply,
+                } => {
+                    let id = self.workers.register(name, capacity);
+                    let _ = reply.send((id, self.policy.clone()));
+                }
+                Cmd::Lease {
+                    worker_id,
+                    max,
+                    reply,
+                } => {
+                    let _ = reply.send(self.lease(&worker_id, max));
+                }
+                Cmd::Stored { event } => self.on_stored(*event),
+                Cmd::ClaimOutcome { event, reply } => {
+                    let _ = reply.send(self.claim_outcome(&event));
+                }
+                Cmd::Heartbeat {
+                    worker_id,
+                    active,
+                    loaded,
+                    reply,
+                } => {
+                    let _ = reply.send(self.heartbeat(&worker_id, &active, loaded));
+                }
+                Cmd::StartIteration {
+                    iteration,
+                    beta,
+                    reply,
+                } => self.start_iteration(iteration, beta, reply),
+                Cmd::SetPolicy { policy } => {
+                    tracing::info!(version = policy.version, "policy version is now current");
+                    self.policy = policy;
+                }
+                Cmd::Examples {
+                    iteration,
+                    aggregate,
+                    reply,
+                } => {
+                    let _ = reply.send(self.datasets.examples(iteration, aggregate));
+                }
+                Cmd::TeacherLabels { iteration, reply } => {
+                    let _ = reply.send(self.datasets.teacher_labels_through(iteration));
+                }
+                Cmd::Seal {
+                    iteration,
+                    base_version,
+                    reply,
+                } => {
+                    let _ = reply.send(self.datasets.seal(iteration, base_version));
+                }
+                Cmd::Drain => {
+                    tracing::info!(
+                        outstanding = self.leases.outstanding_len(),
+                        "draining: no new leases"
+                    );
+                    self.draining = true;
+                }
+                Cmd::WorkerVersions { reply } => {
+                    let _ = reply.send(self.workers.live_versions());
+                }
+                Cmd::Snapshot { reply } => {
+                    let _ = reply.send(self.snapshot());
+                }
+                Cmd::Progress { reply } => {
+                    let done = self.plan.done_count() as u32;
+                    let _ = reply.send((done, self.plan.slots.len() as u32));
+                }
+                Cmd::Finish => self.finished = true,
+                Cmd::Tick => self.expire_leases(),
+            }
+        }
+    }
+
+    fn snapshot(&self) -> SchedulerSnapshot {
+        SchedulerSnapshot {
+            policy_version: self.policy.version,
+            iteration: self.plan.iteration,
+            pending_episodes: self.leases.pending_len() as u64,
+            outstanding_leases: self.leases.outstanding_len() as u64,
+            outstanding_live_leases: self.leases.held_by(&self.workers.live_ids()) as u64,
+            live_workers: self.workers.live_count() as u64,
+            train_episodes_completed_total: self.completed_train,
+            eval_episodes_completed_total: self.completed_eval,
+            lease_expiries_total: self.leases.expiries(),
+            stale_episodes_total: self.datasets.stale_total(),
+            run_finished: self.finished,
+            draining: self.draining,
+        }
+    }
+
+    /// The task a slot samples.
+    fn task_of(&self, slot: usize) -> &Task {
+        let s = &self.plan.slots[slot];
+        match s.purpose {
+            Purpose::Train => &self.train_tasks[s.task],
+            Purpose::Eval => &self.heldout_tasks[s.task],
+        }
+    }
+
+    /// Sets up `iteration`'s slots and queues them. After a restart, the iterations the
+    /// store holds events of are replayed first: earlier ones only for their datasets;
+    /// this one also marks its completed slots done and keeps the episodes in progress
+    /// leased (to the worker that streamed them, with a fresh deadline), so only the
+    /// rest is leased again and nothing is counted twice.
+    fn start_iteration(
+        &mut self,
+        iteration: u32,
+        beta: f64,
+        reply: oneshot::Sender<IterationRollouts>,
+    ) {
+        for (k, events) in self.backlog.take_before(iteration) {
+            self.plan_iteration(k, 0.0);
+            self.replay(events);
+        }
+        self.plan_iteration(iteration, beta);
+        if let Some(events) = self.backlog.take(iteration) {
+            self.replay(events);
+        }
+        let leased = self.leases.leased_slots();
+        let slots = &self.plan.slots;
+        self.leases
+            .set_queue((0..slots.len()).filter(|s| !slots[*s].done && !leased.contains(s)));
+        tracing::info!(
+            iteration,
+            beta,
+            kappa = ?self.config.kappa_at(iteration),
+            episodes = self.plan.slots.len(),
+            recovered_done = self.plan.done_count(),
+            recovered_leased = leased.len(),
+            "iteration started"
+        );
+        self.iteration_reply = Some(reply);
+        self.check_iteration_done();
+    }
+
+    /// Plans `iteration` (see `Plan::new`) and forgets the previous one's leases, turns
+    /// and rollouts.
+    fn plan_iteration(&mut self, iteration: u32, beta: f64) {
+        self.plan = Plan::new(
+            &self.config,
+            iteration,
+            beta,
+            self.train_tasks.len(),
+            self.heldout_tasks.len(),
+        );
+        self.leases.clear();
+        self.turns.clear();
+        self.rollouts = IterationRollouts::default();
+        self.datasets.open(iteration);
+    }
+
+    /// Feeds stored events of the planned iteration through `on_stored`, as if they had
+    /// just arrived, in store order (so the first outcome of a slot is the counted one,
+    /// as it was). Episodes with turns and no outcome stay leased to their worker.
+    fn replay(&mut self, events: Vec<EpisodeEvent>) {
+        let deadline = Instant::now() + Duration::from_secs_f64(self.config.lease_timeout_s);
+        let mut open: HashMap<EpisodeId, (usize, String)> = HashMap::new();
+        for ev in events {
+            let Some((id, slot)) = self.adopt(&ev) else {
+                continue;
+            };
+            if matches!(ev.event, Some(episode_event::Event::Outcome(_))) {
+                open.remove(&id);
+            } else {
+                open.insert(id, (slot, ev.worker_id.clone()));
+            }
+            self.on_stored(ev);
+        }
+        for (id, (slot, worker_id)) in open {
+            if self.plan.slots[slot].done {
+                self.turns.remove(&id);
+            } else {
+                self.leases.keep(id, slot, worker_id, deadline);
+            }
+        }
+    }
+
+    fn lease(&mut self, worker_id: &str, max: u32) -> LeaseResponse {
+        self.workers.seen(worker_id);
+        if self.finished {
+            return LeaseResponse {
+                run_finished: true,
+                ..Default::default()
+            };
+        }
+        if self.draining {
+            return LeaseResponse {
+                retry_after_ms: 1000,
+                ..Default::default()
+            };
+        }
+        let timeout = Duration::from_secs_f64(self.config.lease_timeout_s);
+        let mut leases = Vec::new();
+        while (leases.len() as u32) < max.max(1) {
+            let Some(slot) = self.leases.next_pending() else {
+                break;
+            };
+            let id = self.plan.episode_id(slot, self.generation);
+            let task = self.task_of(slot).clone();
+            leases.push(episode_lease(
+                &self.config,
+                &self.plan,
+                slot,
+                &id,
+                task,
+                &self.policy,
+                timeout,
+            ));
+            self.leases
+                .grant(id, slot, worker_id, Instant::now() + timeout);
+        }
+        let retry_after_ms = if leases.is_empty() { 200 } else { 0 };
+        LeaseResponse {
+            leases,
+            run_finished: false,
+            retry_after_ms,
+        }
+    }
+
+    fn heartbeat(&mut self, worker_id: &str, active: &[String], loaded: u64) -> HeartbeatResponse {
+        let renew = Instant::now() + Duration::from_secs_f64(self.config.lease_timeout_s);
+        self.workers.heartbeat(worker_id, loaded);
+        self.leases.renew(worker_id, active, renew);
+        HeartbeatResponse {
+            latest: Some(self.policy.clone()),
+            shutdown: self.finished,
+        }
+    }
+
+    /// Leases past their deadline: the slot goes back to the queue as its next attempt.
+    fn expire_leases(&mut self) {
+        for (id, o) in self.leases.take_expired(Instant::now()) {
+            self.rollouts.expired_leases += 1;
+            self.turns.remove(&id);
+            let slot = &mut self.plan.slots[o.slot];
+            if !slot.done {
+                slot.attempt += 1;
+                tracing::warn!(episode = %id, worker = %o.worker_id, "lease expired: episode goes to another worker");
+                self.leases.queue([o.slot]);
+            }
+        }
+        self.workers.forget_silent();
+    }
+
+    /// The id and slot of an event of the current iteration. An episode this coordinator
+    /// did not lease (one leased before a restart) is mapped to its slot, so that it
+    /// counts like any other: the first outcome of a slot counts, live or replayed.
+    /// None if the event belongs elsewhere.
+    fn adopt(&mut self, ev: &EpisodeEvent) -> Option<(EpisodeId, usize)> {
+        let id: EpisodeId = ev.episode_id.parse().ok()?;
+        if let Some(slot) = self.leases.slot_of(&id) {
+            return Some((id, slot));
+        }
+        if id.slot.iteration != self.plan.iteration {
+            return None;
+        }
+        let fitting = self.plan.slot(&id.slot).filter(|&s| match &ev.event {
+            Some(episode_event::Event::Outcome(o)) => {
+                o.instance_id.is_empty() || o.instance_id == self.task_of(s).instance_id
+            }
+            _ => true,
+        });
+        let Some(slot) = fitting else {
+            tracing::warn!(
+                episode = %ev.episode_id,
+                "stored episode does not fit this iteration's plan (did the task files, the \
+                 seed or the episode counts change since the run started?): not counted"
+            );
+            return None;
+        };
+        self.leases.adopt(id, slot);
+        Some((id, slot))
+    }
+
+    /// The iteration of `id` when its slots are not planned yet (it is kept for then).
+    fn ahead_of_plan(&self, id: &EpisodeId) -> Option<u32> {
+        let iteration = id.slot.iteration;
+        match self.plan.planned() {
+            Some(p) if iteration <= p => None,
+            _ => Some(iteration),
+        }
+    }
+
+    fn claim_outcome(&mut self, ev: &EpisodeEvent) -> bool {
+        let Ok(id) = ev.episode_id.parse::<EpisodeId>() else {
+            return true; // not a coordinator's episode: stored, never counted
+        };
+        if self.ahead_of_plan(&id).is_some() {
+            return self.backlog.claim_early(id);
+        }
+        let Some((id, slot)) = self.adopt(ev) else {
+            return true; // another iteration's episode: stored, never counted
+        };
+        self.plan.slots[slot].claim(id)
+    }
+
+    fn on_stored(&mut self, event: EpisodeEvent) {
+        let parsed = event.episode_id.parse::<EpisodeId>().ok();
+        if let Some(iteration) = parsed.as_ref().and_then(|id| self.ahead_of_plan(id)) {
+            tracing::debug!(episode = %event.episode_id, iteration, "event before its iteration started: kept for then");
+            self.backlog.keep(iteration, event);
+            return;
+        }
+        let adopted = self.adopt(&event);
+        match (event.event, adopted) {
+            (Some(episode_event::Event::Turn(t)), Some((id, _))) => {
+                self.turns.entry(id).or_default().push(t);
+            }
+            (Some(episode_event::Event::Outcome(outcome)), Some((id, slot))) => {
+                self.leases.finish(&id);
+                let turns = self.turns.remove(&id).unwrap_or_default();
+                if self.plan.slots[slot].done {
+                    tracing::warn!(episode = %id, "a second attempt finished after the first: not counted");
+                    return;
+                }
+                self.plan.slots[slot].complete(id);
+                self.count_outcome(&id, slot, turns, outcome);
+                self.check_iteration_done();
+            }
+            (Some(episode_event::Event::Outcome(_)), None) => {
+                tracing::warn!(episode = %event.episode_id, "outcome for an episode of another iteration: stored, not counted");
+            }
+            // Turns of an episode of another iteration: stored, not part of this dataset.
+            (Some(episode_event::Event::Turn(_)), None) | (None, _) => {}
+        }
+    }
+
+    /// Counts the outcome that completed `slot`: the iteration's rollouts, and for a
+    /// training episode its examples in the dataset.
+    fn count_outcome(
+        &mut self,
+        id: &EpisodeId,
+        slot: usize,
+        mut turns: Vec<TurnRecord>,
+        outcome: tutor_proto::EpisodeOutcome,
+    ) {
+        turns.sort_by_key(|t| t.turn_index);
+        self.rollouts.count_student_turns(&turns);
+        match self.plan.slots[slot].purpose {
+            Purpose::Train => {
+                let examples = self
+                    .config
+                    .episode_examples(&id.to_string(), &turns, &outcome);
+                self.rollouts.teacher_labels += examples.len() as u64;
+                let reward = self.config.reward(&outcome);
+                self.datasets.push(
+                    self.plan.iteration,
+                    EpisodeData {
+                        policy_version: outcome.policy_version,
+                        examples,
+                        group: self.plan.slots[slot].group,
+                        reward,
+                    },
+                );
+                self.rollouts.train.push(outcome);
+                self.completed_train += 1;
+            }
+            Purpose::Eval => {
+                self.rollouts.eval.push(outcome);
+                self.completed_eval += 1;
+            }
+        }
+    }
+
+    /// Dynamic sampling's refill (dapo): once every training slot is done, too few kept
+    /// groups lease new ones, up to `max_refill_rounds` times. The iteration's rollouts
+    /// are complete when every slot is done.
+    fn check_iteration_done(&mut self) {
+        let iteration = self.plan.iteration;
+        if self.plan.train_done() && self.config.algorithm == Algorithm::Dapo {
+            let stats = self.datasets.group_stats(iteration);
+            let added = self.plan.refill(&self.config, stats);
+            if !added.is_empty() {
+                self.leases.queue(added);
+                return;
+            }
+        }
+        if self.plan.all_done() {
+            if let Some(reply) = self.iteration_reply.take() {
+                let mut rollouts = std::mem::take(&mut self.rollouts);
+                if self.config.algorithm == Algorithm::Dapo {
+                    rollouts.groups = self.datasets.group_stats(iteration);
+                    rollouts.refill_rounds = self.plan.refills();
+                }
+                if let Some(mean) = self.datasets.mean_reward(iteration) {
+                    rollouts.mean_reward = mean;
+                }
+                let _ = reply.send(rollouts);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use tutor_proto::EpisodeOutcome;
+
+    pub(crate) fn outcome(episode_id: &str) -> EpisodeEvent {
+        EpisodeEvent {
+            episode_id: episode_id.to_string(),
+            worker_id: "w-0".into(),
+            event: Some(episode_event::Event::Outcome(EpisodeOutcome::default())),
+        }
+    }
+
+    #[tokio::test]
+    async fn snapshot_counts_completions_by_purpose_expiries_and_the_queue() {
+        let config = CoordinatorConfig {
+            episodes_per_iteration: 2,
+            heldout_episodes: 1,
+            lease_timeout_s: 0.05,
+            ..Default::default()
+        };
+        let sched = SchedulerHandle::spawn(config, vec![Task::default()], vec![Task::default()]);
+        let (worker, _) = sched.register("w".into(), 4).await.unwrap();
+        sched
+            .set_policy(PolicyVersion {
+                version: 7,
+                ..Default::default()
+            })
+            .await;
+        let runner = sched.clone();
+        let iteration = tokio::spawn(async move { runner.run_iteration(0, 1.0).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let s = sched.snapshot().await.unwrap();
+        assert_eq!(
+            (s.policy_version, s.pending_episodes, s.live_workers),
+            (7, 3, 1)
+        );
+
+        // A lease nobody renews expires and goes back to the queue.
+        let first = sched.lease(worker.clone(), 1).await.unwrap();
+        assert_eq!(first.leases.len(), 1);
+        assert_eq!(sched.snapshot().await.unwrap().outstanding_leases, 1);
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let s = sched.snapshot().await.unwrap();
+        assert_eq!(
+            (s.lease_expiries_total, s.pending_episodes),
+            (1, 3),
+            "{s:?}"
+        );
+
+        let leases = sched.lease(worker.clone(), 3).await.unwrap().leases;
+        assert_eq!(leases.len(), 3);
+        for l in &leases {
+            sched.stored(outcome(&l.episode_id)).await;
+        }
+        let rollouts = iteration.await.unwrap().unwrap();
+        assert_eq!((rollouts.train.len(), rollouts.eval.len()), (2, 1));
+        let s = sched.snapshot().await.unwrap();
+        assert_eq!(
+            (
+                s.train_episodes_completed_total,
+                s.eval_episodes_completed_total,
+                s.pending_episodes,
+                s.outstanding_leases
+            ),
+            (2, 1, 0, 0),
+            "{s:?}"
+        );
+        assert!(!s.run_finished);
+        sched.finish().await;
+        assert!(sched.snapshot().await.unwrap().run_finished);
+    }
+}

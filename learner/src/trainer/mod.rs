@@ -1,0 +1,420 @@
+//! The training state: the student's weights, their AdamW state (with fp32 master
+//! weights in mixed precision) and this rank's link to the other data-parallel ranks.
+//! Owned by one thread (tch tensors are not shared across tasks); the gRPC service talks
+//! to it through `LearnerHandle`. `step` holds the step every objective shares, `state`
+//! checkpoints and group membership; each objective's own step lives with its loss
+//! (`crate::loss`).
+
+mod state;
+mod step;
+
+pub use step::{micro_batch_ranges, micro_batches, rank_shard, StepError};
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use tch::{Device, Kind, Tensor};
+use tutor_collective::{Collective, CpuCollective};
+use tutor_policy::{ModelConfig, Policy};
+
+use crate::config::LearnerConfig;
+use crate::optim::{AdamW, AdamWConfig};
+
+/// What one optimizer step did (over all ranks).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub label_tokens: u64,
+    pub learning_rate: f64,
+    pub seconds: f64,
+    /// Forward/backward passes this rank ran for the step (gradient accumulation).
+    pub micro_batches: usize,
+}
+
+/// Mixed precision (`LearnerConfig::precision`): the fp32 weights AdamW updates (the
+/// model's bf16 parameters are their rounding) and the fp32 sums of the current step's
+/// gradients, in the same order as `Trainer::params`.
+struct Master {
+    weights: Vec<Tensor>,
+    grads: Vec<Tensor>,
+}
+
+pub struct Trainer {
+    policy: Policy,
+    /// The policy's parameters in name order (handles sharing the VarStore's storage), so
+    /// the optimizer state and collectives line up across ranks and checkpoints.
+    param_names: Vec<String>,
+    params: Vec<Tensor>,
+    optimizer: AdamW,
+    /// `Some` when training in bf16.
+    master: Option<Master>,
+    config: LearnerConfig,
+    steps: u64,
+    collective: Box<dyn Collective>,
+    /// The trainer's own random stream (seeded by `config.seed`), saved in checkpoints so
+    /// a resumed run draws the same numbers. The cross-entropy step draws none.
+    rng: ChaCha8Rng,
+}
+
+impl Trainer {
+    /// Starts from `model_dir/model.safetensors` when present, else from random weights
+    /// seeded by `config.seed` with the architecture in `model_dir/config.json`.
+    pub fn from_model_dir(model_dir: &Path, config: LearnerConfig) -> Result<Self> {
+        let device = Device::Cpu;
+        let policy = if model_dir.join("model.safetensors").exists() {
+            Policy::load_dir(model_dir, device).with_context(|| {
+                format!("loading the initial model from {}", model_dir.display())
+            })?
+        } else {
+            let cfg_path = model_dir.join("config.json");
+            let mc = ModelConfig::load(&cfg_path)
+                .with_context(|| format!("reading {}", cfg_path.display()))?;
+            Policy::new(mc, device, config.seed as i64)
+        };
+        Self::new(policy, config)
+    }
+
+    /// A single-rank trainer.
+    pub fn new(policy: Policy, config: LearnerConfig) -> Result<Self> {
+        Self::with_collective(policy, config, Box::new(CpuCollective::solo()))
+    }
+
+    /// One rank of a data-parallel group. Every rank must call this (it broadcasts rank
+    /// 0's weights, so all ranks start from the same point) and then `step` in lockstep.
+    ///
+    /// Moves the policy to `config.device` and, for mixed precision, keeps fp32 master
+    /// copies of its (f32) weights and casts the model to bf16.
+    pub fn with_collective(
+        mut policy: Policy,
+        config: LearnerConfig,
+        mut collective: Box<dyn Collective>,
+    ) -> Result<Self> {
+        let default_gpu = match collective.device() {
+            Device::Cuda(n) => n,
+            _ => 0,
+        };
+        let device = config.device(default_gpu).map_err(anyhow::Error::msg)?;
+        tutor_policy::check_device(device).map_err(|e| {
+            anyhow::anyhow!(
+                "learner.device = {:?}: {e}; use device = \"cpu\" on a machine without one",
+                config.device
+            )
+        })?;
+        if policy.device() != device {
+            policy.var_store_mut().set_device(device);
+        }
+        let mut named: Vec<(String, Tensor)> = policy.var_store().variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let (param_names, mut params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
+        if collective.world_size() > 1 {
+            collective
+                .broadcast(&mut params)
+                .context("broadcasting rank 0's initial weights")?;
+        }
+        let master = if config.mixed_precision(device) {
+            let weights: Vec<Tensor> = tch::no_grad(|| {
+                params
+                    .iter()
+                    .map(|p| p.detach().to_kind(Kind::Float).copy())
+                    .collect()
+            });
+            let grads = weights.iter().map(Tensor::zeros_like).collect();
+            // Casts every parameter in place (all handles share it), `params` included.
+            policy.var_store_mut().bfloat16();
+            Some(Master { weights, grads })
+        } else {
+            None
+        };
+        let optimizer = AdamW::new(
+            adamw_config(&config),
+            master.as_ref().map_or(&params, |m| &m.weights),
+        );
+        let rng = ChaCha8Rng::seed_from_u64(config.seed);
+        Ok(Self {
+            policy,
+            param_names,
+            params,
+            optimizer,
+            master,
+            config,
+            steps: 0,
+            collective,
+            rng,
+        })
+    }
+
+    /// The trainer's random stream (restored exactly on resume).
+    pub fn rng(&mut self) -> &mut ChaCha8Rng {
+        &mut self.rng
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    pub fn config(&self) -> &LearnerConfig {
+        &self.config
+    }
+
+    /// Optimizer steps taken (the schedule position).
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    pub fn rank(&self) -> usize {
+        self.collective.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.collective.world_size()
+    }
+
+    /// The fp32 master weights in name order when training in bf16 (what AdamW updates;
+    /// the parameters are their bf16 rounding), else `None`.
+    pub fn master_weights(&self) -> Option<impl Iterator<Item = (&str, &Tensor)>> {
+        self.master.as_ref().map(|m| {
+            self.param_names
+                .iter()
+                .map(String::as_str)
+                .zip(m.weights.iter())
+        })
+    }
+
+    /// The parameters in name order (for comparisons and checkpoints).
+    pub fn named_parameters(&self) -> impl Iterator<Item = (&str, &Tensor)> {
+        self.param_names
+            .iter()
+            .map(String::as_str)
+            .zip(self.params.iter())
+    }
+
+    pub fn save_weights(&self, path: &Path) -> Result<()> {
+        self.policy
+            .save_weights(path)
+            .with_context(|| format!("saving weights to {}", path.display()))
+    }
+
+    pub fn save_dir(&self, dir: &Path) -> Result<()> {
+        self.policy
+            .save_dir(dir)
+            .with_context(|| format!("saving the checkpoint to {}", dir.display()))
+    }
+}
+
+fn adamw_config(c: &LearnerConfig) -> AdamWConfig {
+    AdamWConfig {
+        beta1: c.beta1,
+        beta2: c.beta2,
+        eps: c.eps,
+        weight_decay: c.weight_decay,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn tiny_trainer() -> Trainer {
+        let mut mc = ModelConfig::tiny(64);
+        mc.hidden_size = 32;
+        mc.intermediate_size = 64;
+        mc.head_dim = 8;
+        let policy = Policy::new(mc, Device::Cpu, 3);
+        Trainer::new(
+            policy,
+            LearnerConfig {
+                learning_rate: 1e-2,
+                warmup_steps: 0,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn loss_goes_down_on_repeated_data() {
+        let mut t = tiny_trainer();
+        let ex = vec![
+            (
+                vec![1u32, 5, 9, 13, 17, 21, 25, 2],
+                vec![false, false, false, true, true, true, true, true],
+            ),
+            (
+                vec![1u32, 7, 11, 3, 2],
+                vec![false, false, true, true, true],
+            ),
+        ];
+        let first = t.step(&ex).unwrap();
+        let mut last = first;
+        for _ in 0..30 {
+            last = t.step(&ex).unwrap();
+        }
+        assert!(first.loss.is_finite() && first.grad_norm > 0.0);
+        assert!(
+            last.loss < first.loss * 0.5,
+            "loss {} -> {}",
+            first.loss,
+            last.loss
+        );
+        assert_eq!(first.label_tokens, 5 + 3);
+    }
+
+    /// bf16 matrix products on the CPU run in oneDNN, whose AMX kernels have crashed
+    /// (SIGILL) on some virtual machines that advertise AMX: cap it below AMX. Takes
+    /// effect when called before the process's first oneDNN call (nextest runs each test
+    /// in a process of its own).
+    pub(crate) fn cap_onednn_isa() {
+        if std::env::var_os("ONEDNN_MAX_CPU_ISA").is_none() {
+            std::env::set_var("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16");
+        }
+    }
+
+    fn bf16_trainer(lr: f64) -> Trainer {
+        cap_onednn_isa();
+        let mut t = tiny_trainer();
+        t.config.precision = crate::config::Precision::Bf16;
+        t.config.learning_rate = lr;
+        let policy = Policy::new(t.policy.config().clone(), Device::Cpu, 3);
+        Trainer::new(policy, t.config.clone()).unwrap()
+    }
+
+    fn as_f32(t: &Tensor) -> Tensor {
+        t.to_kind(Kind::Float)
+    }
+
+    fn repeated_examples() -> Vec<(Vec<u32>, Vec<bool>)> {
+        vec![
+            (
+                vec![1u32, 5, 9, 13, 17, 21, 25, 2],
+                vec![false, false, false, true, true, true, true, true],
+            ),
+            (
+                vec![1u32, 7, 11, 3, 2],
+                vec![false, false, true, true, true],
+            ),
+            (
+                vec![4u32, 8, 15, 16, 23, 42, 3],
+                vec![false, true, true, true, true, true, true],
+            ),
+        ]
+    }
+
+    /// Mixed precision: bf16 parameters, fp32 master weights, gradient sums and AdamW
+    /// moments; after every step the parameters are exactly the master's rounding; it
+    /// learns, and stays close to the same run in f32.
+    #[test]
+    fn bf16_training_keeps_fp32_master_weights_gradients_and_moments() {
+        let mut t = bf16_trainer(1e-2);
+        t.config.micro_batch_tokens = 16; // several passes: sums across micro-batches
+        let mut f32_run = tiny_trainer();
+        f32_run.config.micro_batch_tokens = 16;
+        let m = t.master.as_ref().expect("bf16 keeps master weights");
+        assert!(t.params.iter().all(|p| p.kind() == Kind::BFloat16));
+        assert!(m.weights.iter().all(|w| w.kind() == Kind::Float));
+        assert!(m.grads.iter().all(|g| g.kind() == Kind::Float));
+        // The master starts as the f32 initialization itself, not its bf16 rounding.
+        for ((_, w), (_, f)) in t.master_weights().unwrap().zip(f32_run.named_parameters()) {
+            assert!(w.equal(f));
+        }
+        let ex = repeated_examples();
+        let first = t.step(&ex).unwrap();
+        f32_run.step(&ex).unwrap();
+        for _ in 0..2 {
+            t.step(&ex).unwrap();
+            f32_run.step(&ex).unwrap();
+        }
+        // Close to the f32 run after a few steps (bf16 keeps ~3 significant digits of the
+        // activations; over many steps at this learning rate the runs diverge).
+        let (mut num, mut den) = (0.0, 0.0);
+        for ((_, w), (_, f)) in t.master_weights().unwrap().zip(f32_run.named_parameters()) {
+            num += (w - f).square().sum(Kind::Double).double_value(&[]);
+            den += f.square().sum(Kind::Double).double_value(&[]);
+        }
+        let rel = (num / den).sqrt();
+        println!("relative distance to the f32 run after 3 steps: {rel:e}");
+        assert!(rel < 0.02, "bf16 run drifted from the f32 run: {rel}");
+        let mut last = first;
+        for _ in 0..28 {
+            last = t.step(&ex).unwrap();
+        }
+        assert!(first.micro_batches >= 2, "{}", first.micro_batches);
+        assert!(
+            t.optimizer
+                .exp_avg()
+                .iter()
+                .chain(t.optimizer.exp_avg_sq())
+                .all(|m| m.kind() == Kind::Float),
+            "AdamW moments are fp32"
+        );
+        assert!(
+            last.loss < first.loss * 0.5,
+            "loss {} -> {}",
+            first.loss,
+            last.loss
+        );
+        for ((name, p), (_, w)) in t.named_parameters().zip(t.master_weights().unwrap()) {
+            assert_eq!(p.kind(), Kind::BFloat16, "{name}");
+            assert!(
+                p.equal(&w.to_kind(Kind::BFloat16)),
+                "{name}: the parameter is not the master's rounding"
+            );
+        }
+        assert!(last.grad_norm.is_finite());
+    }
+
+    /// An update smaller than half a bf16 step is kept in the master (and adds up over
+    /// steps) where bf16 parameters alone would round it away.
+    #[test]
+    fn updates_below_bf16_resolution_are_kept_in_the_master() {
+        let mut t = bf16_trainer(1e-5);
+        t.config.warmup_steps = 0;
+        let name = "model.layers.0.mlp.down_proj.weight";
+        let idx = t.param_names.iter().position(|n| n == name).unwrap();
+        let w0 = t.master.as_ref().unwrap().weights[idx].copy();
+        let p0 = t.params[idx].copy();
+        t.step(&repeated_examples()).unwrap();
+        let w1 = &t.master.as_ref().unwrap().weights[idx];
+        let p1 = &t.params[idx];
+        let n = w0.numel() as f64;
+        let changed = |a: &Tensor, b: &Tensor| {
+            f64::try_from(as_f32(a).ne_tensor(&as_f32(b)).sum(Kind::Double)).unwrap() / n
+        };
+        let master_moved = changed(&w0, w1);
+        let bf16_moved = changed(&p0, p1);
+        assert!(
+            master_moved > 0.95,
+            "master changed in {master_moved} of elements"
+        );
+        assert!(
+            bf16_moved < 0.3,
+            "bf16 parameters changed in {bf16_moved} of elements (the test needs updates below bf16 resolution)"
+        );
+        let step = (w1 - &w0).abs().max().double_value(&[]);
+        assert!(step <= 1.2e-5, "AdamW's first step is about lr: {step}");
+    }
+
+    #[test]
+    fn a_missing_gpu_is_a_clear_error() {
+        let config = LearnerConfig {
+            device: "cuda:63".into(),
+            ..Default::default()
+        };
+        let policy = Policy::new(ModelConfig::tiny(64), Device::Cpu, 0);
+        let e = format!("{:#}", Trainer::new(policy, config).err().unwrap());
+        assert!(e.contains("learner.device") && e.contains("cuda:63"), "{e}");
+    }
+
+    #[test]
+    fn context_tokens_get_no_gradient_signal() {
+        // Changing a context-only token target must not change the loss value.
+        let t = tiny_trainer();
+        let a = vec![(vec![1u32, 5, 9, 13], vec![false, false, false, true])];
+        let b = vec![(vec![1u32, 5, 9, 13], vec![false, false, false, true])];
+        assert_eq!(t.eval_loss(&a), t.eval_loss(&b));
+        let c = vec![(vec![1u32, 5, 9, 13], vec![false, true, false, true])];
+        assert_ne!(t.eval_loss(&a), t.eval_loss(&c));
+    }
+}

@@ -1,0 +1,263 @@
+//! The trainer's whole state moved as one: a checkpoint written and resumed from, and a
+//! data-parallel group that rank 0 leads (sending it) and other ranks join (taking it),
+//! left when the group breaks. After either, a trainer is in exactly the saved or sent
+//! position: weights, AdamW moments and step, schedule position, RNG, config.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use rand_chacha::ChaCha8Rng;
+use tch::{Device, Tensor};
+use tutor_collective::{Collective, CollectiveError, CpuCollective};
+use tutor_policy::{ModelConfig, Policy};
+
+use super::{adamw_config, Trainer};
+use crate::checkpoint::{self, RngState, TrainerState};
+use crate::config::LearnerConfig;
+use crate::optim::AdamW;
+
+/// What rank 0 sends a joining rank before the tensors: everything of the training state
+/// that is not a tensor, so the other ranks need no checkpoint or model directory.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct GroupState {
+    model: ModelConfig,
+    config: LearnerConfig,
+    steps: u64,
+    optimizer_steps: u64,
+    rng: RngState,
+    parameters: Vec<String>,
+}
+
+impl Trainer {
+    /// Continues a run from `Trainer::save_checkpoint`'s directory: weights, AdamW moments
+    /// and step, schedule position, RNG and config as saved. Returns the data cursor the
+    /// run saved with it. In a data-parallel group every rank resumes from the same
+    /// checkpoint.
+    pub fn resume(
+        dir: &Path,
+        collective: Box<dyn Collective>,
+    ) -> Result<(Self, serde_json::Value)> {
+        let dir = checkpoint::resolve(dir)?;
+        let state = checkpoint::read_state(&dir)?;
+        let policy = Policy::load_dir(&dir, Device::Cpu)
+            .with_context(|| format!("loading the model of checkpoint {}", dir.display()))?;
+        let mut trainer = Self::with_collective(policy, state.config.clone(), collective)?;
+        if trainer.param_names != state.parameters {
+            bail!(
+                "{}: the parameters listed in {} do not match the model's",
+                dir.display(),
+                checkpoint::STATE_FILE
+            );
+        }
+        let path = dir.join(checkpoint::OPTIMIZER_FILE);
+        let mut saved: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&path)
+            .with_context(|| format!("reading {}", path.display()))?
+            .into_iter()
+            .collect();
+        let mut take = |key: String, like: &Tensor| -> Result<Tensor> {
+            let t = saved
+                .remove(&key)
+                .with_context(|| format!("{}: no tensor {key}", path.display()))?;
+            if t.size() != like.size() {
+                bail!(
+                    "{}: {key} has shape {:?}, the parameter has {:?}",
+                    path.display(),
+                    t.size(),
+                    like.size()
+                );
+            }
+            Ok(t.to_device(like.device()))
+        };
+        let mut exp_avg = Vec::with_capacity(trainer.params.len());
+        let mut exp_avg_sq = Vec::with_capacity(trainer.params.len());
+        for (name, p) in trainer.param_names.iter().zip(&trainer.params) {
+            exp_avg.push(take(format!("exp_avg.{name}"), p)?);
+            exp_avg_sq.push(take(format!("exp_avg_sq.{name}"), p)?);
+        }
+        if let Some(master) = &mut trainer.master {
+            tch::no_grad(|| -> Result<()> {
+                for ((name, w), p) in trainer
+                    .param_names
+                    .iter()
+                    .zip(master.weights.iter_mut())
+                    .zip(trainer.params.iter_mut())
+                {
+                    w.copy_(&take(format!("master.{name}"), w)?);
+                    p.copy_(w);
+                }
+                Ok(())
+            })?;
+        }
+        let rng = state.rng.restore().with_context(|| {
+            format!("{}: field rng", dir.join(checkpoint::STATE_FILE).display())
+        })?;
+        trainer.restore_position(state.optimizer_steps, exp_avg, exp_avg_sq, state.steps, rng);
+        Ok((trainer, state.data_cursor))
+    }
+
+    /// Writes a checkpoint to `dir` atomically (a temporary sibling renamed into place):
+    /// the model in Hugging Face layout, the optimizer state, the schedule position, the
+    /// RNG and `data_cursor` (the caller's position in its data; returned by `resume`).
+    /// `extra_files` (e.g. the tokenizer) are copied in. In a data-parallel group the
+    /// state is the same on every rank: rank 0 alone needs to write it.
+    pub fn save_checkpoint(
+        &self,
+        dir: &Path,
+        data_cursor: &serde_json::Value,
+        extra_files: &[&Path],
+    ) -> Result<()> {
+        checkpoint::write_atomically(dir, |tmp| {
+            self.policy
+                .save_dir(tmp)
+                .with_context(|| format!("saving the model to {}", tmp.display()))?;
+            let mut moments: Vec<(String, Tensor)> = Vec::with_capacity(2 * self.params.len());
+            for (i, name) in self.param_names.iter().enumerate() {
+                let host = |t: &Tensor| t.to_device(Device::Cpu).contiguous();
+                moments.push((
+                    format!("exp_avg.{name}"),
+                    host(&self.optimizer.exp_avg()[i]),
+                ));
+                moments.push((
+                    format!("exp_avg_sq.{name}"),
+                    host(&self.optimizer.exp_avg_sq()[i]),
+                ));
+                if let Some(master) = &self.master {
+                    moments.push((format!("master.{name}"), host(&master.weights[i])));
+                }
+            }
+            let opt_path = tmp.join(checkpoint::OPTIMIZER_FILE);
+            Tensor::write_safetensors(&moments, &opt_path)
+                .with_context(|| format!("writing {}", opt_path.display()))?;
+            let state = TrainerState::new(
+                self.steps,
+                self.optimizer.steps_taken(),
+                RngState::of(&self.rng),
+                data_cursor.clone(),
+                self.config.clone(),
+                self.param_names.clone(),
+                self.collective.world_size(),
+            );
+            let state_path = tmp.join(checkpoint::STATE_FILE);
+            std::fs::write(&state_path, serde_json::to_vec_pretty(&state)?)
+                .with_context(|| format!("writing {}", state_path.display()))?;
+            for f in extra_files {
+                if let Some(name) = f.file_name() {
+                    std::fs::copy(f, tmp.join(name))
+                        .with_context(|| format!("copying {} into the checkpoint", f.display()))?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Rank 0: makes `collective` this trainer's group and brings the other ranks, which
+    /// call `join_group` at the same time, to this trainer's exact state: weights, AdamW
+    /// moments and step, schedule position, RNG, config. Used at start and whenever the
+    /// group is formed again (a rank restarted), so a rank never needs a checkpoint.
+    pub fn lead_group(&mut self, mut collective: Box<dyn Collective>) -> Result<()> {
+        if collective.rank() != 0 {
+            bail!("lead_group is for rank 0, got rank {}", collective.rank());
+        }
+        let state = GroupState {
+            model: self.policy.config().clone(),
+            config: self.config.clone(),
+            steps: self.steps,
+            optimizer_steps: self.optimizer.steps_taken(),
+            rng: RngState::of(&self.rng),
+            parameters: self.param_names.clone(),
+        };
+        let mut header = serde_json::to_vec(&state)?;
+        collective
+            .broadcast_bytes(&mut header)
+            .context("sending the training state to the other ranks")?;
+        // The fp32 weights: a joining rank casts them as `with_collective` does here.
+        let mut weights: Vec<Tensor> = match &self.master {
+            Some(m) => m.weights.iter().map(Tensor::shallow_clone).collect(),
+            None => self.params.iter().map(Tensor::shallow_clone).collect(),
+        };
+        collective
+            .broadcast(&mut weights)
+            .context("sending the weights to the other ranks")?;
+        let mut moments: Vec<Tensor> = self
+            .optimizer
+            .exp_avg()
+            .iter()
+            .chain(self.optimizer.exp_avg_sq())
+            .map(Tensor::shallow_clone)
+            .collect();
+        collective
+            .broadcast(&mut moments)
+            .context("sending the optimizer state to the other ranks")?;
+        self.collective = collective;
+        Ok(())
+    }
+
+    /// Ranks 1..K−1: joins the group rank 0 leads (`lead_group`) and returns a trainer in
+    /// rank 0's exact state.
+    pub fn join_group(mut collective: Box<dyn Collective>) -> Result<Self> {
+        let rank = collective.rank();
+        let mut header = Vec::new();
+        collective
+            .broadcast_bytes(&mut header)
+            .context("receiving the training state from rank 0")?;
+        let state: GroupState = serde_json::from_slice(&header)
+            .context("rank 0 sent a training state this learner cannot read (same tutor version on every rank?)")?;
+        // Rank 0 built its model from this config: it is valid.
+        let policy = Policy::new(state.model.clone(), Device::Cpu, 0);
+        let mut config = state.config;
+        // Rank 0's GPU is rank 0's: on a GPU, each rank trains on its collective's.
+        if let (Ok(Device::Cuda(_)), Device::Cuda(own)) = (config.device(0), collective.device()) {
+            config.device = format!("cuda:{own}");
+        }
+        let mut trainer = Self::with_collective(policy, config, collective)
+            .with_context(|| format!("rank {rank}: receiving rank 0's weights"))?;
+        if trainer.param_names != state.parameters {
+            bail!("rank {rank}: the model's parameters differ from rank 0's list");
+        }
+        let mut moments: Vec<Tensor> = trainer
+            .params
+            .iter()
+            .chain(trainer.params.iter())
+            .map(|p| Tensor::zeros(p.size(), (tch::Kind::Float, p.device())))
+            .collect();
+        trainer
+            .collective
+            .broadcast(&mut moments)
+            .with_context(|| format!("rank {rank}: receiving rank 0's optimizer state"))?;
+        let exp_avg_sq = moments.split_off(trainer.params.len());
+        let rng = state.rng.restore().context("rank 0's rng state")?;
+        trainer.restore_position(state.optimizer_steps, moments, exp_avg_sq, state.steps, rng);
+        Ok(trainer)
+    }
+
+    /// Takes over a saved (resume) or sent (join) position: AdamW's moments and step, the
+    /// schedule position and the random stream.
+    fn restore_position(
+        &mut self,
+        optimizer_steps: u64,
+        exp_avg: Vec<Tensor>,
+        exp_avg_sq: Vec<Tensor>,
+        steps: u64,
+        rng: ChaCha8Rng,
+    ) {
+        self.optimizer = AdamW::from_state(
+            adamw_config(&self.config),
+            optimizer_steps,
+            exp_avg,
+            exp_avg_sq,
+        );
+        self.steps = steps;
+        self.rng = rng;
+    }
+
+    /// Leaves a broken group: the trainer goes on alone (rank 0 keeps its state and
+    /// leads a new group later).
+    pub fn leave_group(&mut self) {
+        self.collective = Box::new(CpuCollective::solo());
+    }
+
+    /// Rank 0's `data` to every rank of the group (see `Collective::broadcast_bytes`).
+    pub fn broadcast_bytes(&mut self, data: &mut Vec<u8>) -> Result<(), CollectiveError> {
+        self.collective.broadcast_bytes(data)
+    }
+}

@@ -1,0 +1,383 @@
+//! One optimizer step, whatever the objective: gradients zeroed, each micro-batch's summed
+//! loss backward (`run_passes`, given the objective's loss by `crate::loss`), loss sums,
+//! token counts and gradients summed over the ranks, the token-level mean, clipping,
+//! AdamW (`finish_step`); and the typed error that says when the group must be formed
+//! again. Also how a batch is cut: into micro-batches and into the ranks' shares.
+
+use std::time::Instant;
+
+use tch::{Kind, Tensor};
+use tutor_collective::CollectiveError;
+use tutor_policy::Policy;
+
+use super::{StepReport, Trainer};
+
+/// Why a step failed. Each variant says what happens next, so rank 0's service decides
+/// recovery with a `match`, not by searching an error chain.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    /// A collective call of the step failed: the group is broken (a rank died, hung or
+    /// went out of step) and must be formed again; this rank goes on alone until then.
+    /// The step changed nothing (no update, no schedule step).
+    #[error("{during}")]
+    Collective {
+        /// What the step was doing with the other ranks.
+        during: &'static str,
+        #[source]
+        source: CollectiveError,
+    },
+}
+
+impl Trainer {
+    /// The passes of one step: `loss` gives each batch's summed loss and its trained
+    /// tokens (`None`: nothing to train in it); each sum's gradient is accumulated
+    /// (`backward`), then `finish_step` sums over the ranks and updates.
+    pub(crate) fn run_passes<B>(
+        &mut self,
+        start: Instant,
+        batches: impl Iterator<Item = B>,
+        loss: impl Fn(&Policy, &B) -> Option<(Tensor, u64)>,
+    ) -> Result<StepReport, StepError> {
+        let (mut local_sum, mut local_tokens, mut passes) = (0.0, 0u64, 0);
+        for batch in batches {
+            let Some((sum, tokens)) = loss(&self.policy, &batch) else {
+                continue;
+            };
+            local_sum += sum.double_value(&[]);
+            self.backward(&sum);
+            local_tokens += tokens;
+            passes += 1;
+        }
+        self.finish_step(start, local_sum, local_tokens, passes)
+    }
+
+    /// What a step that changes nothing reports.
+    pub(crate) fn idle_report(&self) -> StepReport {
+        StepReport {
+            loss: 0.0,
+            grad_norm: 0.0,
+            label_tokens: 0,
+            learning_rate: self.config.lr_at(self.steps),
+            seconds: 0.0,
+            micro_batches: 0,
+        }
+    }
+
+    /// Starts a step: `None` when a lone rank has no example (nothing to do, not even a
+    /// collective call), else the start time, with every gradient zeroed.
+    pub(crate) fn begin_step(&mut self, no_examples: bool) -> Option<Instant> {
+        if self.collective.world_size() == 1 && no_examples {
+            return None;
+        }
+        for p in self.params.iter_mut() {
+            p.zero_grad();
+        }
+        if let Some(m) = &mut self.master {
+            for g in m.grads.iter_mut() {
+                let _ = g.zero_();
+            }
+        }
+        Some(Instant::now())
+    }
+
+    /// Backward of one pass's summed loss. Gradients of the passes add up: in `.grad`
+    /// for f32 parameters; for bf16 ones each pass's gradient is added to the fp32 sums
+    /// and `.grad` cleared, so the sum over micro-batches is not rounded to bf16.
+    pub(crate) fn backward(&mut self, loss: &Tensor) {
+        loss.backward();
+        if let Some(m) = &mut self.master {
+            tch::no_grad(|| {
+                for (p, sum) in self.params.iter().zip(m.grads.iter_mut()) {
+                    let mut g = p.grad();
+                    if g.defined() {
+                        let _ = sum.g_add_(&g.to_kind(Kind::Float));
+                        let _ = g.zero_();
+                    }
+                }
+            });
+        }
+    }
+
+    /// Ends a step whose passes accumulated the gradients of summed per-token losses in
+    /// `.grad`: loss sums and token counts summed over the ranks, gradients all-reduced
+    /// and divided by the total token count (the token-level mean over the union of the
+    /// ranks' examples), clipped by global norm, AdamW. No trained token on any rank: no
+    /// update, no step.
+    pub(crate) fn finish_step(
+        &mut self,
+        start: Instant,
+        local_sum: f64,
+        local_labels: u64,
+        passes: usize,
+    ) -> Result<StepReport, StepError> {
+        let lr = self.config.lr_at(self.steps);
+        let idle = self.idle_report();
+        let solo = self.collective.world_size() == 1;
+        let mut totals = [local_sum, local_labels as f64];
+        self.collective
+            .all_reduce_sum_f64(&mut totals)
+            .map_err(|source| StepError::Collective {
+                during: "summing loss and label counts over the ranks",
+                source,
+            })?;
+        let label_tokens = totals[1] as u64;
+        if label_tokens == 0 {
+            // Nothing to learn from (e.g. only format-error labels): no update, no step.
+            return Ok(idle);
+        }
+        let mut grads: Vec<Tensor> = match &self.master {
+            Some(m) => m.grads.iter().map(Tensor::shallow_clone).collect(),
+            None => self
+                .params
+                .iter()
+                .map(|p| {
+                    let g = p.grad();
+                    if g.defined() {
+                        g
+                    } else {
+                        p.zeros_like()
+                    }
+                })
+                .collect(),
+        };
+        if !solo {
+            self.collective
+                .all_reduce_sum(&mut grads)
+                .map_err(|source| StepError::Collective {
+                    during: "all-reducing gradients",
+                    source,
+                })?;
+        }
+        let grad_norm = tch::no_grad(|| {
+            let mut sq = 0.0;
+            for g in grads.iter_mut() {
+                let _ = g.g_div_scalar_(label_tokens as f64);
+                let n = g.norm().double_value(&[]);
+                sq += n * n;
+            }
+            let norm: f64 = f64::sqrt(sq);
+            if self.config.grad_clip > 0.0 {
+                let coef = self.config.grad_clip / (norm + 1e-6);
+                if coef < 1.0 {
+                    for g in grads.iter_mut() {
+                        let _ = g.g_mul_scalar_(coef);
+                    }
+                }
+            }
+            norm
+        });
+        match &mut self.master {
+            Some(m) => {
+                self.optimizer.step(&mut m.weights, &grads, lr);
+                tch::no_grad(|| {
+                    for (p, w) in self.params.iter_mut().zip(&m.weights) {
+                        p.copy_(w);
+                    }
+                });
+            }
+            None => self.optimizer.step(&mut self.params, &grads, lr),
+        }
+        self.steps += 1;
+        Ok(StepReport {
+            loss: totals[0] / totals[1],
+            grad_norm,
+            label_tokens,
+            learning_rate: lr,
+            seconds: start.elapsed().as_secs_f64(),
+            micro_batches: passes,
+        })
+    }
+}
+
+/// Splits examples, in order, into runs whose padded size (examples × longest example)
+/// stays within `budget` tokens; an example longer than the budget forms a run of its
+/// own. `budget` 0 keeps everything in one run.
+pub fn micro_batches<T: AsRef<[u32]>, M>(examples: &[(T, M)], budget: usize) -> Vec<&[(T, M)]> {
+    micro_batch_ranges(examples.iter().map(|(t, _)| t.as_ref().len()), budget)
+        .into_iter()
+        .map(|r| &examples[r])
+        .collect()
+}
+
+/// `micro_batches` over example lengths: the index ranges of the runs.
+pub fn micro_batch_ranges(
+    lengths: impl ExactSizeIterator<Item = usize>,
+    budget: usize,
+) -> Vec<std::ops::Range<usize>> {
+    let n = lengths.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    if budget == 0 {
+        return std::iter::once(0..n).collect();
+    }
+    let mut runs = Vec::new();
+    let (mut start, mut longest) = (0, 0);
+    for (i, len) in lengths.enumerate() {
+        let grown = longest.max(len);
+        if i > start && (i - start + 1) * grown > budget {
+            runs.push(start..i);
+            start = i;
+            longest = len;
+        } else {
+            longest = grown;
+        }
+    }
+    runs.push(start..n);
+    runs
+}
+
+/// This rank's share of a batch: examples `rank`, `rank + world`, … (so label counts
+/// may differ between ranks; `Trainer::step` weights by them).
+pub fn rank_shard<T: Clone>(examples: &[T], rank: usize, world_size: usize) -> Vec<T> {
+    examples
+        .iter()
+        .skip(rank)
+        .step_by(world_size.max(1))
+        .cloned()
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Packing;
+    use crate::packing::pack_examples;
+    use crate::trainer::tests::tiny_trainer;
+
+    #[test]
+    fn micro_batches_respect_the_token_budget() {
+        let lens = [3usize, 9, 2, 2, 2, 2, 30, 4, 5, 1];
+        let ex: Vec<(Vec<u32>, Vec<bool>)> =
+            lens.iter().map(|&n| (vec![1; n], vec![true; n])).collect();
+        let runs = micro_batches(&ex, 12);
+        let sizes: Vec<usize> = runs.iter().map(|r| r.len()).collect();
+        // [3] then 3+9 would pad to 2×9; [9]; [2,2,2,2] (4×2 = 8, +30 no); [30] alone
+        // (over budget); [4,5] (2×5); [1] (3×5 = 15 > 12).
+        assert_eq!(sizes, vec![1, 1, 4, 1, 2, 1]);
+        for r in &runs {
+            let padded = r.len() * r.iter().map(|(t, _)| t.len()).max().unwrap();
+            assert!(padded <= 12 || r.len() == 1, "{padded}");
+        }
+        // Order and content are kept.
+        let flat: Vec<usize> = runs
+            .iter()
+            .flat_map(|r| r.iter().map(|(t, _)| t.len()))
+            .collect();
+        assert_eq!(flat, lens);
+        assert_eq!(micro_batches(&ex, 0).len(), 1);
+        assert!(micro_batches(&ex[..0], 8).is_empty());
+    }
+
+    /// DAgger-shaped examples: one trajectory's turns as growing prefixes, each with its
+    /// teacher label (sometimes the executed continuation, sometimes a branch), a
+    /// duplicate of one example, and unrelated short examples.
+    fn dagger_shaped_examples() -> Vec<(Vec<u32>, Vec<bool>)> {
+        let trunk: Vec<u32> = (0..60u32).map(|j| 1 + (j * 11) % 61).collect();
+        let mut ex = Vec::new();
+        for (t, cut) in [12usize, 25, 38, 50].into_iter().enumerate() {
+            let label: Vec<u32> = if t % 2 == 0 {
+                trunk[cut..cut + 6].to_vec() // the teacher acted: the trunk's own tokens
+            } else {
+                (0..5u32).map(|j| 1 + (j * 5 + t as u32) % 63).collect() // a branch
+            };
+            let mut tokens = trunk[..cut].to_vec();
+            let mut mask = vec![false; cut];
+            tokens.extend(&label);
+            mask.extend(std::iter::repeat_n(true, label.len()));
+            ex.push((tokens, mask));
+        }
+        ex.push(ex[1].clone());
+        for i in 0..3u32 {
+            let tokens: Vec<u32> = (0..9u32).map(|j| 2 + (i * 13 + j * 7) % 60).collect();
+            let mask = (0..9).map(|j| j >= 4).collect();
+            ex.push((tokens, mask));
+        }
+        ex
+    }
+
+    #[test]
+    fn tree_packed_steps_equal_plain_steps_with_fewer_tokens() {
+        let ex = dagger_shaped_examples();
+        let plain_tokens: usize = ex.iter().map(|(t, _)| t.len()).sum();
+        let rows = pack_examples(&ex, 128);
+        let packed_tokens: usize = rows.iter().map(|r| r.len()).sum();
+        assert!(
+            packed_tokens * 2 < plain_tokens,
+            "{packed_tokens} vs {plain_tokens}"
+        );
+        assert!(rows.iter().all(|r| r.len() <= 128));
+        assert!(rows.len() < ex.len(), "several examples share a row");
+        let mut plain = tiny_trainer();
+        let mut packed = tiny_trainer();
+        packed.config.packing = Packing::Tree;
+        packed.config.pack_row_tokens = 128;
+        packed.config.micro_batch_tokens = 200; // and accumulated over micro-batches
+        for _ in 0..3 {
+            let a = plain.step(&ex).unwrap();
+            let b = packed.step(&ex).unwrap();
+            assert_eq!(a.label_tokens, b.label_tokens, "every label counted once");
+            assert!(
+                (a.loss - b.loss).abs() <= 1e-5 * a.loss,
+                "{} vs {}",
+                a.loss,
+                b.loss
+            );
+            assert!((a.grad_norm - b.grad_norm).abs() <= 1e-4 * a.grad_norm);
+        }
+        let (mut num, mut den) = (0.0, 0.0);
+        for ((_, p), (_, q)) in plain.named_parameters().zip(packed.named_parameters()) {
+            num += (p - q).square().sum(tch::Kind::Double).double_value(&[]);
+            den += p.square().sum(tch::Kind::Double).double_value(&[]);
+        }
+        let rel = (num / den).sqrt();
+        assert!(rel <= 1e-5, "relative error {rel}");
+    }
+
+    #[test]
+    fn accumulated_micro_batches_equal_one_big_batch() {
+        let ex: Vec<(Vec<u32>, Vec<bool>)> = (0..7u32)
+            .map(|i| {
+                let n = 4 + (i as usize * 5) % 11;
+                let tokens = (0..n as u32).map(|j| 1 + (i * 7 + j * 3) % 63).collect();
+                let mask = (0..n).map(|j| j > i as usize % 3).collect();
+                (tokens, mask)
+            })
+            .collect();
+        let mut whole = tiny_trainer();
+        let mut split = tiny_trainer();
+        split.config.micro_batch_tokens = 24;
+        for _ in 0..3 {
+            let a = whole.step(&ex).unwrap();
+            let b = split.step(&ex).unwrap();
+            assert_eq!(a.micro_batches, 1);
+            assert!(b.micro_batches >= 4, "{}", b.micro_batches);
+            assert_eq!(a.label_tokens, b.label_tokens);
+            assert!(
+                (a.loss - b.loss).abs() <= 1e-6 * a.loss,
+                "{} vs {}",
+                a.loss,
+                b.loss
+            );
+            assert!((a.grad_norm - b.grad_norm).abs() <= 1e-5 * a.grad_norm);
+        }
+        let (mut num, mut den) = (0.0, 0.0);
+        for ((_, p), (_, q)) in whole.named_parameters().zip(split.named_parameters()) {
+            num += (p - q).square().sum(tch::Kind::Double).double_value(&[]);
+            den += p.square().sum(tch::Kind::Double).double_value(&[]);
+        }
+        let rel = (num / den).sqrt();
+        assert!(rel <= 1e-5, "relative error {rel}");
+        // A per-micro-batch mean (each pass weighted equally) would be visibly different:
+        // the label counts of the passes differ.
+        let counts: Vec<usize> = micro_batches(&ex, 24)
+            .iter()
+            .map(|r| {
+                r.iter()
+                    .map(|(_, m)| m.iter().skip(1).filter(|&&b| b).count())
+                    .sum()
+            })
+            .collect();
+        assert!(counts.iter().any(|&c| c != counts[0]), "{counts:?}");
+    }
+}

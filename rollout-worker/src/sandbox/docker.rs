@@ -1,0 +1,1027 @@
+//! The Docker sandbox: one container per episode, and a persistent shell inside it.
+//!
+//! Long (about 1,000 lines) because the container's lifecycle, the shell protocol and
+//! the file operations run over that shell share one private state (the container and its
+//! open exec), and the blocking adapter [`BlockingDocker`] closes it; its tests need an
+//! engine and live in tests/docker_*.rs.
+//!
+//! The shell is one `docker exec` of bash kept open for the whole episode (not one exec
+//! per command, which costs a round trip through the daemon each time). Each command is
+//! sent as a here-document (delimited by a unique marker) to a helper function that runs it
+//! in a forked subshell, a background job with a process group of its own, armed on the
+//! shell's one watchdog job, which kills that group at the deadline (Docker has no API to
+//! kill an exec, so the deadline is enforced inside the container). One fork and no exec
+//! per command, and per-command files on the container's tmpfs, keep the round trip
+//! short. The function records the directory the command ended in and prints a marker
+//! line with the exit code.
+//! The caller reads until the marker; if the marker does not come in time the shell is
+//! replaced. Containers carry labels (run, worker, episode) so a restarted worker can
+//! remove the orphans of its predecessor.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use bollard::container::LogOutput;
+use bollard::models::{ContainerCreateBody, ExecConfig, HostConfig};
+use bollard::query_parameters::{
+    CreateContainerOptionsBuilder, ListContainersOptionsBuilder, RemoveContainerOptionsBuilder,
+    UploadToContainerOptionsBuilder,
+};
+use bollard::Docker;
+use futures::StreamExt;
+use tokio::io::AsyncWriteExt;
+use tokio::runtime::Handle;
+
+use crate::observation::truncate_head_tail;
+use crate::sandbox::{shell_quote, CommandOutput, Sandbox, SandboxError};
+use crate::tasks::TaskRecord;
+
+/// Label keys on every container Tutor creates.
+pub const LABEL_RUN: &str = "tutor.run";
+pub const LABEL_WORKER: &str = "tutor.worker";
+pub const LABEL_EPISODE: &str = "tutor.episode";
+
+/// Where the repository lives inside the container.
+pub const WORKDIR: &str = "/testbed";
+
+/// Where the tools (crate::tools) are installed inside the container.
+const TOOLS_DIR: &str = "/tmp/.tutor/bin";
+
+/// Output kept per command before head+tail truncation (the rest is read and dropped).
+const CAPTURE_BYTES: usize = 1024 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DockerError {
+    #[error("the Docker engine is not reachable ({0}); is the daemon running and is /var/run/docker.sock readable?")]
+    Unreachable(String),
+    #[error(
+        "image {0} is not present; build it with `make images` (no registry is reachable here)"
+    )]
+    MissingImage(String),
+    #[error("docker: {0}")]
+    Api(#[from] bollard::errors::Error),
+    #[error("sandbox shell: {0}")]
+    Shell(String),
+}
+
+/// Limits and identity of a sandbox container.
+#[derive(Debug, Clone)]
+pub struct ContainerSpec {
+    pub image: String,
+    pub run: String,
+    pub worker: String,
+    pub episode: String,
+    pub memory_bytes: i64,
+    pub nano_cpus: i64,
+    pub pids_limit: i64,
+    pub network: bool,
+    /// uid:gid the shell runs as and the task files belong to. With every capability
+    /// dropped, root could not write files owned by anyone else, so the agent runs as
+    /// the image's unprivileged user (1000 in deploy/images/python-task).
+    pub user: (u32, u32),
+}
+
+impl ContainerSpec {
+    pub fn new(image: &str, run: &str, worker: &str, episode: &str) -> Self {
+        Self {
+            image: image.into(),
+            run: run.into(),
+            worker: worker.into(),
+            episode: episode.into(),
+            memory_bytes: 2 << 30,
+            nano_cpus: 1_000_000_000,
+            pids_limit: 512,
+            network: false,
+            user: (1000, 1000),
+        }
+    }
+}
+
+/// Connects to the local engine and checks it answers.
+pub async fn connect() -> Result<Docker, DockerError> {
+    let docker = Docker::connect_with_local_defaults()
+        .map_err(|e| DockerError::Unreachable(e.to_string()))?;
+    let docker = docker
+        .negotiate_version()
+        .await
+        .map_err(|e| DockerError::Unreachable(e.to_string()))?;
+    docker
+        .ping()
+        .await
+        .map_err(|e| DockerError::Unreachable(e.to_string()))?;
+    Ok(docker)
+}
+
+/// How often `DockerSandbox::remove` asks the engine before it gives up (waiting 0.25 s,
+/// then twice as long each time).
+const REMOVE_ATTEMPTS: u32 = 4;
+
+/// Removes every container labelled with `run` (and `worker`, when given): what a
+/// killed worker left behind. Returns how many were removed.
+pub async fn remove_orphans(
+    docker: &Docker,
+    run: &str,
+    worker: Option<&str>,
+) -> Result<usize, DockerError> {
+    let mut labels = vec![format!("{LABEL_RUN}={run}")];
+    if let Some(w) = worker {
+        labels.push(format!("{LABEL_WORKER}={w}"));
+    }
+    let filters = HashMap::from([("label".to_string(), labels)]);
+    let list = docker
+        .list_containers(Some(
+            ListContainersOptionsBuilder::default()
+                .all(true)
+                .filters(&filters)
+                .build(),
+        ))
+        .await?;
+    let mut n = 0;
+    for c in list {
+        if let Some(id) = c.id {
+            docker
+                .remove_container(
+                    &id,
+                    Some(RemoveContainerOptionsBuilder::default().force(true).build()),
+                )
+                .await?;
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
+/// The bash function every command goes through (see the module comment).
+const SHELL_PRELUDE: &str = r#"
+# The shell's own stderr carries only its notices (job status, "Killed"); every command's
+# stderr is merged into its stdout below.
+exec 2>/dev/null
+# Job control: each command runs as a background job in a process group of its own, so
+# a timeout or the clean-up after it kills the whole group.
+set -m
+# Per-command state (the command, the directory it ended in, the tools' state) lives on
+# the container's tmpfs when it has a writable one: the root filesystem can be
+# fuse-overlayfs, where each open, write and stat is a trip through a userspace daemon
+# (that cost several ms per command). Read-only, so no command can redirect it.
+__tutor_s=/dev/shm/.tutor
+{ mkdir -p "$__tutor_s" && [ -w "$__tutor_s" ]; } 2>/dev/null || __tutor_s=/tmp/.tutor
+readonly __tutor_s
+mkdir -p /tmp/.tutor "$__tutor_s"; echo /testbed > "$__tutor_s/cwd"; __tutor_cwd=/testbed
+export PATH="/tmp/.tutor/bin:$PATH" TUTOR_STATE_DIR="$__tutor_s" TUTOR_REPO=/testbed TUTOR_REPO_DISPLAY=/testbed
+# The watchdog: one job for the whole shell, not one per command. It reads
+# "<process group> <seconds>" to arm and any line to disarm from a FIFO the shell keeps
+# open read-write on fd 9, and kills the group at the deadline (`read -t` is its timer,
+# so it never execs; it exists before the command, so a fork bomb that exhausts the pid
+# limit cannot stop it).
+__tutor_watchdog() {
+  local pid secs ack
+  while read -r pid secs; do
+    read -r -t "$secs" ack || { kill -KILL -- -"$pid"; read -r ack; }
+  done
+}
+__tutor_start_watchdog() {
+  rm -f "$__tutor_s/wd"; mkfifo "$__tutor_s/wd"; exec 9<> "$__tutor_s/wd"
+  __tutor_watchdog <&9 >/dev/null 2>&1 &
+  __tutor_wd=$!
+}
+__tutor_start_watchdog
+__tutor_run() {
+  # The command arrives as a here-document (delimited by the unique marker) on the
+  # function's stdin; `read` and `printf` are builtins, so no process is spawned for it.
+  local __cmd; IFS= read -r -d '' __cmd
+  if ! printf '%s' "$__cmd" > "$__tutor_s/cmd.sh"; then
+    printf 'sandbox: could not write the command to %s (is it full?)\n\n%s %d\t%s\t\n' "$__tutor_s" "$2" 126 "$__tutor_cwd"
+    return
+  fi
+  # A watchdog that died (a command may kill it) is replaced before it is needed.
+  kill -0 "$__tutor_wd" 2>/dev/null || __tutor_start_watchdog
+  cd "$__tutor_cwd" 2>/dev/null || cd /testbed
+  # The command: a forked subshell (no exec), job control off inside so everything it
+  # starts stays in its group, without the watchdog's FIFO; the EXIT trap records where
+  # it ended.
+  ( set +m; trap 'pwd > "$__tutor_s/cwd"' EXIT; . "$__tutor_s/cmd.sh" ) </dev/null 9>&- 2>&1 &
+  local __pid=$!
+  echo "$__pid $1" >&9
+  wait "$__pid"; local rc=$?
+  echo >&9
+  # Whatever the command left running in the background goes with it.
+  kill -KILL -- -"$__pid" 2>/dev/null
+  local __file=
+  read -r __tutor_cwd < "$__tutor_s/cwd"
+  [ -f "$__tutor_s/current_file" ] && read -r __file < "$__tutor_s/current_file"
+  printf '\n%s %d\t%s\t%s\n' "$2" "$rc" "$__tutor_cwd" "$__file"
+}
+"#;
+
+struct Shell {
+    input: std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
+    output: std::pin::Pin<
+        Box<dyn futures::Stream<Item = Result<LogOutput, bollard::errors::Error>> + Send>,
+    >,
+}
+
+/// One episode's container with its persistent shell.
+pub struct DockerSandbox {
+    docker: Docker,
+    id: String,
+    user: String,
+    /// In a Mutex only so that the sandbox is `Sync` (a `&DockerSandbox` held across an
+    /// await in a spawned task, as the warm pool does); it is never locked, only reached
+    /// through `get_mut`.
+    shell: Option<std::sync::Mutex<Shell>>,
+    cwd: String,
+    current_file: Option<String>,
+    /// Hash of the commit every diff is taken against.
+    base: String,
+    /// Files at the base commit, read once (they never change).
+    base_files: std::sync::Mutex<HashMap<String, Option<String>>>,
+    counter: u64,
+    removed: bool,
+    /// uid and gid the shell runs as and the task files belong to.
+    owner: (u32, u32),
+    /// Taken from the warm pool (its container carries the pool label, not the episode's).
+    pooled: bool,
+}
+
+impl DockerSandbox {
+    /// Creates and starts the container, copies the task's files into /testbed as a tar
+    /// and commits them as the base of the episode's diff.
+    pub async fn create(
+        docker: &Docker,
+        spec: &ContainerSpec,
+        task: &TaskRecord,
+    ) -> Result<Self, DockerError> {
+        let labels = HashMap::from([
+            (LABEL_RUN.to_string(), spec.run.clone()),
+            (LABEL_WORKER.to_string(), spec.worker.clone()),
+            (LABEL_EPISODE.to_string(), spec.episode.clone()),
+        ]);
+        let mut sb = Self::launch(docker, spec, labels).await?;
+        if let Err(e) = sb.setup_task(task).await {
+            sb.remove().await;
+            return Err(e);
+        }
+        Ok(sb)
+    }
+
+    /// Creates and starts a container labelled `labels`, with the tools installed and the
+    /// shell running but no task yet: everything of [`Self::create`] that does not depend on
+    /// the task, which is what the warm pool (crate::sandbox::pool) does ahead of demand.
+    pub(crate) async fn launch(
+        docker: &Docker,
+        spec: &ContainerSpec,
+        labels: HashMap<String, String>,
+    ) -> Result<Self, DockerError> {
+        if docker.inspect_image(&spec.image).await.is_err() {
+            return Err(DockerError::MissingImage(spec.image.clone()));
+        }
+        let body = ContainerCreateBody {
+            image: Some(spec.image.clone()),
+            cmd: Some(vec!["sleep".into(), "infinity".into()]),
+            working_dir: Some(WORKDIR.into()),
+            labels: Some(labels),
+            network_disabled: Some(!spec.network),
+            host_config: Some(HostConfig {
+                memory: Some(spec.memory_bytes),
+                nano_cpus: Some(spec.nano_cpus),
+                pids_limit: Some(spec.pids_limit),
+                network_mode: Some(if spec.network {
+                    "bridge".into()
+                } else {
+                    "none".into()
+                }),
+                cap_drop: Some(vec!["ALL".into()]),
+                security_opt: Some(vec!["no-new-privileges".into()]),
+                init: Some(true),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let created = docker
+            .create_container(Some(CreateContainerOptionsBuilder::default().build()), body)
+            .await?;
+        let mut sb = Self {
+            docker: docker.clone(),
+            id: created.id,
+            user: format!("{}:{}", spec.user.0, spec.user.1),
+            owner: spec.user,
+            shell: None,
+            cwd: WORKDIR.into(),
+            current_file: None,
+            base: String::new(),
+            base_files: Default::default(),
+            counter: 0,
+            removed: false,
+            pooled: false,
+        };
+        if let Err(e) = sb.prepare().await {
+            sb.remove().await;
+            return Err(e);
+        }
+        Ok(sb)
+    }
+
+    /// Starts the container, installs the tools and starts the shell.
+    async fn prepare(&mut self) -> Result<(), DockerError> {
+        self.docker
+            .start_container(
+                &self.id,
+                None::<bollard::query_parameters::StartContainerOptions>,
+            )
+            .await?;
+        self.install_tools(self.owner.0, self.owner.1).await?;
+        self.start_shell().await
+    }
+
+    /// Copies the task's files into /testbed and commits them as the base of the diff
+    /// (or tags the image's own checkout as the base).
+    pub(crate) async fn setup_task(&mut self, task: &TaskRecord) -> Result<(), DockerError> {
+        let (uid, gid) = self.owner;
+        // Directories get entries of their own: ones the engine creates implicitly would
+        // belong to root, and the unprivileged shell could not write into them.
+        let mut builder = tar::Builder::new(Vec::new());
+        let mut dirs = std::collections::BTreeSet::new();
+        for f in &task.files {
+            let mut p = std::path::Path::new(&f.path).parent();
+            while let Some(d) = p.filter(|d| !d.as_os_str().is_empty()) {
+                dirs.insert(d.to_path_buf());
+                p = d.parent();
+            }
+        }
+        let header = |size: u64, mode: u32, kind: tar::EntryType| {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(size);
+            h.set_mode(mode);
+            h.set_mtime(0);
+            h.set_uid(uid as u64);
+            h.set_gid(gid as u64);
+            h.set_entry_type(kind);
+            h
+        };
+        for d in &dirs {
+            let mut h = header(0, 0o755, tar::EntryType::Directory);
+            builder
+                .append_data(&mut h, d, std::io::empty())
+                .map_err(|e| DockerError::Shell(format!("packing {}: {e}", d.display())))?;
+        }
+        for f in &task.files {
+            let mut h = header(f.content.len() as u64, 0o644, tar::EntryType::Regular);
+            builder
+                .append_data(&mut h, &f.path, f.content.as_bytes())
+                .map_err(|e| DockerError::Shell(format!("packing {}: {e}", f.path)))?;
+        }
+        let tar = builder
+            .into_inner()
+            .map_err(|e| DockerError::Shell(format!("packing the task files: {e}")))?;
+        let uploading = !task.files.is_empty();
+        if uploading {
+            self.upload(WORKDIR, tar).await?;
+        }
+        // Our own tasks are committed here as the base; images that ship the repository
+        // (SWE-bench) are at the base commit already.
+        let setup = if uploading {
+            "git init -q && git config user.email tutor@localhost && git config user.name tutor \
+             && git config commit.gpgsign false && git add -A && git commit -q -m base && git tag tutor-base"
+        } else {
+            "git rev-parse -q --verify HEAD >/dev/null && git tag -f tutor-base >/dev/null"
+        };
+        let out = self.run(setup, Duration::from_secs(60)).await;
+        if out.exit_code != 0 {
+            return Err(DockerError::Shell(format!(
+                "setting up the repository in {WORKDIR} failed (exit {}): {}",
+                out.exit_code, out.output
+            )));
+        }
+        let out = self
+            .run(
+                "printf '__pycache__/\\n*.pyc\\n.pytest_cache/\\n*.egg-info/\\n' >> .git/info/exclude; git rev-parse tutor-base",
+                Duration::from_secs(30),
+            )
+            .await;
+        self.base = out.output.trim().to_string();
+        if out.exit_code != 0 || self.base.len() < 40 {
+            return Err(DockerError::Shell(format!(
+                "reading the base commit failed: {}",
+                out.output
+            )));
+        }
+        Ok(())
+    }
+
+    async fn upload(&self, path: &str, tar: Vec<u8>) -> Result<(), DockerError> {
+        self.docker
+            .upload_to_container(
+                &self.id,
+                Some(
+                    UploadToContainerOptionsBuilder::default()
+                        .path(path)
+                        .build(),
+                ),
+                bollard::body_full(tar.into()),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Puts the tool helper and its shims (crate::tools) into /tmp/.tutor/bin, owned by
+    /// the shell's user.
+    async fn install_tools(&self, uid: u32, gid: u32) -> Result<(), DockerError> {
+        let mut builder = tar::Builder::new(Vec::new());
+        let header = |size: u64, mode: u32, kind: tar::EntryType| {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(size);
+            h.set_mode(mode);
+            h.set_mtime(0);
+            h.set_uid(uid as u64);
+            h.set_gid(gid as u64);
+            h.set_entry_type(kind);
+            h
+        };
+        let pack = |e: std::io::Error| DockerError::Shell(format!("packing the tools: {e}"));
+        for d in [".tutor", ".tutor/bin"] {
+            let mut h = header(0, 0o755, tar::EntryType::Directory);
+            builder
+                .append_data(&mut h, d, std::io::empty())
+                .map_err(pack)?;
+        }
+        for (name, body) in crate::tools::tool_files(TOOLS_DIR) {
+            let mut h = header(body.len() as u64, 0o755, tar::EntryType::Regular);
+            builder
+                .append_data(&mut h, format!(".tutor/bin/{name}"), body.as_bytes())
+                .map_err(pack)?;
+        }
+        let tar = builder.into_inner().map_err(pack)?;
+        self.upload("/tmp", tar).await
+    }
+
+    /// Writes `content` to `/tmp/.tutor/NAME` (outside the repository) and returns the
+    /// path.
+    pub async fn write_scratch(&self, name: &str, content: &[u8]) -> Result<String, DockerError> {
+        let mut builder = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_size(content.len() as u64);
+        h.set_mode(0o644);
+        h.set_mtime(0);
+        let (uid, gid) = self
+            .user
+            .split_once(':')
+            .and_then(|(u, g)| Some((u.parse::<u64>().ok()?, g.parse::<u64>().ok()?)))
+            .unwrap_or((0, 0));
+        h.set_uid(uid);
+        h.set_gid(gid);
+        h.set_entry_type(tar::EntryType::Regular);
+        builder
+            .append_data(&mut h, name, content)
+            .map_err(|e| DockerError::Shell(format!("packing {name}: {e}")))?;
+        let tar = builder
+            .into_inner()
+            .map_err(|e| DockerError::Shell(format!("packing {name}: {e}")))?;
+        self.upload("/tmp/.tutor", tar).await?;
+        Ok(format!("/tmp/.tutor/{name}"))
+    }
+
+    async fn start_shell(&mut self) -> Result<(), DockerError> {
+        let exec = self
+            .docker
+            .create_exec(
+                &self.id,
+                ExecConfig {
+                    attach_stdin: Some(true),
+                    attach_stdout: Some(true),
+                    attach_stderr: Some(true),
+                    cmd: Some(vec!["bash".into(), "--noprofile".into(), "--norc".into()]),
+                    working_dir: Some(WORKDIR.into()),
+                    user: Some(self.user.clone()),
+                    env: Some(vec![
+                        "HOME=/tmp/.tutor".into(),
+                        "PYTHONDONTWRITEBYTECODE=1".into(),
+                    ]),
+                    ..Default::default()
+                },
+            )
+            .await?;
+        match self.docker.start_exec(&exec.id, None).await? {
+            bollard::exec::StartExecResults::Attached { output, mut input } => {
+                input
+                    .write_all(SHELL_PRELUDE.as_bytes())
+                    .await
+                    .map_err(|e| DockerError::Shell(format!("starting the shell: {e}")))?;
+                self.shell = Some(std::sync::Mutex::new(Shell { input, output }));
+                Ok(())
+            }
+            bollard::exec::StartExecResults::Detached => {
+                Err(DockerError::Shell("exec started detached".into()))
+            }
+        }
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Whether `remove` has removed the container (or found it gone).
+    pub fn is_removed(&self) -> bool {
+        self.removed
+    }
+
+    /// True when the container came from the warm pool (crate::sandbox::pool).
+    pub fn pooled(&self) -> bool {
+        self.pooled
+    }
+
+    pub(crate) fn set_pooled(&mut self) {
+        self.pooled = true;
+    }
+
+    /// Asks the engine whether the container is still running (not exited, killed,
+    /// paused or restarting).
+    pub(crate) async fn is_running(&self) -> bool {
+        match self.docker.inspect_container(&self.id, None).await {
+            Ok(c) => c.state.is_some_and(|s| {
+                s.running == Some(true) && s.paused != Some(true) && s.restarting != Some(true)
+            }),
+            Err(_) => false,
+        }
+    }
+
+    /// The directory the last command ended in.
+    pub fn cwd(&self) -> &str {
+        &self.cwd
+    }
+
+    /// Runs one command in the persistent shell. Never fails: errors become the output.
+    pub async fn run(&mut self, command: &str, timeout: Duration) -> CommandOutput {
+        match self.run_inner(command, timeout).await {
+            Ok(o) => o,
+            Err(e) => {
+                // The shell is in an unknown state: the next command gets a new one.
+                self.shell = None;
+                CommandOutput {
+                    output: format!("sandbox error: {e}\n"),
+                    exit_code: 127,
+                    timed_out: false,
+                }
+            }
+        }
+    }
+
+    async fn run_inner(
+        &mut self,
+        command: &str,
+        timeout: Duration,
+    ) -> Result<CommandOutput, DockerError> {
+        if self.shell.is_none() {
+            self.start_shell().await?;
+        }
+        self.counter += 1;
+        let marker = format!("__TUTOR_DONE_{}_{}__", self.counter, std::process::id());
+        let secs = timeout.as_secs().max(1);
+        let line = format!("__tutor_run {secs} {marker} <<'{marker}'\n{command}\n{marker}\n");
+        let shell = self
+            .shell
+            .as_mut()
+            .expect("started above")
+            .get_mut()
+            .expect("never locked");
+        shell
+            .input
+            .write_all(line.as_bytes())
+            .await
+            .map_err(|e| DockerError::Shell(format!("writing: {e}")))?;
+        shell
+            .input
+            .flush()
+            .await
+            .map_err(|e| DockerError::Shell(format!("writing: {e}")))?;
+
+        // The command is killed inside the container at `timeout`; the extra grace is for
+        // the shell itself. Past it the shell is considered wedged and replaced.
+        let deadline = tokio::time::Instant::now() + timeout + Duration::from_secs(10);
+        let needle = format!("\n{marker} ");
+        // The first bytes and a rolling window of the newest ones; the marker is printed
+        // last, so it is always in the window.
+        let mut head: Vec<u8> = Vec::new();
+        let mut tail: Vec<u8> = Vec::new();
+        let mut dropped = 0usize;
+        // Bytes of `tail` already searched for the marker: each chunk is searched once
+        // (with an overlap the length of the marker), not the whole window again.
+        let mut scanned = 0usize;
+        let mut new_cwd = None;
+        let (exit_code, new_file) = loop {
+            let chunk = match tokio::time::timeout_at(deadline, shell.output.next()).await {
+                Err(_) => {
+                    return Err(DockerError::Shell(format!(
+                        "no answer within {timeout:?} + 10 s"
+                    )))
+                }
+                Ok(None) => return Err(DockerError::Shell("the shell exited".into())),
+                Ok(Some(Err(e))) => return Err(e.into()),
+                Ok(Some(Ok(c))) => c.into_bytes(),
+            };
+            tail.extend_from_slice(&chunk);
+            let from = scanned.saturating_sub(needle.len() - 1);
+            if let Some(i) = find(&tail[from..], needle.as_bytes()).map(|i| from + i) {
+                let rest = &tail[i + needle.len()..];
+                if let Some(nl) = rest.iter().position(|&b| b == b'\n') {
+                    // "<exit code>\t<directory the command ended in>\t<current file>"
+                    let status = String::from_utf8_lossy(&rest[..nl]).into_owned();
+                    let mut fields = status.split('\t');
+                    let code = fields.next().unwrap_or("");
+                    if let Some(cwd) = fields.next().filter(|c| !c.trim().is_empty()) {
+                        new_cwd = Some(cwd.trim().to_string());
+                    }
+                    let file = fields.next().map(|f| f.trim().to_string());
+                    let code = code.trim().parse().unwrap_or(-1);
+                    tail.truncate(i);
+                    break (code, file);
+                }
+                continue; // the exit code is still on its way
+            }
+            scanned = tail.len();
+            if tail.len() > CAPTURE_BYTES {
+                let excess = tail.len() - CAPTURE_BYTES / 2;
+                if head.is_empty() {
+                    head = tail[..CAPTURE_BYTES / 2].to_vec();
+                    dropped += excess - CAPTURE_BYTES / 2;
+                } else {
+                    dropped += excess;
+                }
+                tail.drain(..excess);
+                scanned = tail.len();
+            }
+        };
+        let mut text = String::from_utf8_lossy(&head).into_owned();
+        if dropped > 0 {
+            text.push_str(&format!("\n<... {dropped} bytes dropped ...>\n"));
+        }
+        text.push_str(&String::from_utf8_lossy(&tail));
+        if let Some(cwd) = new_cwd {
+            self.cwd = cwd;
+        }
+        if let Some(f) = new_file {
+            self.current_file = Some(f).filter(|f| !f.is_empty());
+        }
+        // The watchdog kills with SIGKILL: the command ends with 137 (128 + 9).
+        let timed_out = exit_code == 137;
+        Ok(CommandOutput {
+            output: truncate_head_tail(&text, CAPTURE_BYTES),
+            exit_code,
+            timed_out,
+        })
+    }
+
+    /// Runs a short command as its own exec (not through the agent's shell) and returns
+    /// its exit code and stdout: bookkeeping reads that must not disturb the episode.
+    async fn exec_capture(&self, cmd: &[&str]) -> Result<(i64, Vec<u8>), DockerError> {
+        let exec = self
+            .docker
+            .create_exec(
+                &self.id,
+                ExecConfig {
+                    attach_stdout: Some(true),
+                    attach_stderr: Some(true),
+                    cmd: Some(cmd.iter().map(|s| s.to_string()).collect()),
+                    working_dir: Some(WORKDIR.into()),
+                    user: Some(self.user.clone()),
+                    env: Some(vec![
+                        "HOME=/tmp/.tutor".into(),
+                        "GIT_CONFIG_NOSYSTEM=1".into(),
+                        "LC_ALL=C.UTF-8".into(),
+                    ]),
+                    ..Default::default()
+                },
+            )
+            .await?;
+        let mut out = Vec::new();
+        if let bollard::exec::StartExecResults::Attached { mut output, .. } =
+            self.docker.start_exec(&exec.id, None).await?
+        {
+            while let Some(chunk) = output.next().await {
+                if let LogOutput::StdOut { message } = chunk? {
+                    out.extend_from_slice(&message);
+                }
+            }
+        }
+        let code = self
+            .docker
+            .inspect_exec(&exec.id)
+            .await?
+            .exit_code
+            .unwrap_or(-1);
+        Ok((code, out))
+    }
+
+    /// A git command in /testbed through [`Self::exec_capture`]; `index` names a private
+    /// index file (so the agent's staging area is untouched).
+    async fn git(&self, args: &[&str], index: Option<&str>) -> Option<Vec<u8>> {
+        let mut script = String::from("cd /testbed && ");
+        if let Some(i) = index {
+            script.push_str(&format!("export GIT_INDEX_FILE=/tmp/.tutor/{i} && rm -f \"$GIT_INDEX_FILE\" && git read-tree {} && git add -A && ", self.base));
+        }
+        script.push_str("git -c core.quotepath=off");
+        for a in args {
+            script.push(' ');
+            script.push_str(&shell_quote(a));
+        }
+        match self.exec_capture(&["bash", "-c", &script]).await {
+            Ok((0, out)) => Some(out),
+            Ok((code, _)) => {
+                tracing::debug!(container = %self.id, ?args, code, "sandbox git failed");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(container = %self.id, error = %e, "sandbox git failed");
+                None
+            }
+        }
+    }
+
+    /// The submission: every change against the base commit, new files included,
+    /// without touching the agent's own index. Empty if git fails.
+    pub async fn diff(&self) -> String {
+        self.git(
+            &[
+                "diff",
+                "--cached",
+                "--binary",
+                "--no-color",
+                "--no-ext-diff",
+                "--no-textconv",
+                "--no-renames",
+                "--src-prefix=a/",
+                "--dst-prefix=b/",
+                &self.base,
+                "--",
+            ],
+            Some("diff-index"),
+        )
+        .await
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default()
+    }
+
+    /// Paths changed relative to the base commit.
+    pub async fn changed_files(&self) -> Vec<String> {
+        self.git(
+            &[
+                "diff",
+                "--cached",
+                "--name-only",
+                "-z",
+                "--no-renames",
+                &self.base,
+                "--",
+            ],
+            Some("diff-index"),
+        )
+        .await
+        .map(|b| {
+            b.split(|&c| c == 0)
+                .filter(|s| !s.is_empty())
+                .map(|s| String::from_utf8_lossy(s).into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+    }
+
+    /// Hash of the base commit.
+    pub fn base_commit(&self) -> &str {
+        &self.base
+    }
+
+    /// Current HEAD (differs from the base if the agent committed).
+    pub async fn head(&self) -> Option<String> {
+        self.git(&["rev-parse", "-q", "--verify", "HEAD"], None)
+            .await
+            .map(|b| String::from_utf8_lossy(&b).trim().to_string())
+    }
+
+    /// A file of the working tree, relative to /testbed (`None` if missing or outside).
+    pub async fn read_file(&self, rel: &str) -> Option<String> {
+        let rel = crate::sandbox::safe_rel(rel)?;
+        let path = format!("{WORKDIR}/{}", rel.display());
+        match self.exec_capture(&["cat", "--", &path]).await {
+            Ok((0, out)) => Some(String::from_utf8_lossy(&out).into_owned()),
+            _ => None,
+        }
+    }
+
+    /// A file at the base commit (`None` if it did not exist there).
+    pub async fn base_file(&self, rel: &str) -> Option<String> {
+        let rel = crate::sandbox::safe_rel(rel)?.display().to_string();
+        if let Some(hit) = self.base_files.lock().expect("not poisoned").get(&rel) {
+            return hit.clone();
+        }
+        let spec = format!("{}:{rel}", self.base);
+        let content = self
+            .git(&["cat-file", "blob", &spec], None)
+            .await
+            .map(|b| String::from_utf8_lossy(&b).into_owned());
+        self.base_files
+            .lock()
+            .expect("not poisoned")
+            .insert(rel, content.clone());
+        content
+    }
+
+    /// Contents of the files `patch` touches once applied to the base commit, computed
+    /// on a private index; `Err` with git's message if it does not apply.
+    pub async fn apply_to_base(
+        &self,
+        patch: &str,
+    ) -> Result<BTreeMap<String, Option<String>>, SandboxError> {
+        let mut body = patch.to_string();
+        if !body.ends_with('\n') {
+            body.push('\n');
+        }
+        let path = self
+            .write_scratch("oracle.patch", body.as_bytes())
+            .await
+            .map_err(|e| SandboxError::Backend(Box::new(e)))?;
+        let script = format!(
+            "cd /testbed && export GIT_INDEX_FILE=/tmp/.tutor/apply-index && rm -f \"$GIT_INDEX_FILE\" \
+             && git read-tree {} && git apply --cached {path} 2>&1",
+            self.base
+        );
+        match self.exec_capture(&["bash", "-c", &script]).await {
+            Ok((0, _)) => {}
+            Ok((_, out)) => {
+                return Err(SandboxError::Git(
+                    String::from_utf8_lossy(&out).into_owned(),
+                ))
+            }
+            Err(e) => return Err(SandboxError::Backend(Box::new(e))),
+        }
+        let mut files = BTreeMap::new();
+        for f in crate::tasks::patch_files(patch) {
+            let script = format!(
+                "cd /testbed && GIT_INDEX_FILE=/tmp/.tutor/apply-index git cat-file blob {}",
+                shell_quote(&format!(":{f}"))
+            );
+            let content = match self.exec_capture(&["bash", "-c", &script]).await {
+                Ok((0, out)) => Some(String::from_utf8_lossy(&out).into_owned()),
+                _ => None,
+            };
+            files.insert(f, content);
+        }
+        Ok(files)
+    }
+
+    /// The file the tools have open (as shown in the footer), if any.
+    pub fn current_file(&self) -> Option<&str> {
+        self.current_file.as_deref()
+    }
+
+    /// Removes the container. Safe to call twice. A container already gone counts as
+    /// removed; other refusals (a busy engine: "could not kill", "removal already in
+    /// progress") are tried again, `REMOVE_ATTEMPTS` times in all.
+    pub async fn remove(&mut self) {
+        if self.removed {
+            return;
+        }
+        self.shell = None;
+        let mut wait = Duration::from_millis(250);
+        for attempt in 1..=REMOVE_ATTEMPTS {
+            match self
+                .docker
+                .remove_container(
+                    &self.id,
+                    Some(RemoveContainerOptionsBuilder::default().force(true).build()),
+                )
+                .await
+            {
+                Ok(())
+                | Err(bollard::errors::Error::DockerResponseServerError {
+                    status_code: 404, ..
+                }) => {
+                    self.removed = true;
+                    return;
+                }
+                Err(e) if attempt < REMOVE_ATTEMPTS => {
+                    tracing::debug!(container = %self.id, error = %e, attempt, "removing a sandbox container failed; trying again");
+                    tokio::time::sleep(wait).await;
+                    wait *= 2;
+                }
+                Err(e) => {
+                    tracing::warn!(container = %self.id, error = %e, attempts = REMOVE_ATTEMPTS, "removing a sandbox container failed; `docker rm -f` removes it, and so does the next start of this worker")
+                }
+            }
+        }
+    }
+}
+
+/// A [`DockerSandbox`] behind the blocking interface. Must not be used from inside an
+/// async task (it blocks on the runtime); episodes run on blocking threads.
+pub struct BlockingDocker {
+    inner: Option<DockerSandbox>,
+    rt: Handle,
+}
+
+impl BlockingDocker {
+    pub fn new(inner: DockerSandbox, rt: Handle) -> Self {
+        Self {
+            inner: Some(inner),
+            rt,
+        }
+    }
+
+    fn sb(&self) -> &DockerSandbox {
+        self.inner.as_ref().expect("present until drop")
+    }
+
+    /// The container id.
+    pub fn id(&self) -> &str {
+        self.sb().id()
+    }
+}
+
+impl Sandbox for BlockingDocker {
+    fn run(&mut self, command: &str, timeout: Duration) -> CommandOutput {
+        let sb = self.inner.as_mut().expect("present until drop");
+        self.rt.block_on(sb.run(command, timeout))
+    }
+    fn cwd(&self) -> String {
+        self.sb().cwd().to_string()
+    }
+    fn at_root(&self) -> bool {
+        self.sb().cwd() == WORKDIR
+    }
+    fn repo_display(&self) -> &str {
+        WORKDIR
+    }
+    fn current_file(&self) -> Option<String> {
+        self.sb().current_file().map(str::to_string)
+    }
+    fn base_commit(&self) -> &str {
+        self.sb().base_commit()
+    }
+    fn head(&self) -> Option<String> {
+        self.rt.block_on(self.sb().head())
+    }
+    fn read_file(&self, rel: &str) -> Option<String> {
+        self.rt.block_on(self.sb().read_file(rel))
+    }
+    fn base_file(&self, rel: &str) -> Option<String> {
+        self.rt.block_on(self.sb().base_file(rel))
+    }
+    fn diff(&self) -> String {
+        self.rt.block_on(self.sb().diff())
+    }
+    fn changed_files(&self) -> Vec<String> {
+        self.rt.block_on(self.sb().changed_files())
+    }
+    fn apply_to_base(&self, patch: &str) -> Result<BTreeMap<String, Option<String>>, SandboxError> {
+        self.rt.block_on(self.sb().apply_to_base(patch))
+    }
+    fn write_scratch(&mut self, name: &str, content: &str) -> Result<String, SandboxError> {
+        self.rt
+            .block_on(self.sb().write_scratch(name, content.as_bytes()))
+            .map(|p| shell_quote(&p))
+            .map_err(|e| SandboxError::Backend(Box::new(e)))
+    }
+    fn kind(&self) -> &'static str {
+        "docker"
+    }
+}
+
+impl Drop for BlockingDocker {
+    /// Removes the container before returning. A thread of its own, so dropping is safe
+    /// from blocking threads and from async tasks alike.
+    fn drop(&mut self) {
+        if let Some(mut sb) = self.inner.take() {
+            let rt = self.rt.clone();
+            let joined = std::thread::Builder::new()
+                .name("tutor-sandbox-rm".into())
+                .spawn(move || rt.block_on(sb.remove()))
+                .map(|h| h.join());
+            if !matches!(joined, Ok(Ok(()))) {
+                tracing::warn!("removing a sandbox container: the cleanup thread failed");
+            }
+        }
+    }
+}
+
+impl Drop for DockerSandbox {
+    /// A sandbox dropped without `remove` (an error path, a panic) still goes away.
+    fn drop(&mut self) {
+        if self.removed {
+            return;
+        }
+        let docker = self.docker.clone();
+        let id = self.id.clone();
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                let _ = docker
+                    .remove_container(
+                        &id,
+                        Some(RemoveContainerOptionsBuilder::default().force(true).build()),
+                    )
+                    .await;
+            });
+        }
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}

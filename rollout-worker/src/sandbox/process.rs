@@ -1,0 +1,307 @@
+//! Raw process control for the local sandbox: process groups, deadlines, capped output.
+//!
+//! A command runs as the leader of a process group of its own, with a deadline and a
+//! head+tail output cap, and the whole group is killed when its shell exits; a /proc scan
+//! finds the processes that left the group on purpose.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::sandbox::{CommandOutput, TIMEOUT_EXIT_CODE};
+
+/// How long output is still collected after the shell exited, for stray writers.
+const DRAIN_GRACE: Duration = Duration::from_millis(300);
+
+/// Runs `cmd` (stdio is set here: no stdin, stdout and stderr into one capped pipe) as a
+/// session and process-group leader. Returns once the leader exited and the output is
+/// drained (at most [`DRAIN_GRACE`] after, for stray writers), or, at `timeout`, kills the
+/// whole group and reports [`TIMEOUT_EXIT_CODE`]. Background jobs die with the leader.
+pub(crate) fn run_in_own_group(
+    mut cmd: Command,
+    timeout: Duration,
+    output_cap: usize,
+) -> std::io::Result<CommandOutput> {
+    let (read_end, write_end) = make_pipe()?;
+    let write_file = File::from(write_end);
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::from(write_file.try_clone()?))
+        .stderr(Stdio::from(write_file));
+    // SAFETY: setsid and prctl are async-signal-safe; setsid makes the child a session and process
+    // group leader, so the whole tree can be killed with one kill(-pgid).
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // If the worker dies (even by SIGKILL) the command's shell dies with it.
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn()?;
+    // Close our copies of the write end, or we would never see EOF.
+    drop(cmd);
+    let pgid = child.id() as libc::pid_t;
+
+    let mut reader = File::from(read_end);
+    let mut captured = Capture::new(output_cap);
+    let mut buf = vec![0u8; 64 * 1024];
+    let deadline = Instant::now() + timeout;
+    let mut eof = false;
+    let mut timed_out = false;
+    let mut status: Option<std::process::ExitStatus> = None;
+    let mut drain_until: Option<Instant> = None;
+    loop {
+        if !eof {
+            let mut pfd = libc::pollfd {
+                fd: reader.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            unsafe { libc::poll(&mut pfd, 1, 20) };
+            loop {
+                match reader.read(&mut buf) {
+                    Ok(0) => {
+                        eof = true;
+                        break;
+                    }
+                    Ok(n) => captured.push(&buf[..n]),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(_) => {
+                        eof = true;
+                        break;
+                    }
+                }
+            }
+        } else {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if status.is_none() {
+            if leader_exited(pgid) {
+                // The leader is a zombie until reaped, so the pgid cannot be reused yet:
+                // kill the rest of the group (background jobs), then reap.
+                kill_group(pgid);
+                status = Some(child.wait()?);
+                drain_until = Some(Instant::now() + DRAIN_GRACE);
+            } else if Instant::now() >= deadline && !timed_out {
+                timed_out = true;
+                kill_group(pgid);
+            }
+        }
+        if status.is_some() && (eof || drain_until.is_some_and(|d| Instant::now() >= d)) {
+            break;
+        }
+    }
+
+    let exit_code = if timed_out {
+        TIMEOUT_EXIT_CODE
+    } else {
+        let st = status.expect("loop exits only after reaping");
+        st.code().unwrap_or_else(|| {
+            use std::os::unix::process::ExitStatusExt;
+            128 + st.signal().unwrap_or(0)
+        })
+    };
+    Ok(CommandOutput {
+        output: captured.finish(),
+        exit_code,
+        timed_out,
+    })
+}
+
+/// Creates a pipe; the read end is non-blocking, both are close-on-exec (the child gets
+/// dup2'ed copies).
+fn make_pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: fds is a valid 2-element array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } == -1 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: pipe2 returned two fresh descriptors we now own.
+    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: fcntl on a valid fd.
+    unsafe {
+        let flags = libc::fcntl(r.as_raw_fd(), libc::F_GETFL);
+        libc::fcntl(r.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK);
+    }
+    Ok((r, w))
+}
+
+/// Has `pid` exited? Checks without reaping (WNOWAIT), so the pid stays reserved.
+fn leader_exited(pid: libc::pid_t) -> bool {
+    // SAFETY: zeroed siginfo_t is a valid out-parameter.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: valid pointer; WNOHANG makes this non-blocking.
+    let r = unsafe {
+        libc::waitid(
+            libc::P_PID,
+            pid as libc::id_t,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+        )
+    };
+    // SAFETY: si_pid is valid to read after waitid fills the struct (0 if nothing exited).
+    r == 0 && unsafe { info.si_pid() } == pid
+}
+
+fn kill_group(pgid: libc::pid_t) {
+    if pgid > 1 {
+        // SAFETY: plain syscall; ESRCH (group already gone) is fine.
+        unsafe { libc::kill(-pgid, libc::SIGKILL) };
+    }
+}
+
+/// Head+tail capped byte capture: keeps the first and last halves of the cap and counts
+/// what was dropped in between, so a 100 MB print costs bounded memory and the end of a
+/// log (e.g. pytest's summary) survives.
+struct Capture {
+    head_cap: usize,
+    tail_cap: usize,
+    head: Vec<u8>,
+    tail: VecDeque<u8>,
+    dropped: u64,
+}
+
+impl Capture {
+    fn new(cap: usize) -> Self {
+        let head_cap = cap / 2;
+        Capture {
+            head_cap,
+            tail_cap: cap - head_cap,
+            head: Vec::new(),
+            tail: VecDeque::new(),
+            dropped: 0,
+        }
+    }
+
+    fn push(&mut self, mut data: &[u8]) {
+        let take = (self.head_cap - self.head.len()).min(data.len());
+        self.head.extend_from_slice(&data[..take]);
+        data = &data[take..];
+        if data.is_empty() {
+            return;
+        }
+        if data.len() >= self.tail_cap {
+            self.dropped += (self.tail.len() + data.len() - self.tail_cap) as u64;
+            self.tail.clear();
+            self.tail.extend(&data[data.len() - self.tail_cap..]);
+        } else {
+            self.tail.extend(data);
+            let over = self.tail.len().saturating_sub(self.tail_cap);
+            if over > 0 {
+                self.tail.drain(..over);
+                self.dropped += over as u64;
+            }
+        }
+    }
+
+    fn finish(self) -> String {
+        let tail: Vec<u8> = self.tail.into_iter().collect();
+        if self.dropped == 0 {
+            let mut all = self.head;
+            all.extend_from_slice(&tail);
+            return String::from_utf8_lossy(&all).into_owned();
+        }
+        format!(
+            "{}\n<... {} bytes of output dropped ...>\n{}",
+            String::from_utf8_lossy(&self.head),
+            self.dropped,
+            String::from_utf8_lossy(&tail)
+        )
+    }
+}
+
+/// Kills processes (other than this one) whose environment carries `tag`: the ones that
+/// escaped their command's process group. Linux only (reads /proc); best effort.
+///
+/// One scan of /proc is not enough. A process caught in the middle of `execve` shows an
+/// empty environment for a moment, and a process may fork while the scan runs; either
+/// would escape a single pass. So this scans again, with a growing pause, while the
+/// previous pass killed something or met a live process with an empty environment that
+/// has not yet been seen empty four times (one started with `env -i` stays empty and is
+/// then left alone); at least twice, for at most about a second.
+pub(crate) fn kill_tagged(tag: &str) {
+    const MIN_PASSES: usize = 2;
+    const EMPTY_SIGHTINGS: u32 = 4;
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let mut empty_seen: std::collections::HashMap<u32, u32> = Default::default();
+    let mut pause = Duration::from_millis(5);
+    for pass in 1.. {
+        let (killed, empty) = kill_tagged_once(tag);
+        let mut unsure = false;
+        for pid in empty {
+            let n = empty_seen.entry(pid).or_insert(0);
+            *n += 1;
+            unsure |= *n < EMPTY_SIGHTINGS;
+        }
+        let again = killed > 0 || unsure || pass < MIN_PASSES;
+        if !again || Instant::now() >= deadline {
+            return;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(100));
+    }
+}
+
+/// One pass of [`kill_tagged`]: how many processes it killed, and the live processes whose
+/// environment read back empty and so could not be checked.
+fn kill_tagged_once(tag: &str) -> (usize, Vec<u32>) {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return (0, Vec::new());
+    };
+    let me = std::process::id();
+    let needle = tag.as_bytes();
+    let (mut killed, mut empty) = (0, Vec::new());
+    for e in rd.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        // Unreadable for other users' processes, which cannot be ours anyway.
+        let Ok(env) = std::fs::read(e.path().join("environ")) else {
+            continue;
+        };
+        if env.is_empty() {
+            if live_user_process(&e.path()) {
+                empty.push(pid);
+            }
+            continue;
+        }
+        if env.split(|&b| b == 0).any(|kv| kv == needle) {
+            // SAFETY: plain syscall on a pid we just saw; ESRCH is fine.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            killed += 1;
+        }
+    }
+    (killed, empty)
+}
+
+/// Whether /proc/PID describes a running user process: not a zombie, not a kernel thread
+/// (kernel threads and zombies have an empty environment for good).
+fn live_user_process(proc_dir: &Path) -> bool {
+    const PF_KTHREAD: u64 = 0x0020_0000;
+    let Ok(stat) = std::fs::read_to_string(proc_dir.join("stat")) else {
+        return false;
+    };
+    // Fields after the command name, which is in parentheses and may contain anything.
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+        return false;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let state = fields.first().copied().unwrap_or("Z");
+    let flags: u64 = fields
+        .get(6)
+        .and_then(|f| f.parse().ok())
+        .unwrap_or(PF_KTHREAD);
+    !matches!(state, "Z" | "X" | "x") && flags & PF_KTHREAD == 0
+}

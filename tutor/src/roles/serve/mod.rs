@@ -1,0 +1,164 @@
+//! `tutor serve`: an OpenAI-compatible chat-completions API over the policy's generation
+//! engine, so that a Tutor checkpoint can act as a teacher or be evaluated by any client.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use tch::Device;
+use tutor_policy::{spawn_engine, ChatTokenizer, EngineConfig, Policy};
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Checkpoint directory in Hugging Face layout: config.json, model.safetensors (or
+    /// shards with their index) and tokenizer.json, e.g. a run's published checkpoint.
+    #[arg(long)]
+    model: PathBuf,
+    /// The name clients pass as `model` (default: the directory's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Write the bound address here once listening (use with --port 0).
+    #[arg(long, value_name = "PATH")]
+    addr_file: Option<PathBuf>,
+    /// Most requests decoded together.
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    /// Key/value cache budget in tokens (rows × slots); requests that do not fit wait.
+    #[arg(long, default_value_t = 32_768)]
+    max_cached_tokens: usize,
+    /// Requests waiting for the engine before new ones are held back.
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+    /// `cpu`, `cuda`, or `auto` (CUDA when available). Weights are bf16 on CUDA.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// File holding the API key clients must send as `Authorization: Bearer KEY` (what
+    /// the `openai` client sends as `api_key`). The key can also come from the
+    /// TUTOR_SERVE_API_KEY environment variable. Without either, anyone who can reach the
+    /// port may use the model. `/health` never needs the key. The key is never logged.
+    #[arg(long, value_name = "PATH")]
+    api_key_file: Option<PathBuf>,
+}
+
+/// Environment variable holding `tutor serve`'s API key (alternative to --api-key-file).
+pub const SERVE_API_KEY_ENV: &str = "TUTOR_SERVE_API_KEY";
+
+/// The API key of `tutor serve`: from `file`, else from the environment value `env`.
+/// Errors name the file or the variable, never the key.
+fn load_api_key(file: Option<&std::path::Path>, env: Option<&str>) -> Result<Option<String>> {
+    let (raw, source) = match (file, env) {
+        (Some(path), _) => (
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the API key file {}", path.display()))?,
+            format!("the API key file {}", path.display()),
+        ),
+        (None, Some(v)) => (v.to_string(), SERVE_API_KEY_ENV.to_string()),
+        (None, None) => return Ok(None),
+    };
+    let key = raw.trim();
+    if key.is_empty() {
+        anyhow::bail!(
+            "{source} is empty: put the key in it (or leave it out to serve without one)"
+        );
+    }
+    if !key.bytes().all(|b| b.is_ascii_graphic()) {
+        anyhow::bail!("{source} holds characters an HTTP header cannot carry: use printable ASCII without spaces");
+    }
+    Ok(Some(key.to_string()))
+}
+
+mod openai;
+
+use openai::{now, router, AppState};
+
+pub async fn serve(
+    args: ServeArgs,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    if args.max_batch == 0 || args.max_cached_tokens == 0 {
+        anyhow::bail!("--max-batch and --max-cached-tokens must be at least 1");
+    }
+    let device = match args.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::Cuda(0),
+        "auto" => Device::cuda_if_available(),
+        other => anyhow::bail!("--device {other:?}: expected cpu, cuda or auto"),
+    };
+    let mut policy = Policy::load_dir(&args.model, device)
+        .with_context(|| format!("loading the model from {}", args.model.display()))?;
+    if device.is_cuda() {
+        policy.var_store_mut().bfloat16();
+    }
+    let tok_path = args.model.join("tokenizer.json");
+    // tokenizer.json, and the directory's chat template when it has one (else ChatML).
+    let tokenizer = ChatTokenizer::from_dir(&args.model)?;
+    if tokenizer.vocab_size() > policy.config().vocab_size {
+        anyhow::bail!(
+            "{} has {} tokens but config.json's vocab_size is {}: the tokenizer does not belong to this model",
+            tok_path.display(),
+            tokenizer.vocab_size(),
+            policy.config().vocab_size
+        );
+    }
+    let model = match args.served_model_name {
+        Some(n) => n,
+        None => args
+            .model
+            .canonicalize()
+            .unwrap_or(args.model.clone())
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "tutor".into()),
+    };
+    let env_key = std::env::var(SERVE_API_KEY_ENV).ok();
+    let api_key = load_api_key(args.api_key_file.as_deref(), env_key.as_deref())?;
+    if api_key.is_none() && !args.host.is_loopback() {
+        tracing::warn!(
+            host = %args.host,
+            "serving on a non-loopback address without an API key: anyone who can reach the port \
+             may use the model (--api-key-file or {SERVE_API_KEY_ENV})"
+        );
+    }
+    let (engine, _thread) = spawn_engine(
+        policy,
+        tokenizer.clone(),
+        EngineConfig {
+            max_batch: args.max_batch,
+            max_cached_tokens: args.max_cached_tokens,
+            queue: args.queue,
+            ..Default::default()
+        },
+    );
+    let state = Arc::new(AppState {
+        engine,
+        api_key,
+        tokenizer,
+        model,
+        created: now(),
+        next_id: AtomicU64::new(0),
+    });
+    let app = router(state.clone());
+    let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))
+        .await
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let local = listener.local_addr()?;
+    if let Some(f) = &args.addr_file {
+        tutor_proto::net::write_addr_file(f, local)
+            .with_context(|| format!("writing {}", f.display()))?;
+    }
+    eprintln!(
+        "serving {} at http://{local}/v1 ({:?}, batch ≤ {}, cache ≤ {} tokens)",
+        state.model, device, args.max_batch, args.max_cached_tokens
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .context("serving HTTP")
+}
