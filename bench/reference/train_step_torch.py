@@ -1,8 +1,9 @@
 """Reference for `cargo run --release -p tutor-bench --bin policy`: one training step of
 the benchmark's model in PyTorch eager (`transformers`' Qwen3ForCausalLM, its default
-attention), the same step Tutor's learner takes (learner/src/loss/cross_entropy.rs): right-padded
-batch, summed next-token cross-entropy over label tokens, backward, gradients divided by
-the label count, clipping by global norm, AdamW.
+attention), the same step Tutor's learner takes (learner/src/loss/cross_entropy.rs, on the step loop
+of learner/src/trainer/step.rs): right-padded batch, summed next-token cross-entropy over
+label tokens, backward, gradients divided by the label count, clipping by global norm,
+AdamW.
 
     python train_step_torch.py --model DIR --batch BATCH.json --threads N --steps S --out OUT.json
 

@@ -24,35 +24,32 @@ pub use tutor_proto::event_key;
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error(
-        "opening the trajectory store {}: {source}; check that the run directory exists, is \
+        "opening the trajectory store {}: {error}; check that the run directory exists, is \
          writable and is not on a full disk",
         path.display()
     )]
     Open {
         path: PathBuf,
-        #[source]
-        source: Arc<std::io::Error>,
+        error: Arc<std::io::Error>,
     },
     #[error(
-        "reading the trajectory store {}: {source}; check the file's permissions (a torn or \
+        "reading the trajectory store {}: {error}; check the file's permissions (a torn or \
          corrupt tail is cut on open, not an error)",
         path.display()
     )]
     Read {
         path: PathBuf,
-        #[source]
-        source: Arc<std::io::Error>,
+        error: Arc<std::io::Error>,
     },
     #[error(
-        "writing the trajectory store {}: {source}; nothing of this batch was acknowledged \
+        "writing the trajectory store {}: {error}; nothing of this batch was acknowledged \
          and the workers replay it: free disk space or fix the permissions, then the \
          replays are stored",
         path.display()
     )]
     Write {
         path: PathBuf,
-        #[source]
-        source: Arc<std::io::Error>,
+        error: Arc<std::io::Error>,
     },
 }
 
@@ -60,21 +57,21 @@ impl StoreError {
     fn open(path: &Path) -> impl FnOnce(std::io::Error) -> Self + '_ {
         move |e| Self::Open {
             path: path.to_path_buf(),
-            source: Arc::new(e),
+            error: Arc::new(e),
         }
     }
 
     fn read(path: &Path) -> impl FnOnce(std::io::Error) -> Self + '_ {
         move |e| Self::Read {
             path: path.to_path_buf(),
-            source: Arc::new(e),
+            error: Arc::new(e),
         }
     }
 
     fn write(path: &Path) -> impl FnOnce(std::io::Error) -> Self + '_ {
         move |e| Self::Write {
             path: path.to_path_buf(),
-            source: Arc::new(e),
+            error: Arc::new(e),
         }
     }
 }

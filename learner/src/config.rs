@@ -152,12 +152,9 @@ impl LearnerConfig {
 
     /// The device `device` names. `"cuda"` without an index is `default_gpu` (the rank's
     /// GPU in an NCCL group, else 0). Whether that GPU exists is checked by the trainer.
-    pub fn device(&self, default_gpu: usize) -> Result<tch::Device, String> {
-        tutor_policy::parse_device(&self.device, default_gpu).ok_or_else(|| {
-            format!(
-                "learner.device must be \"cpu\", \"cuda\" or \"cuda:N\", got {:?}",
-                self.device
-            )
+    pub fn device(&self, default_gpu: usize) -> Result<tch::Device, ConfigError> {
+        tutor_policy::parse_device(&self.device, default_gpu).ok_or_else(|| ConfigError::Device {
+            got: self.device.clone(),
         })
     }
 
@@ -171,44 +168,64 @@ impl LearnerConfig {
         }
     }
 
-    /// Checks the schedule settings: a cosine needs `total_steps > warmup_steps`, and
-    /// `min_lr_ratio` must lie in [0, 1].
-    pub fn validate(&self) -> Result<(), String> {
+    /// Checks `[learner]`: the device, the schedule (a cosine needs `total_steps >
+    /// warmup_steps`, `min_lr_ratio` in [0, 1]), DAPO's clip range, the group settings.
+    pub fn validate(&self) -> Result<(), ConfigError> {
         self.device(0)?;
         if !(0.0..=1.0).contains(&self.min_lr_ratio) {
-            return Err(format!(
-                "learner.min_lr_ratio must be in [0, 1], got {}",
-                self.min_lr_ratio
-            ));
+            return Err(ConfigError::MinLrRatio {
+                got: self.min_lr_ratio,
+            });
         }
         if !(0.0..1.0).contains(&self.clip_eps_low)
             || self.clip_eps_high.is_nan()
             || self.clip_eps_high < 0.0
         {
-            return Err(format!(
-                "learner.clip_eps_low must be in [0, 1) and learner.clip_eps_high at least 0, \
-                 got {} and {}",
-                self.clip_eps_low, self.clip_eps_high
-            ));
+            return Err(ConfigError::ClipEps {
+                low: self.clip_eps_low,
+                high: self.clip_eps_high,
+            });
         }
         if self.world_size == 0 {
-            return Err("learner.world_size must be at least 1".into());
+            return Err(ConfigError::WorldSize);
         }
         if !(self.rendezvous_timeout_s > 0.0 && self.collective_timeout_s > 0.0) {
-            return Err(format!(
-                "learner.rendezvous_timeout_s and learner.collective_timeout_s must be above 0, \
-                 got {} and {}",
-                self.rendezvous_timeout_s, self.collective_timeout_s
-            ));
+            return Err(ConfigError::Timeouts {
+                rendezvous: self.rendezvous_timeout_s,
+                collective: self.collective_timeout_s,
+            });
         }
         if self.schedule == ScheduleKind::Cosine && self.total_steps <= self.warmup_steps as u64 {
-            return Err(format!(
-                "learner.schedule = \"cosine\" needs total_steps ({}) > warmup_steps ({})",
-                self.total_steps, self.warmup_steps
-            ));
+            return Err(ConfigError::Cosine {
+                total: self.total_steps,
+                warmup: self.warmup_steps,
+            });
         }
         Ok(())
     }
+}
+
+/// A `[learner]` setting the learner cannot run with; the message names the field.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("learner.device must be \"cpu\", \"cuda\" or \"cuda:N\", got {got:?}")]
+    Device { got: String },
+    #[error("learner.min_lr_ratio must be in [0, 1], got {got}")]
+    MinLrRatio { got: f64 },
+    #[error(
+        "learner.clip_eps_low must be in [0, 1) and learner.clip_eps_high at least 0, got \
+         {low} and {high}"
+    )]
+    ClipEps { low: f64, high: f64 },
+    #[error("learner.world_size must be at least 1")]
+    WorldSize,
+    #[error(
+        "learner.rendezvous_timeout_s and learner.collective_timeout_s must be above 0, got \
+         {rendezvous} and {collective}"
+    )]
+    Timeouts { rendezvous: f64, collective: f64 },
+    #[error("learner.schedule = \"cosine\" needs total_steps ({total}) > warmup_steps ({warmup})")]
+    Cosine { total: u64, warmup: u32 },
 }
 
 #[cfg(test)]
@@ -244,7 +261,11 @@ mod tests {
             total_steps: 0,
             ..c.clone()
         };
-        assert!(short.validate().unwrap_err().contains("total_steps"));
+        assert!(short
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("total_steps"));
         let bad_floor = LearnerConfig {
             min_lr_ratio: 1.5,
             ..c
@@ -271,7 +292,7 @@ mod tests {
         let bf16: LearnerConfig = serde_json::from_str(r#"{"precision": "bf16"}"#).unwrap();
         assert!(bf16.mixed_precision(tch::Device::Cpu));
         let bad: LearnerConfig = serde_json::from_str(r#"{"device": "gpu0"}"#).unwrap();
-        let e = bad.validate().unwrap_err();
+        let e = bad.validate().unwrap_err().to_string();
         assert!(e.contains("learner.device") && e.contains("gpu0"), "{e}");
         assert!(serde_json::from_str::<LearnerConfig>(r#"{"precision": "fp16"}"#).is_err());
     }

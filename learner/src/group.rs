@@ -222,9 +222,8 @@ fn follow_generation(opts: &GroupOptions, rdv: &Rendezvous) -> Result<()> {
                 let batch = tutor_proto::TrainBatch::decode(&msg[1..])
                     .context("rank 0 sent a batch this rank cannot decode")?;
                 let (iteration, step) = (batch.iteration, batch.step);
-                let examples = StepExamples::from_proto(batch.examples)
-                    .map_err(anyhow::Error::msg)?
-                    .shard(opts.rank, opts.world_size);
+                let examples =
+                    StepExamples::from_proto(batch.examples)?.shard(opts.rank, opts.world_size);
                 let report = trainer
                     .train_step(&examples)
                     .with_context(|| format!("training batch {iteration}/{step}"))?;

@@ -555,7 +555,7 @@ impl Learner for LearnerHandle {
                 let examples = match StepExamples::from_proto(batch.examples) {
                     Ok(e) => e,
                     Err(e) => {
-                        let _ = tx.send(Err(Status::invalid_argument(e))).await;
+                        let _ = tx.send(Err(Status::invalid_argument(e.to_string()))).await;
                         return;
                     }
                 };

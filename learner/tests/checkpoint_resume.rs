@@ -153,7 +153,7 @@ fn bf16_params(t: &Trainer) -> Vec<(String, Vec<f32>)> {
 /// beside the bf16 model (a Hugging Face checkpoint in bfloat16).
 #[test]
 fn bf16_resumed_run_equals_uninterrupted_run() {
-    // See trainer.rs `cap_onednn_isa`: bf16 products on the CPU stay off AMX.
+    // See trainer/mod.rs `cap_onednn_isa`: bf16 products on the CPU stay off AMX.
     if std::env::var_os("ONEDNN_MAX_CPU_ISA").is_none() {
         std::env::set_var("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16");
     }

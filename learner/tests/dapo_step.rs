@@ -247,13 +247,17 @@ fn mixed_or_misaligned_batches_are_refused() {
         loss_mask: vec![false, true],
         ..Default::default()
     };
-    let err = StepExamples::from_proto(vec![dapo.clone(), ce.clone()]).unwrap_err();
+    let err = StepExamples::from_proto(vec![dapo.clone(), ce.clone()])
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("mixes loss kinds"), "{err}");
     let short = TrainExample {
         old_logprobs: vec![0.0],
         ..dapo.clone()
     };
-    let err = StepExamples::from_proto(vec![short]).unwrap_err();
+    let err = StepExamples::from_proto(vec![short])
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("old log-probs"), "{err}");
     assert_eq!(
         StepExamples::from_proto(vec![ce]).unwrap(),

@@ -156,10 +156,10 @@ pub enum RequestError {
 /// Why new weights did not load; the old weights stay.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("loading {}: {source}", path.display())]
+    #[error("loading {}: {error}", path.display())]
     Weights {
         path: std::path::PathBuf,
-        source: crate::PolicyError,
+        error: crate::PolicyError,
     },
     #[error("the engine has stopped")]
     Stopped,
@@ -452,7 +452,7 @@ impl Engine {
                     let r = self
                         .policy
                         .load_weights(&path)
-                        .map_err(|source| LoadError::Weights { path, source });
+                        .map_err(|error| LoadError::Weights { path, error });
                     let _ = reply.send(r);
                 }
                 continue;

@@ -17,17 +17,17 @@ pub fn write_addr_file(path: &Path, addr: SocketAddr) -> std::io::Result<()> {
 /// Why a server could not start listening.
 #[derive(Debug, thiserror::Error)]
 pub enum ListenError {
-    #[error("binding the {role} to {addr}: {source} (is another process listening there? pick another address or port 0)")]
+    #[error("binding the {role} to {addr}: {error} (is another process listening there? pick another address or port 0)")]
     Bind {
         role: &'static str,
         addr: SocketAddr,
-        source: std::io::Error,
+        error: std::io::Error,
     },
-    #[error("writing the {role}'s address file {}: {source}", path.display())]
+    #[error("writing the {role}'s address file {}: {error}", path.display())]
     AddrFile {
         role: &'static str,
         path: std::path::PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
 }
 
@@ -45,7 +45,7 @@ pub struct GrpcListener {
 impl GrpcListener {
     /// Binds `addr` for the server named `role` in messages ("coordinator", "learner").
     pub async fn bind(role: &'static str, addr: SocketAddr) -> Result<Self, ListenError> {
-        let bind_error = |source| ListenError::Bind { role, addr, source };
+        let bind_error = |error| ListenError::Bind { role, addr, error };
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(bind_error)?;
@@ -66,10 +66,10 @@ impl GrpcListener {
     /// `tutor run` that the server is up, so it is the last step before serving.
     pub fn write_addr_file(&self, path: Option<&Path>) -> Result<(), ListenError> {
         match path {
-            Some(p) => write_addr_file(p, self.addr).map_err(|source| ListenError::AddrFile {
+            Some(p) => write_addr_file(p, self.addr).map_err(|error| ListenError::AddrFile {
                 role: self.role,
                 path: p.to_path_buf(),
-                source,
+                error,
             }),
             None => Ok(()),
         }

@@ -207,7 +207,7 @@ impl RunConfig {
                  sharing the student's tokenizer)"
             );
         }
-        self.learner.validate().map_err(|e| anyhow!(e))?;
+        self.learner.validate()?;
         if self.run.workers == 0 {
             bail!("run.workers must be at least 1");
         }

@@ -98,17 +98,18 @@ impl StepExamples {
 
     /// The step a batch's examples ask for. Every example of a batch must have the same
     /// loss kind, and a DAPO example one advantage and one old log-prob per token.
-    pub fn from_proto(examples: Vec<TrainExample>) -> Result<Self, String> {
+    pub fn from_proto(examples: Vec<TrainExample>) -> Result<Self, BatchError> {
         let kind = examples
             .first()
             .map(|e| e.loss_kind)
             .unwrap_or(LossKind::CrossEntropy as i32);
         if let Some(e) = examples.iter().find(|e| e.loss_kind != kind) {
-            return Err(format!(
-                "a training batch mixes loss kinds ({kind} and {} at episode {} turn {}): \
-                 the coordinator sends one kind per batch",
-                e.loss_kind, e.episode_id, e.turn_index
-            ));
+            return Err(BatchError::MixedKinds {
+                first: kind,
+                other: e.loss_kind,
+                episode: e.episode_id.clone(),
+                turn: e.turn_index,
+            });
         }
         match LossKind::try_from(kind) {
             Ok(LossKind::CrossEntropy) => Ok(Self::CrossEntropy(
@@ -125,14 +126,13 @@ impl StepExamples {
                         || e.advantages.len() != n
                         || e.old_logprobs.len() != n
                     {
-                        return Err(format!(
-                            "DAPO example of episode {} has {n} tokens but {} mask values, {} \
-                             advantages and {} old log-probs (one each per token expected)",
-                            e.episode_id,
-                            e.loss_mask.len(),
-                            e.advantages.len(),
-                            e.old_logprobs.len()
-                        ));
+                        return Err(BatchError::DapoLengths {
+                            episode: e.episode_id,
+                            tokens: n,
+                            mask: e.loss_mask.len(),
+                            advantages: e.advantages.len(),
+                            old_logprobs: e.old_logprobs.len(),
+                        });
                     }
                     Ok(RlExample {
                         tokens: e.tokens,
@@ -143,7 +143,7 @@ impl StepExamples {
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map(Self::Dapo),
-            Err(_) => Err(format!("unknown loss kind {kind} in a training batch")),
+            Err(_) => Err(BatchError::UnknownKind(kind)),
         }
     }
 }
@@ -156,6 +156,35 @@ impl Trainer {
             StepExamples::Dapo(e) => self.dapo_step(e),
         }
     }
+}
+
+/// Why a `TrainBatch` cannot be trained on (the Train call answers INVALID_ARGUMENT).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BatchError {
+    #[error(
+        "a training batch mixes loss kinds ({first} and {other} at episode {episode} turn \
+         {turn}): the coordinator sends one kind per batch"
+    )]
+    MixedKinds {
+        first: i32,
+        other: i32,
+        episode: String,
+        turn: u32,
+    },
+    #[error(
+        "DAPO example of episode {episode} has {tokens} tokens but {mask} mask values, \
+         {advantages} advantages and {old_logprobs} old log-probs (one each per token \
+         expected)"
+    )]
+    DapoLengths {
+        episode: String,
+        tokens: usize,
+        mask: usize,
+        advantages: usize,
+        old_logprobs: usize,
+    },
+    #[error("unknown loss kind {0} in a training batch")]
+    UnknownKind(i32),
 }
 
 #[cfg(test)]

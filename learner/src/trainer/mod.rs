@@ -96,7 +96,7 @@ impl Trainer {
             Device::Cuda(n) => n,
             _ => 0,
         };
-        let device = config.device(default_gpu).map_err(anyhow::Error::msg)?;
+        let device = config.device(default_gpu)?;
         tutor_policy::check_device(device).map_err(|e| {
             anyhow::anyhow!(
                 "learner.device = {:?}: {e}; use device = \"cpu\" on a machine without one",
