@@ -1,31 +1,21 @@
-//! Prefix-shared DAgger rows: one trajectory and all its teacher labels in one row.
+//! Prefix-shared DAgger rows and sequence packing: examples as trees of token sequences.
 //!
 //! The DAgger examples of a trajectory (`tutor_coordinator::dataset::dagger_examples`)
 //! are context h_t + teacher label y*_t for every labelled turn t. Every h_t is a prefix
 //! of the executed trajectory, so as separate sequences a trajectory of T turns costs
-//! O(T × context) tokens. A [`PackedRow`] lays the executed trajectory out once (the
-//! trunk) and attaches each label where it belongs:
-//! - where the executed action *is* the teacher's label (the teacher acted), the label is
-//!   the trunk's own continuation and is trained in place (loss mask on those tokens);
-//! - where it is not (the student acted), the label is a branch: extra slots that attend
-//!   to the trunk up to the end of h_t and to themselves causally; nothing attends to a
-//!   branch.
+//! O(T × context) tokens. [`pack_examples`] lays examples out as a trie: a prefix that
+//! several examples share gets one slot, so one trajectory's examples cost about its
+//! executed tokens (up to the last label) plus the label tokens that branch off it.
 //!
 //! Every slot records its RoPE position (its index in the plain example) and its parent
 //! (the slot of the previous token of its sequence). A query attends exactly to its
 //! ancestors and itself ([`PackedRow::allowed_mask`]), and label token j is predicted from
-//! the logits at its parent slot, so the row computes exactly the per-token losses of the
-//! separate examples: tokens processed = trajectory tokens + branch label tokens.
-//!
-//! Turns whose example `dagger_examples` cuts (context + label longer than
-//! `max_seq_len`: the oldest context tokens are dropped, so positions no longer match the
-//! trunk) are appended to the row as separate chains with their own positions, so the
-//! (context, label) pairs of a row are always exactly those of `dagger_examples`.
+//! the logits at its parent slot, so a row computes exactly the per-token losses of the
+//! separate examples.
 
 use tch::{Device, Tensor};
-use tutor_proto::{Actor, TurnRecord};
 
-/// One trajectory with its labels, as a tree of token sequences in one row.
+/// Examples as trees of token sequences in one row.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PackedRow {
     pub tokens: Vec<u32>,
@@ -36,167 +26,9 @@ pub struct PackedRow {
     pub parent: Vec<Option<u32>>,
     /// True on label tokens (each predicted from the logits at its parent slot).
     pub loss_mask: Vec<bool>,
-    /// The labels represented, in turn order.
-    pub labels: Vec<LabelSpan>,
-    /// Slots holding the executed trajectory (the trunk), branch labels, and separate
-    /// (cut) examples: `tokens.len()` is their sum.
-    pub trunk_tokens: usize,
-    pub branch_tokens: usize,
-    pub separate_tokens: usize,
-}
-
-/// Where one turn's teacher label lies in a [`PackedRow`]: slots `start .. start + len`
-/// (contiguous), each the parent of the next.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LabelSpan {
-    pub turn_index: u32,
-    pub start: usize,
-    pub len: usize,
-    pub kind: LabelKind,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LabelKind {
-    /// The executed continuation (trained on the trunk).
-    InPlace,
-    /// A branch off the trunk at the end of h_t.
-    Branch,
-    /// A whole separate example (its context was cut to `max_seq_len`).
-    Separate,
-}
-
-struct Branch {
-    /// Number of trunk tokens in its context (h_t).
-    fork: usize,
-    turn_index: u32,
-    label: Vec<u32>,
-}
-
-/// Packs one episode's turns (sorted by turn index) into one row representing exactly the
-/// (context, label) examples `dagger_examples(_, turns, max_seq_len)` builds: format-error
-/// and empty teacher labels are skipped, and examples longer than `max_seq_len` are cut the
-/// same way (and stored as separate chains). The trunk ends where the last label needs it;
-/// executed tokens after that are not laid out.
-pub fn pack_trajectory(turns: &[TurnRecord], max_seq_len: usize) -> PackedRow {
-    let mut history: Vec<u32> = Vec::new();
-    let mut in_place: Vec<(usize, usize, u32)> = Vec::new(); // (start, len, turn)
-    let mut branches: Vec<Branch> = Vec::new();
-    let mut separate: Vec<(u32, Vec<u32>, usize)> = Vec::new(); // (turn, tokens, ctx len)
-    let mut trunk_len = 0usize;
-    for t in turns {
-        history.extend_from_slice(&t.context_delta_tokens);
-        let executed = if t.executed == Actor::Student as i32 {
-            &t.student_tokens
-        } else {
-            &t.teacher_tokens
-        };
-        if !t.teacher_format_error && !t.teacher_tokens.is_empty() {
-            let label = &t.teacher_tokens;
-            if history.len() + label.len() <= max_seq_len {
-                let h = history.len();
-                if executed == label {
-                    in_place.push((h, label.len(), t.turn_index));
-                    trunk_len = trunk_len.max(h + label.len());
-                } else {
-                    branches.push(Branch {
-                        fork: h,
-                        turn_index: t.turn_index,
-                        label: label.clone(),
-                    });
-                    trunk_len = trunk_len.max(h);
-                }
-            } else {
-                // The same cut as `dagger_examples`.
-                let room = max_seq_len.saturating_sub(label.len()).max(1);
-                let ctx = &history[history.len().saturating_sub(room)..];
-                let label = &label[..label
-                    .len()
-                    .min(max_seq_len.saturating_sub(ctx.len()).max(1))];
-                let mut tokens = ctx.to_vec();
-                tokens.extend_from_slice(label);
-                separate.push((t.turn_index, tokens, ctx.len()));
-            }
-        }
-        history.extend_from_slice(executed);
-    }
-
-    let mut row = PackedRow {
-        trunk_tokens: trunk_len,
-        ..Default::default()
-    };
-    let mut trunk_mask = vec![false; trunk_len];
-    for &(start, len, _) in &in_place {
-        trunk_mask[start..start + len].fill(true);
-    }
-    // Slot of each trunk token; branches are laid out right after their fork point.
-    let mut trunk_slot: Vec<u32> = Vec::with_capacity(trunk_len);
-    let mut next_branch = branches.iter().peekable();
-    let mut spans: Vec<LabelSpan> = Vec::new();
-    for k in 0..=trunk_len {
-        while let Some(b) = next_branch.next_if(|b| b.fork == k) {
-            let parent = k.checked_sub(1).map(|p| trunk_slot[p]);
-            let start = row.tokens.len();
-            row.push_chain(&b.label, k, parent, |_| true);
-            row.branch_tokens += b.label.len();
-            spans.push(LabelSpan {
-                turn_index: b.turn_index,
-                start,
-                len: b.label.len(),
-                kind: LabelKind::Branch,
-            });
-        }
-        if k == trunk_len {
-            break;
-        }
-        let parent = k.checked_sub(1).map(|p| trunk_slot[p]);
-        trunk_slot.push(row.tokens.len() as u32);
-        row.push_chain(&history[k..k + 1], k, parent, |_| trunk_mask[k]);
-    }
-    for &(start, len, turn_index) in &in_place {
-        spans.push(LabelSpan {
-            turn_index,
-            start: trunk_slot[start] as usize,
-            len,
-            kind: LabelKind::InPlace,
-        });
-    }
-    for (turn_index, tokens, ctx_len) in &separate {
-        let start = row.tokens.len();
-        row.push_chain(tokens, 0, None, |i| i >= *ctx_len);
-        row.separate_tokens += tokens.len();
-        spans.push(LabelSpan {
-            turn_index: *turn_index,
-            start: start + ctx_len,
-            len: tokens.len() - ctx_len,
-            kind: LabelKind::Separate,
-        });
-    }
-    spans.sort_by_key(|s| s.turn_index);
-    row.labels = spans;
-    row
 }
 
 impl PackedRow {
-    /// Appends `tokens` as a chain: the first token's parent is `parent`, its position
-    /// `first_position`; `label(i)` says whether token i is a label token.
-    fn push_chain(
-        &mut self,
-        tokens: &[u32],
-        first_position: usize,
-        parent: Option<u32>,
-        label: impl Fn(usize) -> bool,
-    ) {
-        let mut parent = parent;
-        for (i, &tok) in tokens.iter().enumerate() {
-            let slot = self.tokens.len() as u32;
-            self.tokens.push(tok);
-            self.positions.push((first_position + i) as u32);
-            self.parent.push(parent);
-            self.loss_mask.push(label(i));
-            parent = Some(slot);
-        }
-    }
-
     pub fn len(&self) -> usize {
         self.tokens.len()
     }
@@ -228,29 +60,6 @@ impl PackedRow {
             allowed[i * l + i] = true;
         }
         allowed
-    }
-
-    /// The plain example behind each label, in turn order: (turn index, tokens, loss
-    /// mask), rebuilt by walking parents from the label's last slot.
-    pub fn examples(&self) -> Vec<(u32, Vec<u32>, Vec<bool>)> {
-        self.labels
-            .iter()
-            .map(|s| {
-                let mut slots = Vec::new();
-                let mut cur = Some((s.start + s.len - 1) as u32);
-                while let Some(c) = cur {
-                    slots.push(c as usize);
-                    cur = self.parent[c as usize];
-                }
-                slots.reverse();
-                let tokens = slots.iter().map(|&i| self.tokens[i]).collect();
-                let mask = slots
-                    .iter()
-                    .map(|&i| i >= s.start && i < s.start + s.len)
-                    .collect();
-                (s.turn_index, tokens, mask)
-            })
-            .collect()
     }
 }
 
@@ -348,7 +157,6 @@ pub fn pack_examples(examples: &[(Vec<u32>, Vec<bool>)], row_tokens: usize) -> V
             row.parent.push(node.parent.map(|p| slot_of[p]));
             row.loss_mask.push(node.label);
         }
-        row.separate_tokens += tree.len();
     }
     rows
 }
@@ -413,6 +221,7 @@ mod tests {
     use tch::Kind;
     use tutor_coordinator::dataset::dagger_examples;
     use tutor_policy::{ModelConfig, Policy};
+    use tutor_proto::{Actor, TurnRecord};
 
     fn turn(
         i: u32,
@@ -463,11 +272,47 @@ mod tests {
             .collect()
     }
 
-    fn naive(turns: &[TurnRecord], max_seq_len: usize) -> Vec<(u32, Vec<u32>, Vec<bool>)> {
+    /// The examples `dagger_examples` builds, as (tokens, loss mask).
+    fn examples(turns: &[TurnRecord], max_seq_len: usize) -> Vec<(Vec<u32>, Vec<bool>)> {
         dagger_examples("e", turns, max_seq_len)
             .into_iter()
-            .map(|e| (e.turn_index, e.tokens, e.loss_mask))
+            .map(|e| (e.tokens, e.loss_mask))
             .collect()
+    }
+
+    /// Every predicted label token with its whole context: the plain sequence up to and
+    /// including it, sorted. From rows: walk `parent` from each label slot that has one
+    /// (checking on the way that each slot's position is its depth); from examples: each
+    /// label position j > 0 (position 0 is never predicted, as in `PaddedBatch`).
+    fn label_contexts_of_rows(rows: &[PackedRow]) -> Vec<Vec<u32>> {
+        let mut out = Vec::new();
+        for row in rows {
+            for i in 0..row.len() {
+                let mut path = vec![i];
+                while let Some(p) = row.parent[*path.last().unwrap()] {
+                    path.push(p as usize);
+                }
+                assert_eq!(row.positions[i] as usize, path.len() - 1, "slot {i}");
+                if row.loss_mask[i] && path.len() > 1 {
+                    out.push(path.iter().rev().map(|&s| row.tokens[s]).collect());
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    fn label_contexts_of_examples(examples: &[(Vec<u32>, Vec<bool>)]) -> Vec<Vec<u32>> {
+        let mut out: Vec<Vec<u32>> = examples
+            .iter()
+            .flat_map(|(tokens, mask)| {
+                (1..tokens.len())
+                    .filter(|&j| mask[j])
+                    .map(|j| tokens[..=j].to_vec())
+            })
+            .collect();
+        out.sort();
+        out
     }
 
     #[test]
@@ -477,7 +322,9 @@ mod tests {
             turn(1, &[4], &[12, 13], &[21, 22], Actor::Teacher),
             turn(2, &[5], &[14], &[], Actor::Teacher),
         ];
-        let row = pack_trajectory(&turns, 100);
+        let rows = pack_examples(&examples(&turns, 100), 100);
+        assert_eq!(rows.len(), 1);
+        let row = &rows[0];
         // Trunk 1 2 3 | branch 10 11 | 20 4 12 13 5 14.
         assert_eq!(row.tokens, vec![1, 2, 3, 10, 11, 20, 4, 12, 13, 5, 14]);
         assert_eq!(row.positions, vec![0, 1, 2, 3, 4, 3, 4, 5, 6, 7, 8]);
@@ -497,9 +344,11 @@ mod tests {
         assert_eq!(row.parent, parent);
         let (f, t) = (false, true);
         assert_eq!(row.loss_mask, vec![f, f, f, t, t, f, f, t, t, f, t]);
-        assert_eq!((row.trunk_tokens, row.branch_tokens), (9, 2));
         assert_eq!(row.label_tokens(), 5);
-        assert_eq!(row.examples(), naive(&turns, 100));
+        assert_eq!(
+            label_contexts_of_rows(&rows),
+            label_contexts_of_examples(&examples(&turns, 100))
+        );
         // Slot 5 (20, the executed student reply) sees the prompt, not the branch.
         let m = row.allowed_mask();
         let seen: Vec<usize> = (0..11).filter(|&j| m[5 * 11 + j]).collect();
@@ -507,12 +356,38 @@ mod tests {
         let seen: Vec<usize> = (0..11).filter(|&j| m[4 * 11 + j]).collect();
         assert_eq!(seen, vec![0, 1, 2, 3, 4]);
 
+        // The check fails on a wrong label or a wrong context.
+        let mut wrong = rows.clone();
+        wrong[0].tokens[4] = 99; // a label token
+        assert_ne!(
+            label_contexts_of_rows(&wrong),
+            label_contexts_of_rows(&rows)
+        );
+        let mut wrong = rows.clone();
+        wrong[0].parent[7] = Some(4); // label 12 hangs off the branch
+        wrong[0].positions[7] = 5;
+        assert_ne!(
+            label_contexts_of_rows(&wrong),
+            label_contexts_of_rows(&rows)
+        );
+
+        // Random trajectories, examples cut at several lengths (cut examples share no
+        // positions with the trunk and become trees of their own, side by side).
         for seed in 0..20 {
             let turns = random_turns(seed, 7, 50);
             for max in [1000, 30, 12, 5] {
-                let row = pack_trajectory(&turns, max);
-                assert_eq!(row.examples(), naive(&turns, max), "seed {seed} max {max}");
-                assert!(row.positions.iter().all(|&p| (p as usize) < max));
+                let ex = examples(&turns, max);
+                for row_tokens in [100_000, 40] {
+                    let rows = pack_examples(&ex, row_tokens);
+                    assert_eq!(
+                        label_contexts_of_rows(&rows),
+                        label_contexts_of_examples(&ex),
+                        "seed {seed} max {max} row tokens {row_tokens}"
+                    );
+                    assert!(rows
+                        .iter()
+                        .all(|r| r.positions.iter().all(|&p| (p as usize) < max)));
+                }
             }
         }
     }
@@ -521,32 +396,50 @@ mod tests {
     fn packed_row_has_trajectory_plus_branch_label_tokens() {
         for seed in 0..10 {
             let turns = random_turns(seed, 8, 50);
-            let row = pack_trajectory(&turns, 100_000);
-            let trajectory: usize = turns
+            let ex = examples(&turns, 100_000);
+            let rows = pack_examples(&ex, 100_000);
+            assert_eq!(rows.len(), 1, "one trajectory, one tree, one row");
+            let row = &rows[0];
+            // The executed trajectory; the last turn is a teacher turn with a label, so
+            // the trunk runs to its end.
+            let mut trajectory: Vec<u32> = Vec::new();
+            let mut forks: Vec<(usize, &[u32])> = Vec::new(); // (|h_t|, y*_t)
+            for t in &turns {
+                trajectory.extend_from_slice(&t.context_delta_tokens);
+                if !t.teacher_format_error && !t.teacher_tokens.is_empty() {
+                    forks.push((trajectory.len(), &t.teacher_tokens));
+                }
+                let executed = if t.executed == Actor::Student as i32 {
+                    &t.student_tokens
+                } else {
+                    &t.teacher_tokens
+                };
+                trajectory.extend_from_slice(executed);
+            }
+            // A label takes slots of its own from where it leaves the trunk on: none where
+            // the teacher acted (trained in place), its tokens past the first that differs
+            // from the executed ones where the student acted (a branch).
+            let branch_labels: usize = forks
                 .iter()
-                .map(|t| {
-                    let executed = if t.executed == Actor::Student as i32 {
-                        &t.student_tokens
-                    } else {
-                        &t.teacher_tokens
-                    };
-                    t.context_delta_tokens.len() + executed.len()
+                .map(|&(h, label)| {
+                    let shared = label
+                        .iter()
+                        .zip(&trajectory[h..])
+                        .take_while(|(a, b)| a == b)
+                        .count();
+                    label.len() - shared
                 })
                 .sum();
-            let branch_labels: usize = turns
+            assert!(branch_labels > 0, "seed {seed}");
+            assert_eq!(row.len(), trajectory.len() + branch_labels, "seed {seed}");
+            // Equivalently: one slot per distinct prefix of the examples.
+            let prefixes: std::collections::HashSet<&[u32]> = ex
                 .iter()
-                .filter(|t| {
-                    t.executed == Actor::Student as i32
-                        && !t.teacher_format_error
-                        && t.student_tokens != t.teacher_tokens
-                })
-                .map(|t| t.teacher_tokens.len())
-                .sum();
-            assert_eq!(row.len(), trajectory + branch_labels, "seed {seed}");
-            assert_eq!(row.trunk_tokens, trajectory);
-            assert_eq!(row.branch_tokens, branch_labels);
-            assert_eq!(row.separate_tokens, 0);
-            let naive_tokens: usize = naive(&turns, 100_000).iter().map(|e| e.1.len()).sum();
+                .flat_map(|(tokens, _)| (1..=tokens.len()).map(|j| &tokens[..j]))
+                .collect();
+            assert_eq!(row.len(), prefixes.len(), "seed {seed}");
+            assert_eq!(row.label_tokens(), label_contexts_of_examples(&ex).len());
+            let naive_tokens: usize = ex.iter().map(|e| e.0.len()).sum();
             assert!(row.len() < naive_tokens);
         }
     }
@@ -582,9 +475,7 @@ mod tests {
     }
 
     fn naive_loss(p: &Policy, turns: &[TurnRecord], max: usize) -> Tensor {
-        let ex: Vec<(Vec<u32>, Vec<bool>)> =
-            naive(turns, max).into_iter().map(|e| (e.1, e.2)).collect();
-        let b = PaddedBatch::new(&ex, Device::Cpu);
+        let b = PaddedBatch::new(&examples(turns, max), Device::Cpu);
         let logits = p.forward(&b.input_ids, &b.attention_mask);
         masked_cross_entropy(&logits, &b.input_ids, &b.loss_mask) * b.label_tokens as f64
     }
@@ -618,8 +509,13 @@ mod tests {
             .count();
         assert!((2..=4).contains(&executed_by_student));
         let naive = loss_and_grads(&p, |p| naive_loss(p, &turns, 1000));
-        let row = pack_trajectory(&turns, 1000);
-        assert!(row.branch_tokens > 0);
+        let rows = pack_examples(&examples(&turns, 1000), 100_000);
+        assert_eq!(rows.len(), 1);
+        let row = rows[0].clone();
+        // The tree branches: some slot is the parent of two (a student-branch label).
+        let mut parents: Vec<u32> = row.parent.iter().flatten().copied().collect();
+        parents.sort();
+        assert!(parents.windows(2).any(|w| w[0] == w[1]));
         let packed = loss_and_grads(&p, |p| packed_loss(p, std::slice::from_ref(&row)));
         assert!(naive.0 > 10.0, "a real loss: {}", naive.0);
         let d = max_diff(&packed, &naive);
@@ -634,8 +530,11 @@ mod tests {
         let naive2 = loss_and_grads(&p, |p| {
             naive_loss(p, &turns, 1000) + naive_loss(p, &other, 20)
         });
-        let rows = [pack_trajectory(&turns, 1000), pack_trajectory(&other, 20)];
-        assert!(rows[1].separate_tokens > 0);
+        let mut rows = pack_examples(&examples(&turns, 1000), 100_000);
+        rows.extend(pack_examples(&examples(&other, 20), 100_000));
+        assert_eq!(rows.len(), 2);
+        // The cut examples share no prefix with each other: trees side by side.
+        assert!(rows[1].parent.iter().filter(|p| p.is_none()).count() > 1);
         let packed2 = loss_and_grads(&p, |p| packed_loss(p, &rows));
         let d = max_diff(&packed2, &naive2);
         assert!(d < 1e-6, "two packed rows vs naive differ by {d}");

@@ -8,11 +8,11 @@
 //! student executes a turn with probability `--student`) on a tiny random model
 //! (`ModelConfig::tiny`, 2 layers, hidden 128) on the CPU. Naive: every DAgger example
 //! (`dagger_examples`) as its own sequence, one forward+backward each, gradients
-//! accumulated (no padding: the cheapest way to run them separately). Packed: one row
-//! from `pack_trajectory`, one `forward_tree` + backward. Both compute the same summed
-//! label NLL (printed), so the same gradients. Step times are wall seconds (median over
-//! `--reps` after a warm-up) and, less sensitive to other load on the machine, the CPU
-//! seconds the process used.
+//! accumulated (no padding: the cheapest way to run them separately). Packed: the same
+//! examples through `pack_examples` (a trie: shared prefixes get one slot) into one row,
+//! one `forward_tree` + backward. Both compute the same summed label NLL (printed), so the
+//! same gradients. Step times are wall seconds (median over `--reps` after a warm-up) and,
+//! less sensitive to other load on the machine, the CPU seconds the process used.
 
 use std::time::Instant;
 
@@ -20,7 +20,7 @@ use rand::{Rng, SeedableRng};
 use tch::{Device, Tensor};
 use tutor_coordinator::dataset::dagger_examples;
 use tutor_learner::loss::{masked_cross_entropy, packed_nll_sum, PaddedBatch};
-use tutor_learner::packing::{pack_trajectory, PackedBatch};
+use tutor_learner::packing::{pack_examples, PackedBatch};
 use tutor_policy::{ModelConfig, Policy};
 use tutor_proto::{Actor, TurnRecord};
 
@@ -165,8 +165,10 @@ fn main() {
         for _ in 0..=reps {
             zero_grads();
             let start = Instant::now();
-            let row = pack_trajectory(&turns, max_seq_len);
-            let b = PackedBatch::new(std::slice::from_ref(&row), device);
+            // One row budget as large as the longest allowed example: the trajectory's
+            // examples share their first token, so they form one tree in one row.
+            let rows = pack_examples(&examples, max_seq_len);
+            let b = PackedBatch::new(&rows, device);
             prep_times.push(start.elapsed().as_secs_f64());
             let (start, cpu) = (Instant::now(), cpu_seconds());
             let logits = policy.forward_tree(&b.input_ids, &b.position_ids, &b.allowed);
@@ -175,7 +177,7 @@ fn main() {
             packed_loss = loss.double_value(&[]);
             packed_times.push(start.elapsed().as_secs_f64());
             packed_cpu.push(cpu_seconds() - cpu);
-            packed_len = row.len();
+            packed_len = rows.iter().map(|r| r.len()).sum::<usize>();
         }
         packed_times.remove(0);
         packed_cpu.remove(0);

@@ -19,8 +19,8 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tutor_policy::{
-    ChatTokenizer, EngineEvent, EngineHandle, EngineRequest, FinishReason, GenParams, RequestError,
-    TokenEvent,
+    ChatTokenizer, DoneEvent, EngineEvent, EngineHandle, EngineRequest, FinishReason, GenParams,
+    RequestError, TokenEvent,
 };
 
 /// What every request handler shares.
@@ -381,6 +381,15 @@ fn prepare(s: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
     })
 }
 
+/// OpenAI's `usage` object of a finished request.
+fn usage(d: &DoneEvent) -> Value {
+    json!({
+        "prompt_tokens": d.prompt_tokens,
+        "completion_tokens": d.completion_tokens,
+        "total_tokens": d.prompt_tokens + d.completion_tokens,
+    })
+}
+
 fn finish_reason(f: FinishReason) -> &'static str {
     match f {
         FinishReason::Stop => "stop",
@@ -468,11 +477,7 @@ async fn run_chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             "logprobs": logprobs,
             "finish_reason": finish_reason(d.finish),
         }],
-        "usage": {
-            "prompt_tokens": d.prompt_tokens,
-            "completion_tokens": d.completion_tokens,
-            "total_tokens": d.prompt_tokens + d.completion_tokens,
-        },
+        "usage": usage(&d),
     }))
     .into_response())
 }
@@ -592,11 +597,7 @@ async fn run_completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiEr
             "prompt_logprobs": scored,
             "finish_reason": finish_reason(d.finish),
         }],
-        "usage": {
-            "prompt_tokens": d.prompt_tokens,
-            "completion_tokens": d.completion_tokens,
-            "total_tokens": d.prompt_tokens + d.completion_tokens,
-        },
+        "usage": usage(&d),
     }))
     .into_response())
 }
@@ -683,11 +684,7 @@ fn stream_response(
                             "created": created,
                             "model": s.model,
                             "choices": [],
-                            "usage": {
-                                "prompt_tokens": d.prompt_tokens,
-                                "completion_tokens": d.completion_tokens,
-                                "total_tokens": d.prompt_tokens + d.completion_tokens,
-                            },
+                            "usage": usage(&d),
                         });
                         let _ = out.send(Ok(Event::default().data(usage.to_string()))).await;
                     }
