@@ -80,7 +80,7 @@ def main():
         if name not in crates:
             problems.append(f"{DOC}: the Crates table names {name}, which is no workspace member")
     for path in sorted(set(re.findall(r"`([\w.-]+/[\w./-]*)`", text))):
-        if "/" in path and (path.endswith(".rs") or path.endswith("/") or path.endswith(".toml") or path.endswith(".md") or path.endswith(".py")):
+        if path.endswith(("/", ".rs", ".toml", ".md", ".py", ".proto", ".sh")):
             if not os.path.exists(path.split(":")[0]):
                 problems.append(f"{DOC} names `{path}`, which does not exist")
     for p in problems:
