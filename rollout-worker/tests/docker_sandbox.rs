@@ -201,6 +201,48 @@ async fn diff_has_edits_and_new_files_and_orphans_are_removed() {
     assert_eq!(containers_of(&d, &run).await, 0);
 }
 
+/// The submission is read with git after the agent's last command, outside its timeout,
+/// through execs that cannot be killed: an fsmonitor hook or a clean filter the agent
+/// configured in the repository must not run (nor hang the worker), and the diff is
+/// still the agent's change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bookkeeping_git_runs_nothing_the_agent_configured() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-book-{}", std::process::id());
+    let mut sb = sandbox(&d, &run).await;
+    let t = Duration::from_secs(20);
+    let out = sb
+        .run(
+            "mkdir -p /tmp/marks && git config core.fsmonitor 'touch /tmp/marks/fsmonitor; echo' \
+             && git config filter.evil.clean 'touch /tmp/marks/clean; sleep 30; cat' \
+             && git config filter.evil.required true \
+             && printf '* filter=evil\\n' > .gitattributes && echo 'x = 1' > new_file.py",
+            t,
+        )
+        .await;
+    assert_eq!(out.exit_code, 0, "{}", out.output);
+    let started = Instant::now();
+    let diff = sb.diff().await;
+    let changed = sb.changed_files().await;
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the agent's clean filter ran (it sleeps 30 s)"
+    );
+    let marks = sb.run("ls -A /tmp/marks", t).await;
+    assert_eq!(marks.output, "", "the agent's git configuration ran");
+    assert!(
+        diff.contains("+++ b/new_file.py") && diff.contains("+x = 1"),
+        "{diff}"
+    );
+    assert_eq!(
+        changed,
+        vec![".gitattributes".to_string(), "new_file.py".to_string()]
+    );
+    let files = sb.apply_to_base(&diff).await.unwrap();
+    assert_eq!(files["new_file.py"].as_deref(), Some("x = 1\n"));
+    sb.remove().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_image_is_a_clear_error() {
     let Some(d) = engine().await else { return };

@@ -46,6 +46,15 @@ pub const WORKDIR: &str = "/testbed";
 
 /// Where the tools (crate::tools) are installed inside the container.
 const TOOLS_DIR: &str = "/tmp/.tutor/bin";
+/// The git directory the sandbox's own reads of /testbed (the submission's diff, base
+/// files, patch checks) run against: our config only, the repository's objects borrowed
+/// through `objects/info/alternates`. Git run against /testbed/.git reads the
+/// agent-writable config and attributes, where an fsmonitor hook or a clean filter would
+/// run the agent's code after its last command, in an exec nothing can kill.
+const BOOK_DIR: &str = "/tmp/.tutor/bookkeeping.git";
+/// `git` against [`BOOK_DIR`], bounded in time (execs cannot be killed from outside).
+const BOOK_GIT: &str =
+    "timeout -k 5 120 git --git-dir=/tmp/.tutor/bookkeeping.git --work-tree=/testbed";
 
 /// Output kept per command before head+tail truncation (the rest is read and dropped).
 const CAPTURE_BYTES: usize = 1024 * 1024;
@@ -392,9 +401,19 @@ impl DockerSandbox {
                 out.exit_code, out.output
             )));
         }
+        // The bookkeeping git directory (see `BOOK_GIT`), made before the agent acts.
         let out = self
             .run(
-                "printf '__pycache__/\\n*.pyc\\n.pytest_cache/\\n*.egg-info/\\n' >> .git/info/exclude; git rev-parse tutor-base",
+                &format!(
+                    "printf '__pycache__/\\n*.pyc\\n.pytest_cache/\\n*.egg-info/\\n' >> .git/info/exclude \
+                     && git init -q --bare {BOOK_DIR} \
+                     && echo {WORKDIR}/.git/objects > {BOOK_DIR}/objects/info/alternates \
+                     && cp .git/info/exclude {BOOK_DIR}/info/exclude \
+                     && git --git-dir={BOOK_DIR} config core.hooksPath /dev/null \
+                     && git --git-dir={BOOK_DIR} config core.fsmonitor false \
+                     && git --git-dir={BOOK_DIR} config core.autocrlf false \
+                     && git rev-parse tutor-base"
+                ),
                 Duration::from_secs(30),
             )
             .await;
@@ -714,11 +733,18 @@ impl DockerSandbox {
     /// A git command in /testbed through [`Self::exec_capture`]; `index` names a private
     /// index file (so the agent's staging area is untouched).
     async fn git(&self, args: &[&str], index: Option<&str>) -> Option<Vec<u8>> {
+        self.git_in(BOOK_GIT, args, index).await
+    }
+
+    /// As [`Self::git`] with `git` the command line to run git with (the bookkeeping one,
+    /// or plain `git` for reading the agent's own HEAD).
+    async fn git_in(&self, git: &str, args: &[&str], index: Option<&str>) -> Option<Vec<u8>> {
         let mut script = String::from("cd /testbed && ");
         if let Some(i) = index {
-            script.push_str(&format!("export GIT_INDEX_FILE=/tmp/.tutor/{i} && rm -f \"$GIT_INDEX_FILE\" && git read-tree {} && git add -A && ", self.base));
+            script.push_str(&format!("export GIT_INDEX_FILE=/tmp/.tutor/{i} && rm -f \"$GIT_INDEX_FILE\" && {git} read-tree {} && {git} add -A && ", self.base));
         }
-        script.push_str("git -c core.quotepath=off");
+        script.push_str(git);
+        script.push_str(" -c core.quotepath=off");
         for a in args {
             script.push(' ');
             script.push_str(&shell_quote(a));
@@ -791,7 +817,7 @@ impl DockerSandbox {
 
     /// Current HEAD (differs from the base if the agent committed).
     pub async fn head(&self) -> Option<String> {
-        self.git(&["rev-parse", "-q", "--verify", "HEAD"], None)
+        self.git_in("git", &["rev-parse", "-q", "--verify", "HEAD"], None)
             .await
             .map(|b| String::from_utf8_lossy(&b).trim().to_string())
     }
@@ -840,7 +866,7 @@ impl DockerSandbox {
             .map_err(|e| SandboxError::Backend(Box::new(e)))?;
         let script = format!(
             "cd /testbed && export GIT_INDEX_FILE=/tmp/.tutor/apply-index && rm -f \"$GIT_INDEX_FILE\" \
-             && git read-tree {} && git apply --cached {path} 2>&1",
+             && {BOOK_GIT} read-tree {} && {BOOK_GIT} apply --cached {path} 2>&1",
             self.base
         );
         match self.exec_capture(&["bash", "-c", &script]).await {
@@ -855,7 +881,7 @@ impl DockerSandbox {
         let mut files = BTreeMap::new();
         for f in crate::tasks::patch_files(patch) {
             let script = format!(
-                "cd /testbed && GIT_INDEX_FILE=/tmp/.tutor/apply-index git cat-file blob {}",
+                "cd /testbed && GIT_INDEX_FILE=/tmp/.tutor/apply-index {BOOK_GIT} cat-file blob {}",
                 shell_quote(&format!(":{f}"))
             );
             let content = match self.exec_capture(&["bash", "-c", &script]).await {

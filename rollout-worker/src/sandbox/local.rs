@@ -265,7 +265,62 @@ impl LocalSandbox {
         sb.git_ok(&["commit", "-q", "--no-verify", "--no-gpg-sign", "-m", "base"])?;
         let head = sb.git_ok(&["rev-parse", "HEAD"])?;
         sb.base = String::from_utf8_lossy(&head).trim().to_string();
+        sb.init_bookkeeping()?;
         Ok(sb)
+    }
+
+    /// The git directory the sandbox's own reads of the repository (the submission's diff,
+    /// base files, patch checks) run against: created before the agent acts, with our
+    /// config only, and the repository's objects borrowed read-only through
+    /// `objects/info/alternates`. Git run against `.git` reads the agent-writable config
+    /// and attributes, where an fsmonitor hook, a clean filter or an include would run
+    /// the agent's code (or hang) after its last command and outside its timeout.
+    fn init_bookkeeping(&self) -> Result<(), LocalSandboxError> {
+        let book = self.bookkeeping_dir();
+        let book_s = book.display().to_string();
+        self.git_ok(&["init", "-q", "--bare", &book_s])?;
+        let objects = self.repo.join(".git/objects");
+        let write = |rel: &str, text: String| {
+            let path = book.join(rel);
+            if let Some(p) = path.parent() {
+                std::fs::create_dir_all(p).map_err(io_err(format!("creating {}", p.display())))?;
+            }
+            std::fs::write(&path, text).map_err(io_err(format!("writing {}", path.display())))
+        };
+        write(
+            "objects/info/alternates",
+            format!("{}\n", objects.display()),
+        )?;
+        let exclude = std::fs::read_to_string(self.repo.join(".git/info/exclude"))
+            .map_err(io_err("reading .git/info/exclude"))?;
+        write("info/exclude", exclude)?;
+        for (k, v) in [
+            ("core.hooksPath", "/dev/null"),
+            ("core.fsmonitor", "false"),
+            ("core.autocrlf", "false"),
+        ] {
+            self.git_ok(&["--git-dir", &book_s, "config", k, v])?;
+        }
+        Ok(())
+    }
+
+    fn bookkeeping_dir(&self) -> PathBuf {
+        self.state.join("bookkeeping.git")
+    }
+
+    /// Git against [`Self::init_bookkeeping`]'s directory, with the repository as its work
+    /// tree.
+    fn git_book(
+        &self,
+        args: &[&str],
+        stdin: Option<&[u8]>,
+        extra_env: &[(&str, &str)],
+    ) -> std::io::Result<GitOutput> {
+        let book = self.bookkeeping_dir().display().to_string();
+        let repo = self.repo.display().to_string();
+        let mut all = vec!["--git-dir", &book, "--work-tree", &repo];
+        all.extend_from_slice(args);
+        self.git_env(&all, stdin, extra_env)
     }
 
     /// Sets the cap (bytes) on captured output per command.
@@ -334,7 +389,9 @@ impl LocalSandbox {
     pub fn base_file(&self, rel: &str) -> Option<String> {
         safe_rel(rel)?;
         let spec = format!("{}:{}", self.base, rel.trim_start_matches("./"));
-        let out = self.git(&["cat-file", "blob", &spec], None).ok()?;
+        let out = self
+            .git_book(&["cat-file", "blob", &spec], None, &[])
+            .ok()?;
         out.success
             .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
     }
@@ -386,7 +443,7 @@ impl LocalSandbox {
         let env = [("GIT_INDEX_FILE", index_s.as_str())];
         let steps: [&[&str]; 2] = [&["read-tree", &self.base], &["add", "-A", "--", "."]];
         for args in steps {
-            let out = self.git_env(args, None, &env).ok()?;
+            let out = self.git_book(args, None, &env).ok()?;
             if !out.success {
                 tracing::warn!(args = ?args, stderr = %out.stderr, "sandbox diff: git failed");
                 return None;
@@ -396,7 +453,7 @@ impl LocalSandbox {
         args.extend_from_slice(extra);
         args.push(&self.base);
         args.push("--");
-        let out = self.git_env(&args, None, &env).ok()?;
+        let out = self.git_book(&args, None, &env).ok()?;
         if !out.success {
             tracing::warn!(stderr = %out.stderr, "sandbox diff: git diff failed");
             return None;
@@ -417,7 +474,7 @@ impl LocalSandbox {
         let index_s = index.display().to_string();
         let env = [("GIT_INDEX_FILE", index_s.as_str())];
         let run = |args: &[&str], stdin: Option<&[u8]>| -> Result<GitOutput, SandboxError> {
-            self.git_env(args, stdin, &env)
+            self.git_book(args, stdin, &env)
                 .map_err(|e| SandboxError::Backend(Box::new(e)))
         };
         let out = run(&["read-tree", &self.base], None)?;
@@ -803,6 +860,48 @@ pub(crate) mod tests {
         let out = sb.run("cd ~/repo && pwd && echo $REPO", T);
         let root = sb.root().display().to_string();
         assert_eq!(out.output, format!("{root}\n{root}\n"));
+    }
+
+    /// The submission is read with git, after the agent's last command and outside its
+    /// timeout: nothing the agent wrote into the repository's git config or attributes
+    /// (an fsmonitor hook, a clean filter, an include) may run then, and the diff is
+    /// still the agent's change.
+    #[test]
+    fn bookkeeping_git_runs_nothing_the_agent_configured() {
+        let mut sb = LocalSandbox::create(&tiny_task(), None).unwrap();
+        let marks = sb.home().join("marks");
+        let m = marks.display().to_string();
+        let setup = format!(
+            "mkdir -p {m} && git config core.fsmonitor 'touch {m}/fsmonitor; echo' && \
+             git config filter.evil.clean 'touch {m}/clean; sleep 30; cat' && \
+             git config filter.evil.required true && \
+             printf 'x\\n' > {m}/inc && git config include.path {m}/inc && \
+             printf '* filter=evil\\n' > .gitattributes && echo changed > a.txt"
+        );
+        let out = sb.run(&setup, T);
+        assert_eq!(out.exit_code, 0, "{}", out.output);
+        let started = std::time::Instant::now();
+        let diff = sb.diff();
+        let changed = sb.changed_files();
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the agent's clean filter ran (it sleeps 30 s)"
+        );
+        let ran: Vec<_> = std::fs::read_dir(&marks)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n != "inc")
+            .collect();
+        assert!(ran.is_empty(), "the agent's git configuration ran: {ran:?}");
+        assert!(diff.contains("+changed"), "{diff}");
+        assert!(diff.contains("b/.gitattributes"), "{diff}");
+        assert_eq!(
+            changed,
+            vec![".gitattributes".to_string(), "a.txt".to_string()]
+        );
+        // The patch applies to the base commit as before.
+        let files = sb.apply_to_base(&diff).unwrap();
+        assert_eq!(files["a.txt"].as_deref(), Some("changed\n"));
     }
 
     #[test]
