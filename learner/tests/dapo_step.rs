@@ -268,3 +268,60 @@ fn mixed_or_misaligned_batches_are_refused() {
         StepExamples::Dapo(_)
     ));
 }
+
+/// Issue 16, item 8: numbers the learner cannot train on are refused when the batch is
+/// read, naming the episode and turn, before anything reaches a tensor: a cross-entropy
+/// mask whose length is not the example's, a non-finite advantage or old log-prob.
+#[test]
+fn examples_the_learner_cannot_train_on_are_refused_naming_the_episode() {
+    let ce = TrainExample {
+        episode_id: "it000-train0001-g0a0".into(),
+        turn_index: 3,
+        tokens: vec![1, 2, 3],
+        loss_mask: vec![false, true],
+        ..Default::default()
+    };
+    let err = StepExamples::from_proto(vec![ce]).unwrap_err().to_string();
+    assert!(
+        err.contains("it000-train0001-g0a0") && err.contains("turn 3") && err.contains("mask"),
+        "{err}"
+    );
+    let dapo = TrainExample {
+        episode_id: "it001-train0002-g1a0".into(),
+        turn_index: 0,
+        tokens: vec![1, 2, 3],
+        loss_mask: vec![false, true, true],
+        advantages: vec![0.0, f32::NAN, 1.0],
+        old_logprobs: vec![0.0, -1.0, -1.0],
+        loss_kind: tutor_proto::LossKind::Dapo as i32,
+        ..Default::default()
+    };
+    let err = StepExamples::from_proto(vec![dapo.clone()])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("it001-train0002-g1a0") && err.contains("advantage") && err.contains("finite"),
+        "{err}"
+    );
+    let inf = TrainExample {
+        advantages: vec![0.0, 1.0, 1.0],
+        old_logprobs: vec![0.0, f32::NEG_INFINITY, -1.0],
+        ..dapo
+    };
+    let err = StepExamples::from_proto(vec![inf.clone()])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("old log-prob") && err.contains("finite"),
+        "{err}"
+    );
+    // The same example with finite numbers is taken.
+    let fine = TrainExample {
+        old_logprobs: vec![0.0, -1.0, -1.0],
+        ..inf
+    };
+    assert!(matches!(
+        StepExamples::from_proto(vec![fine]).unwrap(),
+        StepExamples::Dapo(_)
+    ));
+}

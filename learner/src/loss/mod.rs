@@ -97,7 +97,8 @@ impl StepExamples {
     }
 
     /// The step a batch's examples ask for. Every example of a batch must have the same
-    /// loss kind, and a DAPO example one advantage and one old log-prob per token.
+    /// loss kind and one loss-mask value per token, and a DAPO example one finite
+    /// advantage and one finite old log-prob per token.
     pub fn from_proto(examples: Vec<TrainExample>) -> Result<Self, BatchError> {
         let kind = examples
             .first()
@@ -112,12 +113,21 @@ impl StepExamples {
             });
         }
         match LossKind::try_from(kind) {
-            Ok(LossKind::CrossEntropy) => Ok(Self::CrossEntropy(
-                examples
-                    .into_iter()
-                    .map(|e| (e.tokens, e.loss_mask))
-                    .collect(),
-            )),
+            Ok(LossKind::CrossEntropy) => examples
+                .into_iter()
+                .map(|e| {
+                    if e.loss_mask.len() != e.tokens.len() {
+                        return Err(BatchError::MaskLength {
+                            episode: e.episode_id,
+                            turn: e.turn_index,
+                            tokens: e.tokens.len(),
+                            mask: e.loss_mask.len(),
+                        });
+                    }
+                    Ok((e.tokens, e.loss_mask))
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(Self::CrossEntropy),
             Ok(LossKind::Dapo) => examples
                 .into_iter()
                 .map(|e| {
@@ -133,6 +143,20 @@ impl StepExamples {
                             advantages: e.advantages.len(),
                             old_logprobs: e.old_logprobs.len(),
                         });
+                    }
+                    for (what, values) in [
+                        ("advantage", &e.advantages),
+                        ("old log-prob", &e.old_logprobs),
+                    ] {
+                        if let Some(at) = values.iter().position(|v| !v.is_finite()) {
+                            return Err(BatchError::NotFinite {
+                                episode: e.episode_id,
+                                turn: e.turn_index,
+                                what,
+                                at,
+                                value: values[at],
+                            });
+                        }
                     }
                     Ok(RlExample {
                         tokens: e.tokens,
@@ -159,7 +183,7 @@ impl Trainer {
 }
 
 /// Why a `TrainBatch` cannot be trained on (the Train call answers INVALID_ARGUMENT).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum BatchError {
     #[error(
         "a training batch mixes loss kinds ({first} and {other} at episode {episode} turn \
@@ -185,6 +209,27 @@ pub enum BatchError {
     },
     #[error("unknown loss kind {0} in a training batch")]
     UnknownKind(i32),
+    #[error(
+        "the example of episode {episode} turn {turn} has {tokens} tokens but {mask} loss-mask \
+         values (one per token expected)"
+    )]
+    MaskLength {
+        episode: String,
+        turn: u32,
+        tokens: usize,
+        mask: usize,
+    },
+    #[error(
+        "the example of episode {episode} turn {turn} has a {what} that is not finite ({value} \
+         at token {at}): nothing is trained on it"
+    )]
+    NotFinite {
+        episode: String,
+        turn: u32,
+        what: &'static str,
+        at: usize,
+        value: f32,
+    },
 }
 
 #[cfg(test)]
