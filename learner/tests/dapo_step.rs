@@ -294,7 +294,6 @@ fn examples_the_learner_cannot_train_on_are_refused_naming_the_episode() {
         advantages: vec![0.0, f32::NAN, 1.0],
         old_logprobs: vec![0.0, -1.0, -1.0],
         loss_kind: tutor_proto::LossKind::Dapo as i32,
-        ..Default::default()
     };
     let err = StepExamples::from_proto(vec![dapo.clone()])
         .unwrap_err()
