@@ -60,21 +60,16 @@ def use_paths(tree, prefix=""):
     return out
 
 
-def resolve(path, here, is_dir_module, modules):
+def resolve(path, here, modules):
     segs = [s for s in path.split("::") if s]
     if not segs:
         return None
-    base = here if is_dir_module else here[:-1] if here else ()
     if segs[0] == "crate":
         cur, segs = (), segs[1:]
     elif segs[0] == "self":
         cur, segs = here, segs[1:]
     elif segs[0] == "super":
-        cur = base
-        segs = segs[1:]
-        # `super` of a file module is its parent's parent only for directory modules.
-        if is_dir_module:
-            cur = here[:-1]
+        cur = here
         while segs and segs[0] == "super":
             cur, segs = cur[:-1], segs[1:]
     else:
@@ -120,7 +115,7 @@ def check(crate):
                 if m + (ref.group(1),) in modules:
                     found.append(("self::" + ref.group(1), False))
         for path, public in found:
-            target = resolve(path, m, is_dir, modules)
+            target = resolve(path, m, modules)
             if target is None or target == m:
                 continue
             child = target[:-1] == m or (target[: len(m)] == m and len(target) > len(m))

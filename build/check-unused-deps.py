@@ -30,7 +30,7 @@ def rs_files(folder):
 
 def named(ident, texts):
     pat = re.compile(
-        rf"(\b{ident}::|\buse\s+{ident}\b|\bextern\s+crate\s+{ident}\b|\b{ident}!|\b{ident}\s*\{{)"
+        rf"(\b{ident}::|\buse\s+{ident}\b|\bextern\s+crate\s+{ident}\b|\b{ident}!)"
     )
     return any(pat.search(t) for t in texts)
 
@@ -59,14 +59,11 @@ def check(crate):
         ("dev-dependencies", all_text),
         ("build-dependencies", build_text),
     ):
-        for name, spec in manifest.get(section, {}).items():
+        for name in manifest.get(section, {}):
             if name in ignored:
                 continue
-            lib = spec.get("package", name) if isinstance(spec, dict) else name
-            ident = name.replace("-", "_")
-            if lib != name:
-                ident = name.replace("-", "_")
-            if not named(ident, texts):
+            # Code names a dependency by its key (also when `package =` renames it).
+            if not named(name.replace("-", "_"), texts):
                 problems.append(
                     f"{crate}/Cargo.toml: [{section}] {name} is never used by the crate's code: "
                     f"remove it (or, if it is needed all the same, list it under "

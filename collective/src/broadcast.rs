@@ -30,7 +30,8 @@ use tutor_proto::CollectiveKind;
 use crate::rendezvous::{fetch, form_as_rank0, join_rendezvous, CollectiveChoice, GroupOptions};
 use crate::Collective;
 
-/// A policy version on disk, as the learner registered it: what the broadcaster sends.
+/// A policy version on disk, as the learner published it (the learner's
+/// `PublishedVersion`): what the broadcaster sends.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VersionFile {
     pub version: u64,

@@ -689,7 +689,7 @@ pub async fn serve(
         let store = store.clone();
         tutor_collective::broadcast::spawn_broadcaster(
             b,
-            move || store.latest().map(|pv| pv.file()),
+            move || store.latest(),
             tokio::runtime::Handle::current(),
             broadcast_stop.clone(),
         )?;

@@ -13,26 +13,9 @@ use tonic::{Request, Response, Status};
 use tutor_proto::weights_server::Weights;
 use tutor_proto::{FetchWeightsRequest, WeightsChunk, WEIGHTS_CHUNK_BYTES};
 
-/// A published version: its safetensors file and checksum.
-#[derive(Debug, Clone)]
-pub struct PublishedVersion {
-    pub version: u64,
-    pub path: PathBuf,
-    pub sha256: String,
-    pub bytes: u64,
-}
-
-impl PublishedVersion {
-    /// What the weights broadcast sends of it.
-    pub fn file(&self) -> tutor_collective::broadcast::VersionFile {
-        tutor_collective::broadcast::VersionFile {
-            version: self.version,
-            sha256: self.sha256.clone(),
-            bytes: self.bytes,
-            path: self.path.clone(),
-        }
-    }
-}
+/// A published version: its safetensors file and checksum (the same record the weights
+/// broadcast sends).
+pub use tutor_collective::broadcast::VersionFile as PublishedVersion;
 
 /// The versions this learner has published. Shared read-mostly between the trainer
 /// (which adds versions) and the Weights service (which streams them).

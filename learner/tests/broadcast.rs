@@ -94,7 +94,7 @@ fn versions_reach_receivers_and_the_group_forms_again_after_a_receiver_dies() {
         options(&coordinator, 0, 3),
         {
             let store = store.clone();
-            move || store.latest().map(|pv| pv.file())
+            move || store.latest()
         },
         rt.handle().clone(),
         stop.clone(),

@@ -182,21 +182,25 @@ pub struct Completion {
     pub done: DoneEvent,
 }
 
-impl Completion {
-    /// Folds events in until `Done`; `None` until then.
-    fn absorb(
-        partial: &mut (Option<Vec<f32>>, Vec<TokenEvent>),
-        event: EngineEvent,
-    ) -> Option<Self> {
+/// A request's events so far, folded into a [`Completion`] at `Done`.
+#[derive(Default)]
+struct Collector {
+    prompt_logprobs: Option<Vec<f32>>,
+    tokens: Vec<TokenEvent>,
+}
+
+impl Collector {
+    /// Takes one event; the whole completion once it is `Done`.
+    fn push(&mut self, event: EngineEvent) -> Option<Completion> {
         match event {
-            EngineEvent::Prompt(lps) => partial.0 = Some(lps),
-            EngineEvent::Token(t) => partial.1.push(t),
+            EngineEvent::Prompt(lps) => self.prompt_logprobs = Some(lps),
+            EngineEvent::Token(t) => self.tokens.push(t),
             EngineEvent::Done(done) => {
-                let tokens = std::mem::take(&mut partial.1);
+                let tokens = std::mem::take(&mut self.tokens);
                 let mut text: String = tokens.iter().map(|t| t.text.as_str()).collect();
                 text.push_str(&done.text);
                 return Some(Completion {
-                    prompt_logprobs: partial.0.take(),
+                    prompt_logprobs: self.prompt_logprobs.take(),
                     tokens,
                     text,
                     done,
@@ -312,9 +316,9 @@ impl EngineHandle {
     ) -> Result<Completion, RequestError> {
         let (tx, mut rx) = mpsc::unbounded_channel();
         self.submit(build(tx)).await?;
-        let mut partial = Default::default();
+        let mut collector = Collector::default();
         while let Some(event) = rx.recv().await {
-            if let Some(done) = Completion::absorb(&mut partial, event) {
+            if let Some(done) = collector.push(event) {
                 return Ok(done);
             }
         }
@@ -328,9 +332,9 @@ impl EngineHandle {
     ) -> Result<Completion, RequestError> {
         let (tx, mut rx) = mpsc::unbounded_channel();
         self.submit_blocking(build(tx))?;
-        let mut partial = Default::default();
+        let mut collector = Collector::default();
         while let Some(event) = rx.blocking_recv() {
-            if let Some(done) = Completion::absorb(&mut partial, event) {
+            if let Some(done) = collector.push(event) {
                 return Ok(done);
             }
         }

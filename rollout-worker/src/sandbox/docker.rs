@@ -33,7 +33,9 @@ use tokio::io::AsyncWriteExt;
 use tokio::runtime::Handle;
 
 use crate::observation::truncate_head_tail;
-use crate::sandbox::{shell_quote, CommandOutput, Sandbox, SandboxError};
+use crate::sandbox::{
+    shell_quote, CommandOutput, Sandbox, SandboxError, BOOKKEEPING_CONFIG, SUBMISSION_EXCLUDE,
+};
 use crate::tasks::TaskRecord;
 
 /// Label keys on every container Tutor creates.
@@ -46,15 +48,19 @@ pub const WORKDIR: &str = "/testbed";
 
 /// Where the tools (crate::tools) are installed inside the container.
 const TOOLS_DIR: &str = "/tmp/.tutor/bin";
-/// The git directory the sandbox's own reads of /testbed (the submission's diff, base
-/// files, patch checks) run against: our config only, the repository's objects borrowed
-/// through `objects/info/alternates`. Git run against /testbed/.git reads the
-/// agent-writable config and attributes, where an fsmonitor hook or a clean filter would
-/// run the agent's code after its last command, in an exec nothing can kill.
+/// The bookkeeping git directory (see [`BOOKKEEPING_CONFIG`]): our config only, the
+/// repository's objects borrowed through `objects/info/alternates`.
 const BOOK_DIR: &str = "/tmp/.tutor/bookkeeping.git";
-/// `git` against [`BOOK_DIR`], bounded in time (execs cannot be killed from outside).
-const BOOK_GIT: &str =
-    "timeout -k 5 120 git --git-dir=/tmp/.tutor/bookkeeping.git --work-tree=/testbed";
+
+/// `git` against [`BOOK_DIR`] with /testbed as its work tree, bounded in time (an exec
+/// cannot be killed from outside).
+fn book_git() -> String {
+    let mut git = format!("timeout -k 5 120 git --git-dir={BOOK_DIR} --work-tree={WORKDIR}");
+    for (key, value) in BOOKKEEPING_CONFIG {
+        git.push_str(&format!(" -c {key}={value}"));
+    }
+    git
+}
 
 /// Output kept per command before head+tail truncation (the rest is read and dropped).
 const CAPTURE_BYTES: usize = 1024 * 1024;
@@ -401,22 +407,15 @@ impl DockerSandbox {
                 out.exit_code, out.output
             )));
         }
-        // The bookkeeping git directory (see `BOOK_GIT`), made before the agent acts.
-        let out = self
-            .run(
-                &format!(
-                    "printf '__pycache__/\\n*.pyc\\n.pytest_cache/\\n*.egg-info/\\n' >> .git/info/exclude \
-                     && git init -q --bare {BOOK_DIR} \
-                     && echo {WORKDIR}/.git/objects > {BOOK_DIR}/objects/info/alternates \
-                     && cp .git/info/exclude {BOOK_DIR}/info/exclude \
-                     && git --git-dir={BOOK_DIR} config core.hooksPath /dev/null \
-                     && git --git-dir={BOOK_DIR} config core.fsmonitor false \
-                     && git --git-dir={BOOK_DIR} config core.autocrlf false \
-                     && git rev-parse tutor-base"
-                ),
-                Duration::from_secs(30),
-            )
-            .await;
+        // The bookkeeping git directory, made before the agent acts.
+        let mut setup = format!(
+            "printf %s {} >> .git/info/exclude && git init -q --bare {BOOK_DIR} \
+             && echo {WORKDIR}/.git/objects > {BOOK_DIR}/objects/info/alternates \
+             && cp .git/info/exclude {BOOK_DIR}/info/exclude",
+            shell_quote(SUBMISSION_EXCLUDE)
+        );
+        setup.push_str(" && git rev-parse tutor-base");
+        let out = self.run(&setup, Duration::from_secs(30)).await;
         self.base = out.output.trim().to_string();
         if out.exit_code != 0 || self.base.len() < 40 {
             return Err(DockerError::Shell(format!(
@@ -733,7 +732,7 @@ impl DockerSandbox {
     /// A git command in /testbed through [`Self::exec_capture`]; `index` names a private
     /// index file (so the agent's staging area is untouched).
     async fn git(&self, args: &[&str], index: Option<&str>) -> Option<Vec<u8>> {
-        self.git_in(BOOK_GIT, args, index).await
+        self.git_in(&book_git(), args, index).await
     }
 
     /// As [`Self::git`] with `git` the command line to run git with (the bookkeeping one,
@@ -866,8 +865,9 @@ impl DockerSandbox {
             .map_err(|e| SandboxError::Backend(Box::new(e)))?;
         let script = format!(
             "cd /testbed && export GIT_INDEX_FILE=/tmp/.tutor/apply-index && rm -f \"$GIT_INDEX_FILE\" \
-             && {BOOK_GIT} read-tree {} && {BOOK_GIT} apply --cached {path} 2>&1",
-            self.base
+             && {git} read-tree {} && {git} apply --cached {path} 2>&1",
+            self.base,
+            git = book_git()
         );
         match self.exec_capture(&["bash", "-c", &script]).await {
             Ok((0, _)) => {}
@@ -881,7 +881,8 @@ impl DockerSandbox {
         let mut files = BTreeMap::new();
         for f in crate::tasks::patch_files(patch) {
             let script = format!(
-                "cd /testbed && GIT_INDEX_FILE=/tmp/.tutor/apply-index {BOOK_GIT} cat-file blob {}",
+                "cd /testbed && GIT_INDEX_FILE=/tmp/.tutor/apply-index {} cat-file blob {}",
+                book_git(),
                 shell_quote(&format!(":{f}"))
             );
             let content = match self.exec_capture(&["bash", "-c", &script]).await {

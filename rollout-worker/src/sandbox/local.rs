@@ -27,7 +27,10 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use crate::sandbox::process::{kill_tagged, run_in_own_group};
-use crate::sandbox::{safe_rel, shell_quote, CommandOutput, Sandbox, SandboxError};
+use crate::sandbox::{
+    safe_rel, shell_quote, CommandOutput, Sandbox, SandboxError, BOOKKEEPING_CONFIG,
+    SUBMISSION_EXCLUDE,
+};
 use crate::tasks::TaskRecord;
 
 /// How the repository root is spelled in commands and in the observation footer.
@@ -256,11 +259,8 @@ impl LocalSandbox {
         if let Some(p) = exclude.parent() {
             std::fs::create_dir_all(p).map_err(io_err("creating .git/info"))?;
         }
-        std::fs::write(
-            &exclude,
-            "__pycache__/\n*.pyc\n.pytest_cache/\n*.egg-info/\n",
-        )
-        .map_err(io_err("writing .git/info/exclude"))?;
+        std::fs::write(&exclude, SUBMISSION_EXCLUDE)
+            .map_err(io_err("writing .git/info/exclude"))?;
         sb.git_ok(&["add", "-A"])?;
         sb.git_ok(&["commit", "-q", "--no-verify", "--no-gpg-sign", "-m", "base"])?;
         let head = sb.git_ok(&["rev-parse", "HEAD"])?;
@@ -269,12 +269,8 @@ impl LocalSandbox {
         Ok(sb)
     }
 
-    /// The git directory the sandbox's own reads of the repository (the submission's diff,
-    /// base files, patch checks) run against: created before the agent acts, with our
-    /// config only, and the repository's objects borrowed read-only through
-    /// `objects/info/alternates`. Git run against `.git` reads the agent-writable config
-    /// and attributes, where an fsmonitor hook, a clean filter or an include would run
-    /// the agent's code (or hang) after its last command and outside its timeout.
+    /// The bookkeeping git directory (see [`BOOKKEEPING_CONFIG`]): our config only, the
+    /// repository's objects borrowed through `objects/info/alternates`.
     fn init_bookkeeping(&self) -> Result<(), LocalSandboxError> {
         let book = self.bookkeeping_dir();
         let book_s = book.display().to_string();
@@ -291,17 +287,7 @@ impl LocalSandbox {
             "objects/info/alternates",
             format!("{}\n", objects.display()),
         )?;
-        let exclude = std::fs::read_to_string(self.repo.join(".git/info/exclude"))
-            .map_err(io_err("reading .git/info/exclude"))?;
-        write("info/exclude", exclude)?;
-        for (k, v) in [
-            ("core.hooksPath", "/dev/null"),
-            ("core.fsmonitor", "false"),
-            ("core.autocrlf", "false"),
-        ] {
-            self.git_ok(&["--git-dir", &book_s, "config", k, v])?;
-        }
-        Ok(())
+        write("info/exclude", SUBMISSION_EXCLUDE.to_string())
     }
 
     fn bookkeeping_dir(&self) -> PathBuf {
@@ -318,7 +304,14 @@ impl LocalSandbox {
     ) -> std::io::Result<GitOutput> {
         let book = self.bookkeeping_dir().display().to_string();
         let repo = self.repo.display().to_string();
+        let config: Vec<String> = BOOKKEEPING_CONFIG
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
         let mut all = vec!["--git-dir", &book, "--work-tree", &repo];
+        for c in &config {
+            all.extend(["-c", c.as_str()]);
+        }
         all.extend_from_slice(args);
         self.git_env(&all, stdin, extra_env)
     }

@@ -60,6 +60,21 @@ pub trait Sandbox: Send {
 /// Exit code reported for a command killed by the timeout (as coreutils `timeout` does).
 pub const TIMEOUT_EXIT_CODE: i32 = 124;
 
+/// What never belongs in a submission (byte-code and pytest caches): every sandbox's
+/// `.git/info/exclude`.
+pub(crate) const SUBMISSION_EXCLUDE: &str = "__pycache__/\n*.pyc\n.pytest_cache/\n*.egg-info/\n";
+
+/// The config (`-c` on every call) of a sandbox's bookkeeping git directory, the one its
+/// own reads of the repository (the submission's diff, base files, patch checks) run
+/// against, made before the agent acts: no hooks, no fsmonitor, no line-ending conversion. The repository's
+/// `.git/config` and attributes are the agent's to write; an fsmonitor hook, a clean
+/// filter or an include there would run the agent's code after its last command.
+pub(crate) const BOOKKEEPING_CONFIG: [(&str, &str); 3] = [
+    ("core.hooksPath", "/dev/null"),
+    ("core.fsmonitor", "false"),
+    ("core.autocrlf", "false"),
+];
+
 /// Why a sandbox could not carry out an operation ([`Sandbox::apply_to_base`],
 /// [`Sandbox::write_scratch`]).
 #[derive(Debug, thiserror::Error)]

@@ -432,10 +432,11 @@ async fn chat_completions(State(s): State<Arc<AppState>>, body: Bytes) -> Respon
 
 async fn run_chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let p = prepare(&s, body)?;
-    let request = |events| EngineRequest {
-        prompt: p.prompt.clone(),
-        params: p.params.clone(),
-        stop: p.stop.clone(),
+    // Used once, by whichever of the two paths below runs: the prompt is moved, not copied.
+    let request = move |events| EngineRequest {
+        prompt: p.prompt,
+        params: p.params,
+        stop: p.stop,
         top_logprobs: p.top_logprobs,
         prompt_logprobs: false,
         text: true,
