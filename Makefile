@@ -14,16 +14,35 @@ export PATH := $(VENV)/bin:$(PATH)
 export TUTOR_PYTHON := $(VENV)/bin/python
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: setup build release images quickstart test check-layout bench-ingest bench-policy clean-runs help
+.PHONY: setup sandbox-tools build release images quickstart test check-layout bench-ingest bench-policy clean-runs help
 
 help:
 	@echo "make quickstart   set up, build (release) and run configs/quickstart.toml"
 	@echo "make test         set up, build and run the whole test suite (check-layout first)"
+	@echo "make sandbox-tools install bubblewrap, which confines local sandboxes (part of setup)"
 	@echo "make check-layout no unused dependencies, no files of a crate importing each other"
 	@echo "make bench-ingest coordinator ingest throughput (release; BENCH_ARGS=... to change)"
 	@echo "make bench-policy generation and training step against transformers/PyTorch (CPU)"
 
-setup: $(VENV)/.ready
+setup: $(VENV)/.ready sandbox-tools
+
+# bubblewrap confines the local sandbox's commands (docs/security.md, "Local sandbox"):
+# without it a worker refuses local sandboxes unless `[worker] allow_unconfined = true`,
+# and the confinement tests say SKIPPED. Installed with apt-get where this runs as root.
+sandbox-tools:
+	@command -v bwrap >/dev/null 2>&1 || { \
+		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+			echo "installing bubblewrap (bwrap) for the local sandbox"; \
+			{ apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
+			  { apt-get update -qq >/dev/null && apt-get install -y -qq bubblewrap >/dev/null; }; } || \
+			{ echo "apt-get could not install bubblewrap: install it (package bubblewrap) and run make again"; exit 1; }; \
+		else \
+			echo "NOTE: bubblewrap (bwrap) is missing and apt-get (as root) is not available to install it:"; \
+			echo "      install the package bubblewrap yourself; until then local sandboxes are refused"; \
+			echo "      (or run unconfined with [worker] allow_unconfined = true: docs/security.md)"; \
+		fi; \
+	}
+	@command -v bwrap >/dev/null 2>&1 && echo "sandbox tools ready: $$(bwrap --version)" || true
 
 # The stamp depends on the requirements file, so adding or re-pinning a package there
 # re-runs the install on machines that already have a venv.

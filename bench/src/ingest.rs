@@ -192,6 +192,7 @@ pub async fn run(args: Args) -> Result<Report> {
         metrics_addr_file: Some(metrics_file.clone()),
         store: StoreOptions { fsync: args.fsync },
         tls: Default::default(),
+        insecure: false,
     };
     let server = tokio::spawn(tutor_coordinator::serve(opts, async move {
         let _ = stopped.await;

@@ -11,10 +11,13 @@
 //!
 //! Rank 0 (the learner) publishes the rendezvous of group [`GROUP`] at the coordinator,
 //! waits for the N receivers, then sends every version it registers: a JSON
-//! [`Header`], then the safetensors file's bytes (`Collective::broadcast_bytes`). While
-//! nothing is published it sends a keepalive header every [`KEEPALIVE`]. A failed send
-//! (a receiver died) drops the group; rank 0 publishes a new generation and the receivers,
-//! restarted or not, join it and get the newest version at once.
+//! [`Header`], then the safetensors file's bytes (`Collective::broadcast_bytes_max`, which
+//! a receiver bounds by the size the header announced). While nothing is published it
+//! sends a keepalive header every [`KEEPALIVE`]. A failed send (a receiver died) drops the
+//! group; rank 0 publishes a new generation and the receivers, restarted or not, join it
+//! and get the newest version at once. With a CPU group, a receiver joins through the
+//! same hello as a learner rank (`rendezvous::join_rendezvous`): authenticated with a key
+//! derived from the run's auth token and the group's name when there is a token.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -41,12 +44,15 @@ pub struct VersionFile {
 }
 
 /// The rendezvous group of learner rank 0 and the weight receivers.
-pub const GROUP: &str = "weights";
+pub const GROUP: &str = crate::WEIGHTS_GROUP;
 /// How often rank 0 sends a keepalive while no version is published.
 pub const KEEPALIVE: Duration = Duration::from_secs(5);
 /// How long a receiver waits for rank 0's next message before it calls the group lost
 /// (several keepalives).
 pub const RECEIVE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The most bytes a [`Header`] may have on the wire (it has a few dozen).
+const MAX_HEADER_BYTES: usize = 64 * 1024;
 
 /// What precedes each version's bytes. `version` `None`: a keepalive, no bytes follow.
 #[derive(Debug, Serialize, Deserialize)]
@@ -149,7 +155,7 @@ fn broadcaster(
 
 fn send_header(c: &mut dyn Collective, header: &Header) -> Result<()> {
     let mut bytes = serde_json::to_vec(header)?;
-    c.broadcast_bytes(&mut bytes)
+    c.broadcast_bytes_max(&mut bytes, MAX_HEADER_BYTES)
         .context("sending a header to the weight receivers")
 }
 
@@ -164,7 +170,9 @@ fn send_version(c: &mut dyn Collective, pv: &VersionFile) -> Result<()> {
             bytes: data.len() as u64,
         },
     )?;
-    c.broadcast_bytes(&mut data)
+    // The receivers expect the size the header announced.
+    let max = data.len();
+    c.broadcast_bytes_max(&mut data, max)
         .with_context(|| format!("sending policy version {}", pv.version))
 }
 
@@ -274,7 +282,7 @@ fn receiver(
 fn receive(c: &mut dyn Collective, dir: &Path, on_event: &dyn Fn(ReceiverEvent)) -> Result<()> {
     loop {
         let mut bytes = Vec::new();
-        c.broadcast_bytes(&mut bytes)
+        c.broadcast_bytes_max(&mut bytes, MAX_HEADER_BYTES)
             .context("waiting for learner rank 0's next message")?;
         let header: Header = serde_json::from_slice(&bytes).context(
             "learner rank 0 sent a header this worker cannot read (same tutor version?)",
@@ -282,8 +290,10 @@ fn receive(c: &mut dyn Collective, dir: &Path, on_event: &dyn Fn(ReceiverEvent))
         let Some(version) = header.version else {
             continue; // keepalive
         };
+        // No more than the header announced (a corrupt length is refused unread).
         let mut data = Vec::new();
-        c.broadcast_bytes(&mut data)
+        let max = usize::try_from(header.bytes).unwrap_or(usize::MAX);
+        c.broadcast_bytes_max(&mut data, max)
             .with_context(|| format!("receiving policy version {version}"))?;
         let sha = hex::encode(Sha256::digest(&data));
         if data.len() as u64 != header.bytes || sha != header.sha256 {

@@ -2,15 +2,16 @@
 //! and sends the results back. Frames carry an op and a sequence number so ranks that fall
 //! out of step fail loudly instead of mixing tensors.
 
+use std::collections::VecDeque;
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use tch::{Device, Kind, Tensor};
 
+use crate::hello::{self, CollectiveSecret, JoinError, Refusal};
 use crate::{Collective, CollectiveError};
-
-const MAGIC: &[u8; 8] = b"TUTORCC1";
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[repr(u8)]
@@ -25,6 +26,15 @@ impl Op {
     /// Rank 0 alone contributes: the others send an empty payload.
     fn root_only(self) -> bool {
         matches!(self, Op::Broadcast | Op::BroadcastBytes)
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Op::AllReduceSum => "an all-reduce",
+            Op::Broadcast => "a broadcast",
+            Op::Barrier => "a barrier",
+            Op::BroadcastBytes => "a byte broadcast",
+        }
     }
 }
 
@@ -51,7 +61,14 @@ impl Default for CpuCollectiveTimeouts {
 pub struct CpuRendezvous {
     listener: TcpListener,
     addr: SocketAddr,
+    secret: Option<CollectiveSecret>,
 }
+
+/// Connections whose hello rank 0 waits for at once; beyond it the oldest is dropped (a
+/// real rank says hello as soon as it connects, a flood of silent connections does not).
+const MAX_PENDING_HELLOS: usize = 64;
+/// How many refused connections a rendezvous error lists.
+const REFUSALS_REPORTED: usize = 8;
 
 impl CpuRendezvous {
     /// Binds rank 0's socket (port 0 picks a free port; see `local_addr`).
@@ -61,14 +78,28 @@ impl CpuRendezvous {
         let addr = listener
             .local_addr()
             .map_err(|e| CollectiveError::Setup(format!("rank 0 socket address: {e}")))?;
-        Ok(Self { listener, addr })
+        Ok(Self {
+            listener,
+            addr,
+            secret: None,
+        })
+    }
+
+    /// Requires every joining rank to prove it holds `secret` (see `CollectiveSecret`);
+    /// `None`: any connection that says a valid hello may join (loopback, no auth token).
+    pub fn with_secret(self, secret: Option<CollectiveSecret>) -> Self {
+        Self { secret, ..self }
     }
 
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
 
-    /// Waits for ranks 1..world_size to connect.
+    /// Waits for ranks 1..world_size to connect and say a valid hello. Each connection's
+    /// hello is read on a thread of its own, within `min(connect, io)`, so a silent or slow
+    /// connection never holds up the others; a connection whose hello is not valid (wrong
+    /// MAC, unknown rank, other world size, rank already joined) is refused, logged and
+    /// closed, and rank 0 goes on waiting for the real ranks until `timeouts.connect`.
     pub fn accept(
         self,
         world_size: usize,
@@ -80,12 +111,20 @@ impl CpuRendezvous {
             ));
         }
         let start = Instant::now();
+        let hello_time = timeouts.connect.min(timeouts.io);
         let mut peers: Vec<Option<(TcpStream, SocketAddr)>> =
             (1..world_size).map(|_| None).collect();
         self.listener
             .set_nonblocking(true)
             .map_err(|e| CollectiveError::Setup(format!("rank 0 listener: {e}")))?;
-        while peers.iter().any(|p| p.is_none()) {
+        let (done_tx, done_rx) = mpsc::channel::<Hello>();
+        // The connections whose hello threads are running (a handle to close each).
+        let mut pending: VecDeque<(SocketAddr, TcpStream)> = VecDeque::new();
+        let mut refused: Vec<String> = Vec::new();
+        let result = loop {
+            if peers.iter().all(|p| p.is_some()) {
+                break Ok(());
+            }
             if start.elapsed() > timeouts.connect {
                 let missing: Vec<usize> = peers
                     .iter()
@@ -93,57 +132,92 @@ impl CpuRendezvous {
                     .filter(|(_, p)| p.is_none())
                     .map(|(i, _)| i + 1)
                     .collect();
-                return Err(CollectiveError::Rendezvous {
+                break Err(CollectiveError::Rendezvous {
                     addr: self.addr.to_string(),
                     joined: world_size - missing.len(),
                     world_size,
                     missing,
                     waited: start.elapsed(),
+                    refused: std::mem::take(&mut refused),
                 });
             }
-            let (mut stream, peer_addr) = match self.listener.accept() {
-                Ok(s) => s,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    std::thread::sleep(Duration::from_millis(5));
-                    continue;
+            let mut idle = true;
+            while let Ok(Hello {
+                mut stream,
+                peer_addr,
+                verdict,
+            }) = done_rx.try_recv()
+            {
+                idle = false;
+                pending.retain(|(a, _)| *a != peer_addr);
+                let deadline = Instant::now() + hello_time;
+                let joining = match verdict {
+                    Ok(j) if peers[j.rank - 1].is_some() => {
+                        Err(Refusal::RankTaken { rank: j.rank })
+                    }
+                    other => other,
+                };
+                let joining = match joining {
+                    Ok(j) => j,
+                    Err(why) => {
+                        tracing::warn!(%peer_addr, reason = %why, "rank 0 refused a connection to the collective");
+                        if refused.len() < REFUSALS_REPORTED {
+                            refused.push(format!("{peer_addr}: {why}"));
+                        }
+                        why.send(&mut stream, deadline);
+                        continue;
+                    }
+                };
+                let admitted = hello::admit(&mut stream, &joining, self.secret.as_ref(), deadline)
+                    .and_then(|_| {
+                        stream.set_read_timeout(Some(timeouts.io))?;
+                        stream.set_write_timeout(Some(timeouts.io))
+                    });
+                match admitted {
+                    Ok(()) => {
+                        tracing::debug!(rank = joining.rank, %peer_addr, "a rank joined the collective");
+                        peers[joining.rank - 1] = Some((stream, peer_addr));
+                    }
+                    // It may try again.
+                    Err(e) => {
+                        tracing::warn!(rank = joining.rank, %peer_addr, error = %e, "lost a rank while admitting it to the collective")
+                    }
                 }
-                Err(e) => return Err(CollectiveError::Setup(format!("rank 0 accept: {e}"))),
-            };
-            configure(&stream, timeouts.io, timeouts.connect)
-                .map_err(|e| CollectiveError::Setup(format!("socket from {peer_addr}: {e}")))?;
-            // A stray connection (a port scan, a rank of another run) is dropped, not fatal.
-            let hello = read_hello(&mut stream);
-            let (rank, their_world) = match hello {
-                Ok(h) => h,
-                Err(e) => {
-                    tracing::warn!(%peer_addr, error = %e, "ignoring a connection that did not send a collective hello");
-                    continue;
+            }
+            match self.listener.accept() {
+                Ok((stream, peer_addr)) => {
+                    idle = false;
+                    if let Err(e) = self.start_hello(
+                        stream,
+                        peer_addr,
+                        world_size,
+                        hello_time,
+                        &done_tx,
+                        &mut pending,
+                    ) {
+                        tracing::warn!(%peer_addr, error = %e, "rank 0 dropped a connection to the collective");
+                    }
                 }
-            };
-            if their_world != world_size {
-                return Err(CollectiveError::Setup(format!(
-                    "rank {rank} at {peer_addr} says world_size = {their_world}, rank 0 has {world_size}"
-                )));
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                // The peer gave up before it was accepted.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionAborted
+                            | io::ErrorKind::ConnectionReset
+                            | io::ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => break Err(CollectiveError::Setup(format!("rank 0 accept: {e}"))),
             }
-            if rank == 0 || rank >= world_size {
-                return Err(CollectiveError::Setup(format!(
-                    "a peer at {peer_addr} claims rank {rank}, expected 1..{world_size}"
-                )));
+            if idle {
+                std::thread::sleep(Duration::from_millis(5));
             }
-            if peers[rank - 1].is_some() {
-                return Err(CollectiveError::Setup(format!(
-                    "two peers claim rank {rank} (the second from {peer_addr})"
-                )));
-            }
-            stream
-                .write_all(MAGIC)
-                .map_err(|e| CollectiveError::Setup(format!("greeting rank {rank}: {e}")))?;
-            stream
-                .set_read_timeout(Some(timeouts.io))
-                .and_then(|_| stream.set_write_timeout(Some(timeouts.io)))
-                .map_err(|e| CollectiveError::Setup(format!("socket of rank {rank}: {e}")))?;
-            peers[rank - 1] = Some((stream, peer_addr));
+        };
+        // Hellos still running are of no use now: end their threads.
+        for (_, s) in pending {
+            let _ = s.shutdown(Shutdown::Both);
         }
+        result?;
         let peers = peers.into_iter().map(|p| p.expect("all joined")).collect();
         Ok(CpuCollective {
             rank: 0,
@@ -152,6 +226,50 @@ impl CpuRendezvous {
             seq: 0,
         })
     }
+
+    /// Reads the hello of a new connection on a thread of its own, which hands the
+    /// connection and its verdict to `done`.
+    fn start_hello(
+        &self,
+        stream: TcpStream,
+        peer_addr: SocketAddr,
+        world_size: usize,
+        hello_time: Duration,
+        done: &mpsc::Sender<Hello>,
+        pending: &mut VecDeque<(SocketAddr, TcpStream)>,
+    ) -> io::Result<()> {
+        configure(&stream, hello_time, hello_time)?;
+        if pending.len() >= MAX_PENDING_HELLOS {
+            if let Some((oldest, s)) = pending.pop_front() {
+                tracing::warn!(peer_addr = %oldest, pending = MAX_PENDING_HELLOS, "too many connections waiting to say hello: dropping the oldest");
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
+        let handle = stream.try_clone()?;
+        let (secret, done) = (self.secret.clone(), done.clone());
+        std::thread::Builder::new()
+            .name("collective-hello".into())
+            .spawn(move || {
+                let mut stream = stream;
+                let deadline = Instant::now() + hello_time;
+                let verdict = hello::challenge(&mut stream, secret.as_ref(), world_size, deadline);
+                // Rank 0 may have stopped waiting: then the connection just closes.
+                let _ = done.send(Hello {
+                    stream,
+                    peer_addr,
+                    verdict,
+                });
+            })?;
+        pending.push_back((peer_addr, handle));
+        Ok(())
+    }
+}
+
+/// A connection whose hello was read (or failed), back from its thread.
+struct Hello {
+    stream: TcpStream,
+    peer_addr: SocketAddr,
+    verdict: Result<hello::Joining, Refusal>,
 }
 
 /// Data-parallel collectives for CPU ranks: rank 0 listens, the others connect to it; a
@@ -183,12 +301,26 @@ impl CpuCollective {
     }
 
     /// Joins as `rank` (≥ 1) the group whose rank 0 listens at `root`, retrying until the
-    /// connect deadline (rank 0 may start later).
+    /// connect deadline (rank 0 may start later). For a group without a secret (see
+    /// `connect_with_secret`).
     pub fn connect(
         root: impl ToSocketAddrs,
         rank: usize,
         world_size: usize,
         timeouts: CpuCollectiveTimeouts,
+    ) -> Result<Self, CollectiveError> {
+        Self::connect_with_secret(root, rank, world_size, timeouts, None)
+    }
+
+    /// `connect`, proving to rank 0 that this rank holds `secret` (and checking that rank
+    /// 0 holds it too); must match whether rank 0 has one. A refusal (by rank 0, or of
+    /// rank 0) is final; a connection that fails is tried again until the deadline.
+    pub fn connect_with_secret(
+        root: impl ToSocketAddrs,
+        rank: usize,
+        world_size: usize,
+        timeouts: CpuCollectiveTimeouts,
+        secret: Option<&CollectiveSecret>,
     ) -> Result<Self, CollectiveError> {
         if rank == 0 || rank >= world_size {
             return Err(CollectiveError::Setup(format!(
@@ -201,27 +333,27 @@ impl CpuCollective {
             .next()
             .ok_or_else(|| CollectiveError::Setup("rank 0's address resolves to nothing".into()))?;
         let start = Instant::now();
+        let hello_time = timeouts.connect.min(timeouts.io);
         let stream = loop {
             let left = timeouts.connect.saturating_sub(start.elapsed());
             let attempt = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(10)))
+                .map_err(JoinError::Io)
                 .and_then(|mut s| {
-                    configure(&s, timeouts.connect, timeouts.connect)?;
-                    s.write_all(MAGIC)?;
-                    s.write_all(&(rank as u64).to_le_bytes())?;
-                    s.write_all(&(world_size as u64).to_le_bytes())?;
-                    let mut magic = [0u8; 8];
-                    s.read_exact(&mut magic)?;
-                    if &magic != MAGIC {
-                        return Err(io::Error::new(
-                            io::ErrorKind::InvalidData,
-                            "the listener is not a Tutor CPU collective",
-                        ));
-                    }
+                    configure(&s, hello_time, hello_time)?;
+                    let deadline = Instant::now() + hello_time;
+                    hello::join(&mut s, rank, world_size, secret, deadline)?;
                     Ok(s)
                 });
             match attempt {
                 Ok(s) => break s,
-                Err(e) if start.elapsed() >= timeouts.connect => {
+                Err(JoinError::Refused(reason)) => {
+                    return Err(CollectiveError::Refused {
+                        rank,
+                        addr: addr.to_string(),
+                        reason,
+                    })
+                }
+                Err(JoinError::Io(e)) if start.elapsed() >= timeouts.connect => {
                     return Err(CollectiveError::Connect {
                         rank,
                         addr: addr.to_string(),
@@ -229,7 +361,7 @@ impl CpuCollective {
                         source: e,
                     })
                 }
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                Err(JoinError::Io(_)) => std::thread::sleep(Duration::from_millis(20)),
             }
         };
         stream
@@ -262,11 +394,13 @@ impl CpuCollective {
     }
 
     /// The core exchange: rank 0 receives every rank's payload, combines them, and sends
-    /// the combined payload back. `combine` sees the payloads in rank order.
+    /// the combined payload back. `combine` sees the payloads in rank order. A frame
+    /// longer than `limits` allows is refused before it is read (nor allocated).
     fn exchange(
         &mut self,
         op: Op,
         payload: Vec<u8>,
+        limits: Limits,
         combine: impl FnOnce(Vec<Vec<u8>>) -> Vec<u8>,
     ) -> Result<Vec<u8>, CollectiveError> {
         self.seq += 1;
@@ -281,7 +415,7 @@ impl CpuCollective {
                 let mut failure = None;
                 for (i, (stream, addr)) in peers.iter_mut().enumerate() {
                     let peer = i + 1;
-                    match read_frame(stream) {
+                    match read_frame(stream, limits.from_peer) {
                         Ok((pop, pseq, data)) => {
                             if pop != op as u8 || pseq != seq {
                                 failure = Some(CollectiveError::Mismatch {
@@ -306,7 +440,17 @@ impl CpuCollective {
                             }
                             all.push(data);
                         }
-                        Err(e) => {
+                        Err(FrameError::TooLarge {
+                            op: pop,
+                            seq: pseq,
+                            len,
+                            max,
+                        }) => {
+                            failure =
+                                Some(oversized(rank, peer, addr, op, seq, pop, pseq, len, max));
+                            break;
+                        }
+                        Err(FrameError::Io(e)) => {
                             failure = Some(CollectiveError::Peer {
                                 rank,
                                 peer,
@@ -346,7 +490,7 @@ impl CpuCollective {
                 let sent: &[u8] = if op.root_only() { &[] } else { &payload };
                 write_frame(root, op, seq, sent)
                     .map_err(|e| peer_err("sending a collective payload", e))?;
-                match read_frame(root) {
+                match read_frame(root, limits.from_root) {
                     Ok((pop, pseq, data)) if pop == op as u8 && pseq == seq => Ok(data),
                     Ok((pop, pseq, _)) => Err(CollectiveError::Mismatch {
                         rank,
@@ -355,10 +499,90 @@ impl CpuCollective {
                             "rank {rank} is at collective #{seq} ({op:?}), rank 0 answered #{pseq} (op {pop})"
                         ),
                     }),
-                    Err(e) => Err(peer_err("receiving a collective result", e)),
+                    Err(FrameError::TooLarge {
+                        op: pop,
+                        seq: pseq,
+                        len,
+                        max,
+                    }) => Err(oversized(rank, 0, &addr, op, seq, pop, pseq, len, max)),
+                    Err(FrameError::Io(e)) => Err(peer_err("receiving a collective result", e)),
                 }
             }
         }
+    }
+}
+
+/// The longest frames one collective may bring: a frame announcing more is refused
+/// before it is read.
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    /// What rank 0 accepts from each of the other ranks.
+    from_peer: usize,
+    /// What the other ranks accept from rank 0.
+    from_root: usize,
+}
+
+impl Limits {
+    /// Every rank sends the same number of bytes (an all-reduce: the layout of the
+    /// tensors, which every rank knows).
+    fn exactly(bytes: usize) -> Self {
+        Self {
+            from_peer: bytes,
+            from_root: bytes,
+        }
+    }
+
+    /// Rank 0 alone sends, at most `bytes`; the others send nothing.
+    fn from_root(bytes: usize) -> Self {
+        Self {
+            from_peer: 0,
+            from_root: bytes,
+        }
+    }
+}
+
+/// The error for a frame announcing more than `max` bytes: out of step when it is not
+/// the collective this rank is at, or when both sides know the exact size (tensors),
+/// else too large.
+#[allow(clippy::too_many_arguments)]
+fn oversized(
+    rank: usize,
+    peer: usize,
+    addr: &SocketAddr,
+    op: Op,
+    seq: u64,
+    their_op: u8,
+    their_seq: u64,
+    len: u64,
+    max: usize,
+) -> CollectiveError {
+    if their_op != op as u8 || their_seq != seq {
+        return CollectiveError::Mismatch {
+            rank,
+            peer,
+            detail: format!(
+                "rank {rank} is at collective #{seq} ({op:?}), rank {peer} sent #{their_seq} (op {their_op}) announcing {len} bytes"
+            ),
+        };
+    }
+    // Both sides know the exact size of tensors (rank 0's broadcast ones included).
+    let exact = op == Op::AllReduceSum || (op == Op::Broadcast && peer == 0);
+    if exact {
+        return CollectiveError::Mismatch {
+            rank,
+            peer,
+            detail: format!(
+                "{op:?} #{seq}: rank {rank} expects {max} bytes of tensors, rank {peer} announced {len}"
+            ),
+        };
+    }
+    CollectiveError::FrameTooLarge {
+        rank,
+        peer,
+        addr: addr.to_string(),
+        what: op.what(),
+        len,
+        max,
     }
 }
 
@@ -377,7 +601,12 @@ impl Collective for CpuCollective {
         }
         let layout = WireLayout::of(tensors)?;
         let payload = layout.encode(tensors);
-        let summed = self.exchange(Op::AllReduceSum, payload, |parts| layout.sum(parts))?;
+        let summed = self.exchange(
+            Op::AllReduceSum,
+            payload,
+            Limits::exactly(layout.bytes),
+            |parts| layout.sum(parts),
+        )?;
         layout.decode_into(&summed, tensors);
         Ok(())
     }
@@ -392,7 +621,12 @@ impl Collective for CpuCollective {
         } else {
             Vec::new()
         };
-        let data = self.exchange(Op::Broadcast, payload, |mut parts| parts.swap_remove(0))?;
+        let data = self.exchange(
+            Op::Broadcast,
+            payload,
+            Limits::from_root(layout.bytes),
+            |mut parts| parts.swap_remove(0),
+        )?;
         if data.len() != layout.bytes {
             return Err(CollectiveError::Mismatch {
                 rank: self.rank,
@@ -411,18 +645,31 @@ impl Collective for CpuCollective {
         Ok(())
     }
 
-    fn broadcast_bytes(&mut self, data: &mut Vec<u8>) -> Result<(), CollectiveError> {
+    fn broadcast_bytes_max(
+        &mut self,
+        data: &mut Vec<u8>,
+        max: usize,
+    ) -> Result<(), CollectiveError> {
         if self.world_size == 1 {
             return Ok(());
         }
         let payload = if self.rank == 0 {
+            if data.len() > max {
+                return Err(CollectiveError::Setup(format!(
+                    "rank 0 would broadcast {} bytes, more than the {max} the other ranks accept",
+                    data.len()
+                )));
+            }
             std::mem::take(data)
         } else {
             Vec::new()
         };
-        *data = self.exchange(Op::BroadcastBytes, payload, |mut parts| {
-            parts.swap_remove(0)
-        })?;
+        *data = self.exchange(
+            Op::BroadcastBytes,
+            payload,
+            Limits::from_root(max),
+            |mut parts| parts.swap_remove(0),
+        )?;
         Ok(())
     }
 
@@ -430,7 +677,7 @@ impl Collective for CpuCollective {
         if self.world_size == 1 {
             return Ok(());
         }
-        self.exchange(Op::Barrier, Vec::new(), |_| Vec::new())?;
+        self.exchange(Op::Barrier, Vec::new(), Limits::exactly(0), |_| Vec::new())?;
         Ok(())
     }
 }
@@ -541,20 +788,6 @@ fn configure(s: &TcpStream, io: Duration, handshake: Duration) -> io::Result<()>
     s.set_write_timeout(Some(handshake.min(io)))
 }
 
-fn read_hello(s: &mut TcpStream) -> io::Result<(usize, usize)> {
-    let mut magic = [0u8; 8];
-    s.read_exact(&mut magic)?;
-    if &magic != MAGIC {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "bad magic"));
-    }
-    let mut b = [0u8; 8];
-    s.read_exact(&mut b)?;
-    let rank = u64::from_le_bytes(b) as usize;
-    s.read_exact(&mut b)?;
-    let world = u64::from_le_bytes(b) as usize;
-    Ok((rank, world))
-}
-
 fn write_frame(s: &mut TcpStream, op: Op, seq: u64, data: &[u8]) -> io::Result<()> {
     let mut header = [0u8; 17];
     header[0] = op as u8;
@@ -565,43 +798,129 @@ fn write_frame(s: &mut TcpStream, op: Op, seq: u64, data: &[u8]) -> io::Result<(
     s.flush()
 }
 
-/// Frames larger than this are refused (a corrupt length would otherwise allocate it).
-const MAX_FRAME: u64 = 64 << 30;
+/// Why a frame could not be read.
+#[derive(Debug)]
+enum FrameError {
+    Io(io::Error),
+    /// The header announced more than the collective expects: refused unread.
+    TooLarge {
+        op: u8,
+        seq: u64,
+        len: u64,
+        max: usize,
+    },
+}
 
-fn read_frame(s: &mut TcpStream) -> io::Result<(u8, u64, Vec<u8>)> {
+/// Reads one frame of at most `max` bytes; a longer one is refused from its header,
+/// before anything is allocated for it.
+fn read_frame(s: &mut TcpStream, max: usize) -> Result<(u8, u64, Vec<u8>), FrameError> {
     let mut header = [0u8; 17];
-    s.read_exact(&mut header)?;
+    s.read_exact(&mut header).map_err(FrameError::Io)?;
+    let op = header[0];
     let seq = u64::from_le_bytes(header[1..9].try_into().unwrap());
     let len = u64::from_le_bytes(header[9..17].try_into().unwrap());
-    if len > MAX_FRAME {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("frame of {len} bytes announced"),
-        ));
+    if len > max as u64 {
+        return Err(FrameError::TooLarge { op, seq, len, max });
     }
     let mut data = vec![0u8; len as usize];
-    s.read_exact(&mut data)?;
-    Ok((header[0], seq, data))
+    s.read_exact(&mut data).map_err(FrameError::Io)?;
+    Ok((op, seq, data))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Collective;
+    use crate::hello::{testing, Verdict};
+    use crate::{Collective, MAX_BROADCAST_BYTES};
+
+    fn timeouts(connect_ms: u64, io_ms: u64) -> CpuCollectiveTimeouts {
+        CpuCollectiveTimeouts {
+            connect: Duration::from_millis(connect_ms),
+            io: Duration::from_millis(io_ms),
+        }
+    }
 
     fn group(world: usize) -> Vec<CpuCollective> {
-        let rdv = CpuRendezvous::bind("127.0.0.1:0").unwrap();
+        group_with(world, None, timeouts(20_000, 20_000))
+    }
+
+    fn group_with(
+        world: usize,
+        secret: Option<CollectiveSecret>,
+        t: CpuCollectiveTimeouts,
+    ) -> Vec<CpuCollective> {
+        let rdv = CpuRendezvous::bind("127.0.0.1:0")
+            .unwrap()
+            .with_secret(secret.clone());
         let addr = rdv.local_addr();
-        let t = CpuCollectiveTimeouts {
-            connect: Duration::from_secs(20),
-            io: Duration::from_secs(20),
-        };
         let leaves: Vec<_> = (1..world)
-            .map(|r| std::thread::spawn(move || CpuCollective::connect(addr, r, world, t).unwrap()))
+            .map(|r| {
+                let secret = secret.clone();
+                std::thread::spawn(move || {
+                    CpuCollective::connect_with_secret(addr, r, world, t, secret.as_ref()).unwrap()
+                })
+            })
             .collect();
         let mut all = vec![rdv.accept(world, t).unwrap()];
         all.extend(leaves.into_iter().map(|h| h.join().unwrap()));
         all
+    }
+
+    fn key(token: &str) -> CollectiveSecret {
+        CollectiveSecret::from_token(token.as_bytes(), "")
+    }
+
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_secs(20)
+    }
+
+    /// A connection to rank 0 that has read its challenge: (stream, mode, nonce).
+    fn raw(addr: SocketAddr) -> (TcpStream, u8, [u8; 32]) {
+        let mut s = TcpStream::connect(addr).unwrap();
+        let (mode, nonce) = testing::read_challenge(&mut s, soon());
+        (s, mode, nonce)
+    }
+
+    /// Says a hand-made hello and returns rank 0's verdict (`None`: closed without one).
+    fn forge(
+        addr: SocketAddr,
+        rank: u64,
+        world: u64,
+        secret: Option<&CollectiveSecret>,
+    ) -> Option<Verdict> {
+        let (mut s, _, nonce) = raw(addr);
+        s.write_all(&testing::hello(&nonce, rank, world, secret))
+            .unwrap();
+        let verdict = testing::verdict(&mut s, soon());
+        if verdict != Some(Verdict::Accepted) {
+            let mut rest = Vec::new();
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            assert_eq!(
+                s.read_to_end(&mut rest).unwrap_or(0),
+                0,
+                "rank 0 closes a refused connection"
+            );
+        }
+        verdict
+    }
+
+    /// Every rank adds its rank: the sum is 0 + 1 + … + (world − 1) on every rank.
+    fn check_sums(ranks: Vec<CpuCollective>) {
+        let world = ranks.len();
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|mut c| {
+                std::thread::spawn(move || {
+                    let mut t = [Tensor::from_slice(&[c.rank() as f32])];
+                    c.all_reduce_sum(&mut t).unwrap();
+                    f32::try_from(&t[0].reshape([])).unwrap()
+                })
+            })
+            .collect();
+        let want = (0..world).sum::<usize>() as f32;
+        for h in handles {
+            assert_eq!(h.join().unwrap(), want);
+        }
     }
 
     #[test]
@@ -707,5 +1026,354 @@ mod tests {
         let rdv = CpuRendezvous::bind("127.0.0.1:0").unwrap();
         let err = rdv.accept(3, t).err().unwrap().to_string();
         assert!(err.contains("missing ranks: [1, 2]"), "{err}");
+    }
+
+    #[test]
+    fn a_group_with_a_secret_forms_and_refuses_hellos_without_the_right_mac() {
+        let secret = key("the-run-token");
+        let rdv = CpuRendezvous::bind("127.0.0.1:0")
+            .unwrap()
+            .with_secret(Some(secret.clone()));
+        let addr = rdv.local_addr();
+        let root = std::thread::spawn(move || rdv.accept(3, timeouts(20_000, 20_000)));
+        // A MAC made with another token, none at all, and a real rank's MAC replayed
+        // against a fresh challenge: each refused as a bad MAC, the connection closed.
+        let (mut s, mode, _) = raw(addr);
+        assert_eq!(
+            mode, 1,
+            "rank 0 with a secret asks for an authenticated hello"
+        );
+        let (_, _, old_nonce) = raw(addr);
+        s.write_all(&testing::hello(&old_nonce, 1, 3, Some(&secret)))
+            .unwrap();
+        assert_eq!(testing::verdict(&mut s, soon()), Some(Verdict::BadMac));
+        assert_eq!(
+            forge(addr, 1, 3, Some(&key("another-token"))),
+            Some(Verdict::BadMac)
+        );
+        assert_eq!(forge(addr, 2, 3, None), Some(Verdict::BadMac));
+        // The real ranks still join, and only they are in the group.
+        let leaves: Vec<_> = (1..3)
+            .map(|r| {
+                let secret = secret.clone();
+                std::thread::spawn(move || {
+                    CpuCollective::connect_with_secret(
+                        addr,
+                        r,
+                        3,
+                        timeouts(20_000, 20_000),
+                        Some(&secret),
+                    )
+                    .unwrap()
+                })
+            })
+            .collect();
+        let mut all = vec![root.join().unwrap().unwrap()];
+        all.extend(leaves.into_iter().map(|h| h.join().unwrap()));
+        check_sums(all);
+    }
+
+    #[test]
+    fn a_rank_with_another_secret_or_none_does_not_join() {
+        let rdv = CpuRendezvous::bind("127.0.0.1:0")
+            .unwrap()
+            .with_secret(Some(key("the-run-token")));
+        let addr = rdv.local_addr();
+        let t = timeouts(20_000, 20_000);
+        let root = std::thread::spawn(move || rdv.accept(2, t));
+        let start = Instant::now();
+        let err = CpuCollective::connect_with_secret(addr, 1, 2, t, Some(&key("another-token")))
+            .err()
+            .expect("joined with the wrong secret");
+        let msg = err.to_string();
+        assert!(
+            matches!(err, CollectiveError::Refused { rank: 1, .. }),
+            "{msg}"
+        );
+        assert!(
+            msg.contains(&addr.to_string()) && msg.contains("auth token"),
+            "{msg}"
+        );
+        let err = CpuCollective::connect(addr, 1, 2, t)
+            .err()
+            .expect("joined without a secret")
+            .to_string();
+        assert!(err.contains("requires an authenticated hello"), "{err}");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "a refusal is final, not retried until the deadline"
+        );
+        let leaf =
+            CpuCollective::connect_with_secret(addr, 1, 2, t, Some(&key("the-run-token"))).unwrap();
+        check_sums(vec![root.join().unwrap().unwrap(), leaf]);
+
+        // A rank with a secret does not join a rank 0 without one either.
+        let rdv = CpuRendezvous::bind("127.0.0.1:0").unwrap();
+        let addr = rdv.local_addr();
+        std::thread::spawn(move || rdv.accept(2, timeouts(3_000, 3_000)));
+        let err = CpuCollective::connect_with_secret(addr, 1, 2, t, Some(&key("the-run-token")))
+            .err()
+            .expect("joined a group without a secret")
+            .to_string();
+        assert!(err.contains("runs without an auth token"), "{err}");
+    }
+
+    #[test]
+    fn unknown_ranks_other_world_sizes_and_taken_ranks_are_refused() {
+        for secret in [None, Some(key("the-run-token"))] {
+            let rdv = CpuRendezvous::bind("127.0.0.1:0")
+                .unwrap()
+                .with_secret(secret.clone());
+            let addr = rdv.local_addr();
+            let t = timeouts(20_000, 20_000);
+            let root = std::thread::spawn(move || rdv.accept(3, t));
+            let s = secret.as_ref();
+            assert_eq!(forge(addr, 0, 3, s), Some(Verdict::RankRange));
+            assert_eq!(forge(addr, 3, 3, s), Some(Verdict::RankRange));
+            assert_eq!(forge(addr, u64::MAX, 3, s), Some(Verdict::RankRange));
+            assert_eq!(forge(addr, 1, 4, s), Some(Verdict::WorldSize));
+            assert_eq!(forge(addr, 1, u64::MAX, s), Some(Verdict::WorldSize));
+            // A real rank with another world size is told so, at once.
+            let err = CpuCollective::connect_with_secret(addr, 1, 4, t, s)
+                .err()
+                .expect("joined with another world size")
+                .to_string();
+            assert!(err.contains("world size"), "{err}");
+            // Rank 1 joins; a second rank 1 is refused and does not replace it.
+            let first = CpuCollective::connect_with_secret(addr, 1, 3, t, s).unwrap();
+            assert_eq!(forge(addr, 1, 3, s), Some(Verdict::RankTaken));
+            let err = CpuCollective::connect_with_secret(addr, 1, 3, t, s)
+                .err()
+                .expect("a second rank 1 joined")
+                .to_string();
+            assert!(err.contains("already joined as rank 1"), "{err}");
+            let last = CpuCollective::connect_with_secret(addr, 2, 3, t, s).unwrap();
+            check_sums(vec![root.join().unwrap().unwrap(), first, last]);
+        }
+    }
+
+    #[test]
+    fn a_rendezvous_that_times_out_lists_the_connections_it_refused() {
+        let rdv = CpuRendezvous::bind("127.0.0.1:0").unwrap();
+        let addr = rdv.local_addr();
+        let root = std::thread::spawn(move || rdv.accept(2, timeouts(1_500, 1_500)));
+        let (mut s, _, nonce) = raw(addr);
+        let stray = s.local_addr().unwrap();
+        s.write_all(&testing::hello(&nonce, 7, 2, None)).unwrap();
+        assert_eq!(testing::verdict(&mut s, soon()), Some(Verdict::RankRange));
+        let err = root.join().unwrap().err().unwrap().to_string();
+        assert!(err.contains("missing ranks: [1]"), "{err}");
+        assert!(
+            err.contains(&format!("{stray}: it claims rank 7, expected 1 to 1")),
+            "{err}"
+        );
+    }
+
+    /// Connections that say nothing, trickle their hello or send garbage (and more of
+    /// them than rank 0 waits on at once) do not hold up the real ranks, and rank 0
+    /// closes them once the group has formed.
+    #[test]
+    fn silent_and_slow_connections_do_not_keep_the_real_ranks_out() {
+        let t = timeouts(4_000, 60_000);
+        let rdv = CpuRendezvous::bind("127.0.0.1:0").unwrap();
+        let addr = rdv.local_addr();
+        let start = Instant::now();
+        let root = std::thread::spawn(move || rdv.accept(3, t));
+        let silent: Vec<TcpStream> = (0..MAX_PENDING_HELLOS + 8)
+            .map(|_| TcpStream::connect(addr).unwrap())
+            .collect();
+        let (mut trickle, _, _) = raw(addr);
+        let trickler = std::thread::spawn(move || {
+            for b in hello::MAGIC {
+                if trickle.write_all(&[*b]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        });
+        let mut garbage = TcpStream::connect(addr).unwrap();
+        garbage.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        let leaves: Vec<_> = (1..3)
+            .map(|r| std::thread::spawn(move || CpuCollective::connect(addr, r, 3, t).unwrap()))
+            .collect();
+        let mut all = vec![root.join().unwrap().expect("the real ranks could not join")];
+        assert!(start.elapsed() < t.connect, "{:?}", start.elapsed());
+        all.extend(leaves.into_iter().map(|h| h.join().unwrap()));
+        // The last silent connections still had their hello pending: now closed.
+        let mut last = silent.into_iter().last().unwrap();
+        last.set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let mut got = Vec::new();
+        last.read_to_end(&mut got).unwrap();
+        assert_eq!(&got[..8], hello::MAGIC, "it got the challenge, then EOF");
+        assert!(
+            start.elapsed() < t.connect,
+            "closed when the group formed, not at the hello deadline"
+        );
+        trickler.join().unwrap();
+        check_sums(all);
+    }
+
+    #[test]
+    fn a_rank_silent_in_a_collective_is_timed_out_and_named() {
+        let mut ranks = group_with(2, None, timeouts(20_000, 500));
+        let mut leaf = ranks.pop().unwrap();
+        let mut root = ranks.pop().unwrap();
+        let leaf_addr = match &root.link {
+            Link::Root { peers } => peers[0].1,
+            _ => unreachable!(),
+        };
+        let err = root.barrier().unwrap_err().to_string();
+        assert!(
+            err.contains("rank 1") && err.contains(&leaf_addr.to_string()),
+            "{err}"
+        );
+        assert!(err.contains("timed out"), "{err}");
+        let err = leaf.barrier().unwrap_err().to_string();
+        assert!(err.contains("rank 0") && err.contains("timed out"), "{err}");
+    }
+
+    /// A fake peer of rank 0's that has said a valid (open) hello.
+    fn fake_leaf(addr: SocketAddr, rank: u64, world: u64) -> TcpStream {
+        let (mut s, _, nonce) = raw(addr);
+        s.write_all(&testing::hello(&nonce, rank, world, None))
+            .unwrap();
+        assert_eq!(testing::verdict(&mut s, soon()), Some(Verdict::Accepted));
+        let mut mac = [0u8; 32];
+        s.read_exact(&mut mac).unwrap();
+        s
+    }
+
+    fn header(op: Op, seq: u64, len: u64) -> [u8; 17] {
+        let mut h = [0u8; 17];
+        h[0] = op as u8;
+        h[1..9].copy_from_slice(&seq.to_le_bytes());
+        h[9..].copy_from_slice(&len.to_le_bytes());
+        h
+    }
+
+    const TIB: u64 = 1 << 40;
+
+    #[test]
+    fn rank_0_refuses_a_frame_larger_than_the_collective_needs_unread() {
+        let t = timeouts(20_000, 60_000);
+        let rdv = CpuRendezvous::bind("127.0.0.1:0").unwrap();
+        let addr = rdv.local_addr();
+        let root = std::thread::spawn(move || rdv.accept(2, t));
+        let mut fake = fake_leaf(addr, 1, 2);
+        let mut root = root.join().unwrap().unwrap();
+        fake.write_all(&header(Op::Barrier, 1, TIB)).unwrap();
+        let start = Instant::now();
+        let err = root.barrier().unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            matches!(
+                err,
+                CollectiveError::FrameTooLarge {
+                    peer: 1,
+                    len: TIB,
+                    max: 0,
+                    ..
+                }
+            ),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("1099511627776 bytes") && msg.contains("at most 0 bytes"),
+            "{msg}"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "it waited for the body"
+        );
+
+        // An all-reduce: the sizes of the tensors bound it.
+        let rdv = CpuRendezvous::bind("127.0.0.1:0").unwrap();
+        let addr = rdv.local_addr();
+        let root = std::thread::spawn(move || rdv.accept(2, t));
+        let mut fake = fake_leaf(addr, 1, 2);
+        let mut root = root.join().unwrap().unwrap();
+        fake.write_all(&header(Op::AllReduceSum, 1, 16 << 30))
+            .unwrap();
+        let err = root
+            .all_reduce_sum(&mut [Tensor::from_slice(&[1f32, 2.0])])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("17179869184") && err.contains("expects 8 bytes"),
+            "{err}"
+        );
+    }
+
+    /// A fake rank 0 that has admitted one real rank 1 (open hello).
+    fn fake_root() -> (SocketAddr, std::thread::JoinHandle<TcpStream>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let h = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let j = hello::challenge(&mut s, None, 2, soon()).unwrap();
+            hello::admit(&mut s, &j, None, soon()).unwrap();
+            s
+        });
+        (addr, h)
+    }
+
+    #[test]
+    fn a_rank_refuses_a_broadcast_larger_than_its_bound_unread() {
+        let t = timeouts(20_000, 60_000);
+        // The default bound.
+        let (addr, root) = fake_root();
+        let mut leaf = CpuCollective::connect(addr, 1, 2, t).unwrap();
+        let mut root = root.join().unwrap();
+        root.write_all(&header(Op::BroadcastBytes, 1, TIB)).unwrap();
+        let start = Instant::now();
+        let err = leaf.broadcast_bytes(&mut Vec::new()).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            matches!(
+                err,
+                CollectiveError::FrameTooLarge {
+                    peer: 0,
+                    len: TIB,
+                    max: MAX_BROADCAST_BYTES,
+                    ..
+                }
+            ),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("1099511627776 bytes")
+                && msg.contains(&format!("at most {MAX_BROADCAST_BYTES} bytes")),
+            "{msg}"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "it waited for the body"
+        );
+
+        // A bound the caller passes, below the old fixed cap of 64 GiB.
+        let (addr, root) = fake_root();
+        let mut leaf = CpuCollective::connect(addr, 1, 2, t).unwrap();
+        let mut root = root.join().unwrap();
+        root.write_all(&header(Op::BroadcastBytes, 1, 16 << 30))
+            .unwrap();
+        let err = leaf
+            .broadcast_bytes_max(&mut Vec::new(), 1000)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("17179869184 bytes") && err.contains("at most 1000 bytes"),
+            "{err}"
+        );
+
+        // Rank 0 does not send more than the bound either.
+        let mut ranks = group(2);
+        let _leaf = ranks.pop().unwrap();
+        let err = ranks[0]
+            .broadcast_bytes_max(&mut vec![0; 10], 5)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("10 bytes") && err.contains("the 5"), "{err}");
     }
 }

@@ -7,9 +7,15 @@
 
 pub mod broadcast;
 mod cpu;
+mod hello;
 #[cfg(feature = "nccl")]
 mod nccl;
 pub mod rendezvous;
+
+/// The rendezvous group of learner rank 0 and the weight receivers (`broadcast::GROUP`):
+/// the one group with rollout workers in it, whose hello key therefore comes from the
+/// workers' token.
+pub const WEIGHTS_GROUP: &str = "weights";
 
 use std::io;
 use std::time::Duration;
@@ -17,6 +23,7 @@ use std::time::Duration;
 use tch::{Device, Tensor};
 
 pub use cpu::{CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
+pub use hello::CollectiveSecret;
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclCollective, NcclUniqueId};
 pub use rendezvous::{CollectiveChoice, GroupOptions};
@@ -41,13 +48,30 @@ pub enum CollectiveError {
         #[source]
         source: io::Error,
     },
-    #[error("rank 0: only {joined} of {world_size} ranks joined at {addr} within {waited:?} (missing ranks: {missing:?})")]
+    #[error("rank 0: only {joined} of {world_size} ranks joined at {addr} within {waited:?} (missing ranks: {missing:?}){}", refusals(refused))]
     Rendezvous {
         addr: String,
         joined: usize,
         world_size: usize,
         missing: Vec<usize>,
         waited: Duration,
+        /// The connections rank 0 refused meanwhile (the first few): address and why.
+        refused: Vec<String>,
+    },
+    #[error("rank {rank}: rank 0 at {addr} refused to form a group with this rank: {reason}")]
+    Refused {
+        rank: usize,
+        addr: String,
+        reason: String,
+    },
+    #[error("rank {rank}: rank {peer} ({addr}) announced a frame of {len} bytes in {what}, which expects at most {max} bytes: refused unread")]
+    FrameTooLarge {
+        rank: usize,
+        peer: usize,
+        addr: String,
+        what: &'static str,
+        len: u64,
+        max: usize,
     },
     #[error("rank {rank}: rank {peer} is out of step: {detail} (every rank must issue the same collectives in the same order with the same tensor shapes)")]
     Mismatch {
@@ -61,6 +85,14 @@ pub enum CollectiveError {
     Nccl(String),
 }
 
+fn refusals(refused: &[String]) -> String {
+    if refused.is_empty() {
+        String::new()
+    } else {
+        format!("; refused connections: {}", refused.join("; "))
+    }
+}
+
 fn timeout_hint(e: &io::Error) -> &'static str {
     match e.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
@@ -72,6 +104,13 @@ fn timeout_hint(e: &io::Error) -> &'static str {
         _ => "",
     }
 }
+
+/// The most bytes `Collective::broadcast_bytes` carries: what the learner group sends, a
+/// coordinator batch (which came as one gRPC message, at most
+/// `tutor_proto::MAX_MESSAGE_BYTES`) with its tag byte, or rank 0's training-state header
+/// (JSON: the configuration and the parameter names), with room to spare. Larger payloads
+/// (policy files) pass their own bound to `broadcast_bytes_max`.
+pub const MAX_BROADCAST_BYTES: usize = tutor_proto::MAX_MESSAGE_BYTES + (1 << 20);
 
 /// Operations between the ranks of one data-parallel group. Every rank must call the same
 /// operations in the same order with tensors of the same shapes; each call blocks until all
@@ -101,10 +140,20 @@ pub trait Collective: Send {
     /// Overwrites each tensor on every rank with rank 0's values.
     fn broadcast(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError>;
 
-    /// Replaces `data` on every rank with rank 0's bytes, whatever their length (what
-    /// the other ranks pass in is ignored). Rank 0 shares batches and its training state
-    /// with it.
-    fn broadcast_bytes(&mut self, data: &mut Vec<u8>) -> Result<(), CollectiveError>;
+    /// Replaces `data` on every rank with rank 0's bytes, at most [`MAX_BROADCAST_BYTES`]
+    /// of them (what the other ranks pass in is ignored). Rank 0 shares batches and its
+    /// training state with it.
+    fn broadcast_bytes(&mut self, data: &mut Vec<u8>) -> Result<(), CollectiveError> {
+        self.broadcast_bytes_max(data, MAX_BROADCAST_BYTES)
+    }
+
+    /// `broadcast_bytes` of at most `max` bytes, which every rank must pass alike: rank 0
+    /// fails with more, and the others refuse a longer message before allocating it.
+    fn broadcast_bytes_max(
+        &mut self,
+        data: &mut Vec<u8>,
+        max: usize,
+    ) -> Result<(), CollectiveError>;
 
     /// Returns once every rank has called it.
     fn barrier(&mut self) -> Result<(), CollectiveError>;

@@ -231,7 +231,11 @@ impl Collective for NcclCollective {
         })
     }
 
-    fn broadcast_bytes(&mut self, data: &mut Vec<u8>) -> Result<(), CollectiveError> {
+    fn broadcast_bytes_max(
+        &mut self,
+        data: &mut Vec<u8>,
+        max: usize,
+    ) -> Result<(), CollectiveError> {
         if self.world_size == 1 {
             return Ok(());
         }
@@ -240,6 +244,15 @@ impl Collective for NcclCollective {
         let mut len = [Tensor::from_slice(&[data.len() as i64]).to_device(gpu)];
         self.broadcast(&mut len)?;
         let n = len[0].int64_value(&[0]) as usize;
+        // Every rank (rank 0 too) checks the length they all got, so they fail together
+        // instead of leaving some in the next broadcast.
+        if n > max {
+            return Err(CollectiveError::Nccl(format!(
+                "rank {}: rank 0 broadcasts {n} bytes, more than the {max} expected: refused \
+                 before allocating them",
+                self.rank
+            )));
+        }
         if n == 0 {
             data.clear();
             return Ok(());

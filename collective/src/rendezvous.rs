@@ -14,7 +14,7 @@ use tutor_proto::auth::ClientAuth;
 use tutor_proto::learner_group_client::LearnerGroupClient;
 use tutor_proto::{CollectiveKind, GetRendezvousRequest, PublishRendezvousRequest, Rendezvous};
 
-use crate::{Collective, CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
+use crate::{Collective, CollectiveSecret, CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
 
 /// Which collective a group uses (`[learner] collective`, `broadcast_collective`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -38,7 +38,8 @@ pub struct GroupOptions {
     pub collective: CollectiveChoice,
     /// The coordinator's gRPC endpoint (`http://host:port`), where the rendezvous is.
     pub coordinator: String,
-    /// Token and TLS for the calls to the coordinator.
+    /// Token and TLS for the calls to the coordinator; the token also keys the CPU
+    /// collective's hello (see `secret`).
     pub auth: ClientAuth,
     /// CPU, rank 0: where its collective listens (port 0: any free port).
     pub collective_listen: SocketAddr,
@@ -121,6 +122,17 @@ impl GroupOptions {
             );
         }
         Ok(())
+    }
+
+    /// The key that authenticates the CPU collective's hellos in this group: derived from
+    /// the run's auth token (the one `auth` sends the coordinator) and the group's name;
+    /// `None` without a token (the hello is open, as on one machine over loopback).
+    pub fn secret(&self) -> Option<CollectiveSecret> {
+        CollectiveSecret::from_client_auth(
+            &self.auth,
+            &self.group,
+            self.group == crate::WEIGHTS_GROUP,
+        )
     }
 
     fn cpu_timeouts(&self) -> CpuCollectiveTimeouts {
@@ -258,7 +270,9 @@ pub fn form_as_rank0(
 ) -> Result<(Box<dyn Collective>, u64)> {
     match o.collective {
         CollectiveChoice::Cpu => {
-            let rdv = CpuRendezvous::bind(o.collective_listen)?;
+            let secret = o.secret();
+            let authenticated = secret.is_some();
+            let rdv = CpuRendezvous::bind(o.collective_listen)?.with_secret(secret);
             let bound = rdv.local_addr();
             let addr = match &o.collective_advertise {
                 Some(a) => match a.strip_suffix(":0") {
@@ -278,7 +292,7 @@ pub fn form_as_rank0(
                     group: o.group.clone(),
                 },
             ))?;
-            tracing::info!(generation, %addr, world_size = o.world_size, "{what} rendezvous published: waiting for the other ranks");
+            tracing::info!(generation, %addr, world_size = o.world_size, authenticated, "{what} rendezvous published: waiting for the other ranks");
             let c = rdv
                 .accept(o.world_size, o.cpu_timeouts())
                 .with_context(|| format!("forming the {what} of generation {generation}"))?;
@@ -328,11 +342,12 @@ fn form_nccl(
 /// Ranks 1..K−1: joins the collective of generation `rdv`.
 pub fn join_rendezvous(opts: &GroupOptions, rdv: &Rendezvous) -> Result<Box<dyn Collective>> {
     Ok(match opts.collective {
-        CollectiveChoice::Cpu => Box::new(CpuCollective::connect(
+        CollectiveChoice::Cpu => Box::new(CpuCollective::connect_with_secret(
             rdv.cpu_address.as_str(),
             opts.rank,
             opts.world_size,
             opts.cpu_timeouts(),
+            opts.secret().as_ref(),
         )?),
         CollectiveChoice::Nccl => nccl_join(opts, rdv)?,
     })
@@ -356,4 +371,78 @@ fn nccl_join(opts: &GroupOptions, rdv: &Rendezvous) -> Result<Box<dyn Collective
 #[cfg(not(feature = "nccl"))]
 fn nccl_join(_opts: &GroupOptions, _rdv: &Rendezvous) -> Result<Box<dyn Collective>> {
     bail!("this tutor was built without the `nccl` feature")
+}
+
+#[cfg(test)]
+mod tests {
+    use tutor_proto::auth::AuthToken;
+
+    use super::*;
+
+    fn options(rank: usize, token: Option<&str>, group: &str) -> GroupOptions {
+        GroupOptions {
+            rank,
+            world_size: 2,
+            collective: CollectiveChoice::Cpu,
+            coordinator: "http://127.0.0.1:1".into(),
+            auth: ClientAuth::new(token.map(|t| AuthToken::new(t).unwrap()).as_ref()),
+            collective_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            collective_advertise: None,
+            gpu: 0,
+            rendezvous_timeout: Duration::from_secs(20),
+            collective_timeout: Duration::from_secs(20),
+            group: group.into(),
+        }
+    }
+
+    fn rendezvous(addr: SocketAddr) -> Rendezvous {
+        Rendezvous {
+            generation: 1,
+            world_size: 2,
+            kind: CollectiveKind::Cpu as i32,
+            cpu_address: addr.to_string(),
+            nccl_unique_id: Vec::new(),
+            group: String::new(),
+        }
+    }
+
+    #[test]
+    fn the_group_secret_comes_from_the_run_token() {
+        assert!(options(0, None, "").secret().is_none());
+        let learner = options(0, Some("tok"), "").secret().unwrap();
+        assert_eq!(learner, CollectiveSecret::from_token(b"tok", ""));
+        assert_ne!(
+            learner,
+            options(0, Some("tok"), "weights").secret().unwrap()
+        );
+    }
+
+    /// What `form_as_rank0` binds (a rendezvous with the group's secret), joined through
+    /// `join_rendezvous`: with the run's token only.
+    #[test]
+    fn joining_a_rendezvous_proves_the_run_token() {
+        let root_opts = options(0, Some("the-run-token"), "");
+        let t = root_opts.cpu_timeouts();
+        let rdv = CpuRendezvous::bind("127.0.0.1:0")
+            .unwrap()
+            .with_secret(root_opts.secret());
+        let rdv_info = rendezvous(rdv.local_addr());
+        let root = std::thread::spawn(move || rdv.accept(2, t));
+        let err = join_rendezvous(&options(1, Some("another-token"), ""), &rdv_info)
+            .err()
+            .expect("joined with another token");
+        assert!(format!("{err:#}").contains("auth token"), "{err:#}");
+        let err = join_rendezvous(&options(1, None, ""), &rdv_info)
+            .err()
+            .expect("joined without a token");
+        assert!(
+            format!("{err:#}").contains("requires an authenticated hello"),
+            "{err:#}"
+        );
+        let mut leaf = join_rendezvous(&options(1, Some("the-run-token"), ""), &rdv_info).unwrap();
+        let mut root = root.join().unwrap().unwrap();
+        let h = std::thread::spawn(move || root.barrier());
+        leaf.barrier().unwrap();
+        h.join().unwrap().unwrap();
+    }
 }

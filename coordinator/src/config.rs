@@ -173,6 +173,14 @@ pub struct CoordinatorConfig {
     pub unbiased_sampling: bool,
     /// A lease not renewed by heartbeat for this long is given to another worker.
     pub lease_timeout_s: f64,
+    /// However often it is renewed, a lease ends this long after it was granted: an
+    /// episode stuck with a live worker (a hung sandbox, a wedged teacher) cannot hold
+    /// its iteration forever. Its slot goes to another attempt.
+    pub lease_max_s: f64,
+    /// Attempts one slot gets (a lease that expired, by either deadline, counts as one);
+    /// after the last, the slot is recorded as failed (an unresolved SANDBOX_ERROR
+    /// outcome, no training examples) and the iteration goes on.
+    pub max_attempts: u32,
     /// Padded tokens per training batch (rows × longest row).
     pub batch_tokens: usize,
     /// Keep every episode's examples in one batch (episodes shuffled, the budget counting
@@ -194,6 +202,9 @@ pub struct CoordinatorConfig {
     /// On SIGTERM: how long episodes already leased may keep streaming before the
     /// coordinator stops (no new leases are handed out meanwhile).
     pub shutdown_grace_s: f64,
+    /// `GET /metrics` requires `Authorization: Bearer <the run's token>` (Prometheus:
+    /// `authorization: {credentials_file: ...}` in the scrape config). Needs a token.
+    pub metrics_require_token: bool,
 }
 
 impl Default for CoordinatorConfig {
@@ -224,6 +235,8 @@ impl Default for CoordinatorConfig {
             eval_temperature: 0.0,
             unbiased_sampling: false,
             lease_timeout_s: 300.0,
+            lease_max_s: 3600.0,
+            max_attempts: 3,
             batch_tokens: 12288,
             batch_by_episode: false,
             max_seq_len: 2048,
@@ -235,6 +248,7 @@ impl Default for CoordinatorConfig {
             mode: ScheduleMode::Sync,
             max_staleness: 1,
             shutdown_grace_s: 30.0,
+            metrics_require_token: false,
         }
     }
 }
@@ -247,6 +261,17 @@ impl CoordinatorConfig {
         }
         if self.max_turns == 0 {
             return Err(ConfigError::AtLeastOne("coordinator.max_turns"));
+        }
+        if self.max_attempts == 0 {
+            return Err(ConfigError::AtLeastOne("coordinator.max_attempts"));
+        }
+        for (field, value) in [
+            ("coordinator.lease_timeout_s", self.lease_timeout_s),
+            ("coordinator.lease_max_s", self.lease_max_s),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(ConfigError::Seconds { field, got: value });
+            }
         }
         if self.batch_tokens < 16 || self.max_seq_len < 16 {
             return Err(ConfigError::TooFewTokens);
@@ -296,6 +321,8 @@ pub enum ConfigError {
     TooFewTokens,
     #[error("coordinator.beta.start and coordinator.beta.end must lie in [0, 1]")]
     Beta,
+    #[error("{field} must be a positive number of seconds (got {got})")]
+    Seconds { field: &'static str, got: f64 },
     #[error(transparent)]
     Algorithm(#[from] AlgorithmConfigError),
 }

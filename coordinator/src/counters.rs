@@ -12,6 +12,9 @@ pub struct EventCounters {
     pub outcomes_ingested: AtomicU64,
     /// Events a worker replayed that were already stored.
     pub duplicate_events: AtomicU64,
+    /// Events refused with a reason in their ack (no payload, over
+    /// `tutor_proto::MAX_EVENT_BYTES`): never stored; the stream went on.
+    pub refused_events: AtomicU64,
     /// Group commits of the trajectory store: one write of a batch and one fsync each.
     pub store_commits: AtomicU64,
     /// Bytes appended to the trajectory store (records with their headers).

@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -19,7 +20,7 @@ use tutor_proto::{
 };
 
 use crate::config::{CoordinatorConfig, ScheduleMode};
-use crate::dataset::{make_batches, make_episode_batches};
+use crate::dataset::{make_batches, make_episode_batches, split_oversized};
 use crate::run_events::EventLog;
 use crate::scheduler::{IterationRollouts, SchedulerHandle};
 use crate::state::{state_path, Phase, RunState};
@@ -207,13 +208,20 @@ impl Driver {
                 for b in &mut batches {
                     b.run_id = self.state.run_id.clone();
                 }
+                // A batch over the learner's message limit would fail the stream on
+                // every attempt: it goes as several smaller steps.
+                let batches = split_oversized(batches, tutor_proto::MAX_MESSAGE_BYTES)
+                    .with_context(|| format!("building the batches of iteration {iteration}"))?;
+                // The batches hold copies: the examples are not kept while training.
+                let train_examples = examples.len() as u64;
+                drop(examples);
                 let (losses, published) = self.train(&mut learner, iteration, batches).await?;
                 policy = PolicyVersion {
                     version: published.0,
                     weights_endpoint: self.learner_endpoint.clone(),
                     sha256: published.1,
                 };
-                (losses, stale, examples.len() as u64)
+                (losses, stale, train_examples)
             };
             self.state.phase = Phase::Published;
             self.state.policy_version = policy.version;
@@ -339,6 +347,8 @@ impl Driver {
         iteration: u32,
         batches: Vec<tutor_proto::TrainBatch>,
     ) -> Result<(Vec<f64>, (u64, String))> {
+        // Shared by the attempts; each batch is copied only as it is sent.
+        let batches = Arc::new(batches);
         let mut losses = BTreeMap::new();
         let mut attempt = 0u32;
         loop {
@@ -388,14 +398,14 @@ impl Driver {
         &self,
         learner: &mut Learner,
         iteration: u32,
-        batches: Vec<tutor_proto::TrainBatch>,
+        batches: Arc<Vec<tutor_proto::TrainBatch>>,
         losses: &mut BTreeMap<u32, f64>,
     ) -> Result<(u64, String)> {
         let total = batches.len() as u32;
         let (tx, rx) = mpsc::channel(2);
         tokio::spawn(async move {
-            for b in batches {
-                if tx.send(b).await.is_err() {
+            for b in batches.iter() {
+                if tx.send(b.clone()).await.is_err() {
                     return;
                 }
             }

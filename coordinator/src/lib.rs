@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use tokio::sync::Notify;
-use tutor_proto::auth::{AuthToken, ClientAuth, ServerAuth};
+use tutor_proto::auth::{AuthToken, ClientAuth, Role, ServerAuth};
 use tutor_proto::control_server::ControlServer;
 use tutor_proto::learner_group_server::LearnerGroupServer;
 use tutor_proto::net::GrpcListener;
@@ -57,6 +57,9 @@ pub struct ServeOptions {
     /// given) and, with `ca`, the client side towards an `https://` learner. Empty:
     /// plaintext.
     pub tls: tutor_proto::tls::TlsFiles,
+    /// Listen on a non-loopback address with no token and no client certificates.
+    /// Without it that is refused at start (`--insecure` on the command line).
+    pub insecure: bool,
 }
 
 /// How long tonic may take to close its connections once the drain is over; after it,
@@ -92,18 +95,23 @@ pub async fn serve(
         Some(s) => (s, true),
         None => (state::RunState::default(), false),
     };
-    let (store, history) =
-        store::TrajectoryStore::open_recovering(&opts.run_dir.join("trajectories"), opts.store)?;
+    // The stored events are kept as offsets in the store file: each iteration's are read
+    // back when the scheduler replays it.
+    let store_dir = opts.run_dir.join("trajectories");
+    let mut recovery = scheduler::Recovery::in_store(&store::log_path(&store_dir));
+    let store = store::TrajectoryStore::open_for_each(&store_dir, opts.store, |offset, ev| {
+        recovery.history.push_stored(offset, &ev)
+    })?;
     tracing::info!(path = %store.path().display(), events = store.len(), fsync = opts.store.fsync, "trajectory store open");
     if !opts.store.fsync {
         tracing::warn!("trajectory store fsync is off: acknowledged events can be lost in a crash");
     }
-    if !resumed && !history.is_empty() {
+    if !resumed && !recovery.history.is_empty() {
         anyhow::bail!(
             "{} holds {} stored events but {} is missing: this run directory was not written \
              by a coordinator that can resume it; use a fresh --run-dir",
             store.path().display(),
-            history.len(),
+            recovery.history.len(),
             state_path.display()
         );
     }
@@ -125,19 +133,22 @@ pub async fn serve(
             generation = run_state.generation,
             iteration = run_state.iteration,
             phase = ?run_state.phase,
-            events = history.len(),
+            events = recovery.history.len(),
             "resuming the run from its state and store"
         );
     }
     let counters = Arc::new(counters::EventCounters::default());
     let (store_tx, store_thread) = store::spawn_writer(store, counters.clone());
+    // Closes when the store's writer thread ends early (a poisoned store): the
+    // coordinator then stops with the store's error. Dropped before the writer is joined.
+    let store_watch = store_tx.clone();
     let scheduler = scheduler::SchedulerHandle::spawn_recovered(
         opts.config.clone(),
         opts.train_tasks,
         opts.heldout_tasks,
         scheduler::Recovery {
             generation: run_state.generation,
-            history,
+            ..recovery
         },
     );
     // A restarted coordinator's watchers still get the earlier iterations' summaries.
@@ -148,8 +159,19 @@ pub async fn serve(
     });
     let stop = Arc::new(Notify::new());
     let auth = ServerAuth::new(opts.auth_token.clone());
+    if opts.config.metrics_require_token && !auth.is_enabled() {
+        anyhow::bail!(
+            "[coordinator] metrics_require_token = true needs the run's token \
+             (--auth-token-file or TUTOR_AUTH_TOKEN): there is nothing to require"
+        );
+    }
 
     let listener = GrpcListener::bind("coordinator", opts.listen).await?;
+    listener.refuse_unprotected(
+        &auth,
+        server_tls.as_ref().is_some_and(|t| t.is_mutual()),
+        opts.insecure,
+    )?;
     let metrics_task = match opts.metrics_listen {
         Some(addr) => Some(
             metrics::start(
@@ -160,6 +182,7 @@ pub async fn serve(
                     events: counters.clone(),
                     auth: auth.clone(),
                     run_events: events.clone(),
+                    require_token: opts.config.metrics_require_token,
                 },
             )
             .await?,
@@ -215,18 +238,23 @@ pub async fn serve(
         .await;
     let server = server_builder
         .add_service(health_service)
+        // Workers' tokens reach Rollout and the rendezvous (the weights broadcast's
+        // receivers); Control (watching, shutting down) takes the run's token only.
         .add_service(
-            auth.intercept(
+            auth.allowing(&[Role::Worker]).intercept(
                 RolloutServer::new(rollout)
                     .max_decoding_message_size(tutor_proto::MAX_ROLLOUT_REQUEST_BYTES)
                     .max_encoding_message_size(tutor_proto::MAX_MESSAGE_BYTES),
             ),
         )
-        .add_service(auth.intercept(ControlServer::new(control)))
+        .add_service(auth.allowing(&[]).intercept(ControlServer::new(control)))
         // Data-parallel learner ranks find rank 0's collective here.
-        .add_service(auth.intercept(LearnerGroupServer::new(
-            learner_group::LearnerGroupService::default(),
-        )))
+        .add_service(
+            auth.allowing(&[Role::Worker])
+                .intercept(LearnerGroupServer::new(
+                    learner_group::LearnerGroupService::default(),
+                )),
+        )
         .serve_with_incoming_shutdown(
             listener.incoming(),
             tutor_proto::net::not_serving_after(
@@ -245,6 +273,10 @@ pub async fn serve(
     };
     let result = tokio::select! {
         r = &mut server => r.context("coordinator server"),
+        _ = store_watch.closed() => {
+            driver_task.abort();
+            Err(anyhow::anyhow!("the trajectory store stopped"))
+        }
         _ = stop_requested => {
             drain(&draining, grace).await;
             // The driver holds no state that is not on disk: a restart carries on.
@@ -262,19 +294,31 @@ pub async fn serve(
     // Dropping the server drops its store senders; the event streams' tasks drop theirs
     // once their connections close. The writer then writes what it has and ends.
     drop(server);
+    drop(store_watch);
     let joined = tokio::time::timeout(
         STORE_CLOSE_TIMEOUT,
         tokio::task::spawn_blocking(move || store_thread.join()),
     )
     .await;
-    if !matches!(joined, Ok(Ok(Ok(())))) {
-        tracing::warn!(
-            "the trajectory store did not close in time; acknowledged events are on disk"
-        );
-    }
+    let stored = match joined {
+        Ok(Ok(Ok(stored))) => {
+            stored.context("the trajectory store failed, so the coordinator stopped")
+        }
+        Ok(Ok(Err(_))) => Err(anyhow::anyhow!(
+            "the trajectory store's writer thread panicked (see the log above); \
+             acknowledged events are on disk"
+        )),
+        _ => {
+            tracing::warn!(
+                "the trajectory store did not close in time; acknowledged events are on disk"
+            );
+            Ok(())
+        }
+    };
     if let Some(t) = metrics_task {
         t.abort();
     }
+    stored?;
     result?;
     tracing::info!("coordinator stopped");
     Ok(())

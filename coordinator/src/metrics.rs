@@ -32,6 +32,9 @@ pub struct MetricsSource {
     pub auth: ServerAuth,
     /// Iteration summaries (solve rates, training throughput, phase times).
     pub run_events: EventLog,
+    /// Scrapes must carry `Authorization: Bearer <token>` (the run's token, which `auth`
+    /// checks); others get 401 and are counted with the rejected gRPC calls.
+    pub require_token: bool,
 }
 
 impl MetricsSource {
@@ -78,6 +81,12 @@ pub fn render(
         "counter",
         "Replayed events that were already stored (acknowledged, not stored again).",
         &[("", load(&events.duplicate_events))],
+    );
+    metric(
+        "tutor_coordinator_refused_events_total",
+        "counter",
+        "Events refused with a reason in their ack (no payload, too large): never stored.",
+        &[("", load(&events.refused_events))],
     );
     metric(
         "tutor_coordinator_store_commits_total",
@@ -254,7 +263,13 @@ pub async fn serve(listener: TcpListener, source: MetricsSource) {
     }
 }
 
-async fn scrape(State(source): State<MetricsSource>) -> Response {
+async fn scrape(State(source): State<MetricsSource>, headers: axum::http::HeaderMap) -> Response {
+    if source.require_token {
+        let metadata = tonic::metadata::MetadataMap::from_headers(headers);
+        if let Err(status) = source.auth.check(&metadata) {
+            return text(StatusCode::UNAUTHORIZED, format!("{}\n", status.message()));
+        }
+    }
     // A scrape that cannot be answered in time is dropped rather than left hanging.
     match tokio::time::timeout(Duration::from_secs(10), source.render()).await {
         Ok(body) => text(StatusCode::OK, body),
@@ -316,6 +331,7 @@ mod tests {
             events: Default::default(),
             auth: ServerAuth::new(None),
             run_events: Default::default(),
+            require_token: false,
         };
         let task = start("127.0.0.1:0".parse().unwrap(), Some(&addr_file), source)
             .await
@@ -344,6 +360,53 @@ mod tests {
         task.abort();
     }
 
+    /// With `[coordinator] metrics_require_token`, a scrape without the run's token (or
+    /// with another) gets 401, the message never echoing what was sent; the right token
+    /// gets the metrics. Before, /metrics answered anyone.
+    #[tokio::test]
+    async fn metrics_can_require_the_token() {
+        let token = tutor_proto::auth::AuthToken::new("metrics-s3cret").unwrap();
+        let source = MetricsSource {
+            scheduler: SchedulerHandle::spawn(Default::default(), vec![], vec![]),
+            events: Default::default(),
+            auth: ServerAuth::new(Some(token)),
+            run_events: Default::default(),
+            require_token: true,
+        };
+        let d = tempfile::tempdir().unwrap();
+        let addr_file = d.path().join("metrics");
+        let task = start("127.0.0.1:0".parse().unwrap(), Some(&addr_file), source)
+            .await
+            .unwrap();
+        let addr: SocketAddr = std::fs::read_to_string(&addr_file)
+            .unwrap()
+            .parse()
+            .unwrap();
+        let anonymous = http_get(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        assert!(anonymous.starts_with("HTTP/1.1 401"), "{anonymous}");
+        let wrong = http_get(
+            addr,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer guess\r\n\r\n",
+        )
+        .await;
+        assert!(wrong.starts_with("HTTP/1.1 401"), "{wrong}");
+        assert!(
+            !wrong.contains("guess") && !wrong.contains("s3cret"),
+            "{wrong}"
+        );
+        let right = http_get(
+            addr,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer metrics-s3cret\r\n\r\n",
+        )
+        .await;
+        assert!(right.starts_with("HTTP/1.1 200"), "{right}");
+        assert!(
+            right.contains("tutor_coordinator_unauthenticated_requests_total 2"),
+            "{right}"
+        );
+        task.abort();
+    }
+
     #[test]
     fn exposition_has_every_series_with_help_and_type() {
         let events = EventCounters::default();
@@ -367,6 +430,7 @@ mod tests {
         for (series, want) in [
             ("tutor_coordinator_turns_ingested_total", 2),
             ("tutor_coordinator_duplicate_events_total", 1),
+            ("tutor_coordinator_refused_events_total", 0),
             ("tutor_coordinator_outcomes_ingested_total", 0),
             ("tutor_coordinator_store_commits_total", 0),
             ("tutor_coordinator_store_bytes_total", 0),

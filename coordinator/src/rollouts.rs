@@ -15,6 +15,8 @@ pub struct IterationRollouts {
     pub agreements: u64,
     pub student_format_errors: u64,
     pub expired_leases: u64,
+    /// Slots recorded as failed after `max_attempts` expired leases.
+    pub failed_slots: u64,
     /// dapo: groups dynamic sampling kept and dropped, refill rounds run, and the mean
     /// reward of the training episodes.
     pub groups: GroupStats,

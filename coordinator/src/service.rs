@@ -3,6 +3,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 
+use prost::Message;
 use tokio::sync::{broadcast, mpsc, oneshot, Notify};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
@@ -16,7 +17,7 @@ use tutor_proto::{
 
 use crate::counters::EventCounters;
 use crate::run_events::EventLog;
-use crate::scheduler::{SchedulerHandle, HEARTBEAT_INTERVAL};
+use crate::scheduler::{Admission, SchedulerHandle, HEARTBEAT_INTERVAL};
 use crate::store::{event_key, StoreReply, StoreRequest};
 
 #[derive(Clone)]
@@ -31,14 +32,36 @@ type AckStream = Pin<Box<dyn Stream<Item = Result<EventAck, Status>> + Send>>;
 /// Events of one stream handed to the store and not yet acknowledged, at most.
 const STREAM_PIPELINE: usize = 256;
 
-/// An event handed to the store, waiting for its commit; or the error that ends the
-/// stream after the acks before it.
-type Waiting = Result<InStore, Status>;
+/// One stream's events in stream order, as the acking task answers them: handed to the
+/// store and waiting for its commit, refused with a reason (the stream goes on), or the
+/// error that ends the stream after the acks before it.
+enum Waiting {
+    Stored(InStore),
+    Refused(EventAck),
+    End(Status),
+}
 
 struct InStore {
     episode_id: String,
     turn_index: u32,
     stored: oneshot::Receiver<StoreReply>,
+}
+
+/// Why the coordinator will never store `ev` (it is acknowledged as refused, so the
+/// worker drops it instead of replaying it on every reconnect), or `None` if it may.
+pub(crate) fn refusal(ev: &EpisodeEvent) -> Option<String> {
+    if event_key(ev).is_none() {
+        return Some("an event with neither a turn nor an outcome".into());
+    }
+    let size = ev.encoded_len();
+    if size > tutor_proto::MAX_EVENT_BYTES {
+        return Some(format!(
+            "the event is {size} bytes, over the {} an event may be (tutor_proto::MAX_EVENT_BYTES); \
+             a worker leaves a too-large patch out before sending",
+            tutor_proto::MAX_EVENT_BYTES
+        ));
+    }
+    None
 }
 
 #[tonic::async_trait]
@@ -53,15 +76,16 @@ impl Rollout for RolloutService {
                 "worker_name must be 1 to 128 characters",
             ));
         }
-        let (worker_id, policy) = self
+        let (worker_id, worker_secret, policy) = self
             .scheduler
-            .register(r.worker_name, r.capacity.max(1))
+            .register_worker(r.worker_name, r.capacity.max(1))
             .await
             .ok_or_else(|| Status::unavailable("coordinator is shutting down"))?;
         Ok(Response::new(RegisterResponse {
             worker_id,
             heartbeat_interval_ms: HEARTBEAT_INTERVAL.as_millis() as u64,
             policy: Some(policy),
+            worker_secret,
         }))
     }
 
@@ -84,10 +108,23 @@ impl Rollout for RolloutService {
     /// event is acknowledged as a duplicate and changes nothing. Events are pipelined:
     /// the next is handed to the store while earlier ones wait for their group commit,
     /// so one stream's events share fsyncs; acks (and a final error) keep stream order.
+    /// An event the coordinator will never store (see [`refusal`]) is acknowledged with
+    /// its reason and the stream goes on: a worker must not replay it forever.
     async fn stream_events(
         &self,
         request: Request<Streaming<EpisodeEvent>>,
     ) -> Result<Response<Self::StreamEventsStream>, Status> {
+        // Which worker this stream claims to be; proven, per event, by the secret its
+        // Register answer gave it.
+        let text = |key: &str| {
+            request
+                .metadata()
+                .get(key)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let worker =
+            text(tutor_proto::WORKER_ID_METADATA).zip(text(tutor_proto::WORKER_SECRET_METADATA));
         let mut events = request.into_inner();
         let store = self.store.clone();
         let scheduler = self.scheduler.clone();
@@ -105,34 +142,62 @@ impl Rollout for RolloutService {
                         return;
                     }
                 };
-                let Some((episode_id, turn_index)) = event_key(&ev) else {
-                    let _ = waiting_tx
-                        .send(Err(Status::invalid_argument(
-                            "event without a turn or outcome",
-                        )))
-                        .await;
-                    return;
-                };
-                let (reply, stored) = oneshot::channel();
-                // An outcome of an attempt whose slot another attempt completed (a lease
-                // that expired, or was handed out again after a coordinator restart,
-                // while its worker kept going) is acknowledged and dropped: every slot is
-                // completed exactly once in the store.
-                if turn_index == tutor_proto::TURN_INDEX_OUTCOME
-                    && !claims.claim_outcome(ev.clone()).await
-                {
-                    tracing::info!(episode = %episode_id, "outcome of a superseded attempt: acknowledged, not stored");
-                    let _ = reply.send(StoreReply {
-                        event: ev,
-                        result: Ok(true),
-                    });
-                } else if store.send(StoreRequest { event: ev, reply }).await.is_err() {
-                    let _ = waiting_tx
-                        .send(Err(Status::unavailable("trajectory store stopped")))
-                        .await;
-                    return;
+                if let Some(reason) = refusal(&ev) {
+                    let (episode_id, turn_index) =
+                        event_key(&ev).unwrap_or_else(|| (ev.episode_id.clone(), 0));
+                    tracing::warn!(episode = %episode_id, turn = turn_index, worker = %ev.worker_id, %reason, "event refused");
+                    let ack = EventAck {
+                        is_outcome: turn_index == tutor_proto::TURN_INDEX_OUTCOME,
+                        episode_id,
+                        turn_index,
+                        duplicate: false,
+                        refused: reason,
+                    };
+                    if waiting_tx.send(Waiting::Refused(ack)).await.is_err() {
+                        return;
+                    }
+                    continue;
                 }
-                let waiting = Ok(InStore {
+                let (episode_id, turn_index) = event_key(&ev).expect("refusal checks the key");
+                let (reply, stored) = oneshot::channel();
+                match claims.admit(&ev, worker.clone()).await {
+                    Admission::Refused(reason) => {
+                        tracing::warn!(episode = %episode_id, turn = turn_index, %reason, "event refused");
+                        let ack = EventAck {
+                            episode_id,
+                            turn_index,
+                            is_outcome: turn_index == tutor_proto::TURN_INDEX_OUTCOME,
+                            duplicate: false,
+                            refused: reason,
+                        };
+                        if waiting_tx.send(Waiting::Refused(ack)).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    // An outcome of an attempt whose slot another attempt completed (a
+                    // lease that expired, or was handed out again after a coordinator
+                    // restart, while its worker kept going) is acknowledged and dropped:
+                    // every slot is completed exactly once in the store.
+                    Admission::Superseded => {
+                        tracing::info!(episode = %episode_id, "outcome of a superseded attempt: acknowledged, not stored");
+                        let _ = reply.send(StoreReply {
+                            event: ev,
+                            result: Ok(true),
+                        });
+                    }
+                    Admission::Store => {
+                        if store.send(StoreRequest { event: ev, reply }).await.is_err() {
+                            let _ = waiting_tx
+                                .send(Waiting::End(Status::unavailable(
+                                    "trajectory store stopped",
+                                )))
+                                .await;
+                            return;
+                        }
+                    }
+                }
+                let waiting = Waiting::Stored(InStore {
                     episode_id,
                     turn_index,
                     stored,
@@ -149,8 +214,15 @@ impl Rollout for RolloutService {
                     turn_index,
                     stored,
                 } = match waiting {
-                    Ok(w) => w,
-                    Err(status) => {
+                    Waiting::Stored(w) => w,
+                    Waiting::Refused(ack) => {
+                        EventCounters::bump(&counters.refused_events);
+                        if tx.send(Ok(ack)).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    Waiting::End(status) => {
                         let _ = tx.send(Err(status)).await;
                         return;
                     }
@@ -185,6 +257,7 @@ impl Rollout for RolloutService {
                     turn_index,
                     is_outcome,
                     duplicate,
+                    refused: String::new(),
                 };
                 if tx.send(Ok(ack)).await.is_err() {
                     return; // the worker went away; it will replay unacked events
@@ -287,18 +360,21 @@ mod tests {
         }
     }
 
-    /// A worker that sends everything before reading any ack: the events travel through
-    /// the store pipelined, yet the acks come back in stream order, the replays in the
-    /// same stream are duplicates, and the store holds each event once.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn pipelined_stream_acks_in_order_and_flags_replays() {
-        let dir = tempfile::tempdir().unwrap();
-        let addr_file = dir.path().join("addr");
+    /// A coordinator on a loopback port with no learner; stop it with the sender, then
+    /// await the handle.
+    async fn start_coordinator(
+        dir: &std::path::Path,
+    ) -> (
+        RolloutClient<tonic::transport::Channel>,
+        oneshot::Sender<()>,
+        tokio::task::JoinHandle<anyhow::Result<()>>,
+    ) {
+        let addr_file = dir.join("addr");
         let (stop, stopped) = oneshot::channel::<()>();
         let server = tokio::spawn(crate::serve(
             ServeOptions {
                 listen: "127.0.0.1:0".parse().unwrap(),
-                run_dir: dir.path().join("run"),
+                run_dir: dir.join("run"),
                 // No learner listens there: the driver never reaches it in this test.
                 learner_endpoint: "http://127.0.0.1:9".into(),
                 config: Default::default(),
@@ -310,6 +386,7 @@ mod tests {
                 metrics_addr_file: None,
                 store: Default::default(),
                 tls: Default::default(),
+                insecure: false,
             },
             async move {
                 let _ = stopped.await;
@@ -323,9 +400,20 @@ mod tests {
             assert!(Instant::now() < end, "the coordinator never listened");
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
-        let mut client = RolloutClient::connect(format!("http://{addr}"))
+        let client = RolloutClient::connect(format!("http://{addr}"))
             .await
-            .unwrap();
+            .unwrap()
+            .max_encoding_message_size(tutor_proto::MAX_MESSAGE_BYTES);
+        (client, stop, server)
+    }
+
+    /// A worker that sends everything before reading any ack: the events travel through
+    /// the store pipelined, yet the acks come back in stream order, the replays in the
+    /// same stream are duplicates, and the store holds each event once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pipelined_stream_acks_in_order_and_flags_replays() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut client, stop, server) = start_coordinator(dir.path()).await;
 
         let mut sent: Vec<EpisodeEvent> = (0..200).map(|i| event("e1", Some(i))).collect();
         sent.extend((0..10).map(|i| event("e1", Some(i))));
@@ -354,5 +442,67 @@ mod tests {
         let (stored, _) =
             crate::store::scan(&dir.path().join("run/trajectories/events.log")).unwrap();
         assert_eq!(stored.len(), 201);
+    }
+
+    /// An event the coordinator will never store (no payload; over MAX_EVENT_BYTES) is
+    /// acknowledged as refused with its reason, and the stream goes on: the events after
+    /// it are stored. Before, the first ended the stream and the worker replayed it
+    /// first on every reconnect, forever.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_event_that_cannot_be_stored_is_refused_and_the_stream_goes_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut client, stop, server) = start_coordinator(dir.path()).await;
+
+        let empty = EpisodeEvent {
+            episode_id: "e0".into(),
+            worker_id: "w".into(),
+            event: None,
+        };
+        let mut huge = event("e1", Some(0));
+        if let Some(episode_event::Event::Turn(t)) = huge.event.as_mut() {
+            t.observation = "x".repeat(tutor_proto::MAX_EVENT_BYTES + 1);
+        }
+        let sent = vec![empty, huge, event("e1", Some(1)), event("e1", None)];
+        let mut acks = client
+            .stream_events(tokio_stream::iter(sent))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut got = Vec::new();
+        while let Some(a) = tokio::time::timeout(Duration::from_secs(30), acks.message())
+            .await
+            .expect("an ack within 30 s")
+            .unwrap()
+        {
+            got.push((a.episode_id, a.turn_index, a.refused));
+        }
+        assert_eq!(got.len(), 4, "{got:?}");
+        assert_eq!((got[0].0.as_str(), got[0].1), ("e0", 0));
+        assert!(
+            got[0].2.contains("neither a turn nor an outcome"),
+            "{got:?}"
+        );
+        assert_eq!((got[1].0.as_str(), got[1].1), ("e1", 0));
+        assert!(got[1].2.contains("MAX_EVENT_BYTES"), "{}", got[1].2);
+        assert_eq!(
+            got[2..],
+            [
+                ("e1".to_string(), 1, String::new()),
+                ("e1".to_string(), TURN_INDEX_OUTCOME, String::new())
+            ]
+        );
+
+        stop.send(()).unwrap();
+        server.await.unwrap().unwrap();
+        let (stored, _) =
+            crate::store::scan(&dir.path().join("run/trajectories/events.log")).unwrap();
+        let keys: Vec<_> = stored.iter().filter_map(event_key).collect();
+        assert_eq!(
+            keys,
+            [
+                ("e1".to_string(), 1),
+                ("e1".to_string(), TURN_INDEX_OUTCOME)
+            ]
+        );
     }
 }

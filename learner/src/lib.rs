@@ -13,7 +13,7 @@ pub mod trainer;
 pub mod weights;
 
 pub use config::{CollectiveChoice, LearnerConfig};
-pub use service::{serve, LearnerHandle, ServeOptions};
-pub use trainer::{StepError, StepReport, Trainer};
+pub use service::{serve, LearnerHandle, LearnerStats, ServeOptions};
+pub use trainer::{NonFinite, StepError, StepReport, Trainer};
 pub use tutor_collective::{Collective, CollectiveError, CpuCollective};
 pub use weights::WeightsStore;

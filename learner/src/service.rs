@@ -20,23 +20,41 @@
 //! (kept in the checkpoint's cursor at once), and a batch of any other run is refused
 //! with FAILED_PRECONDITION, before and after a restart, so a second coordinator pointed
 //! at it by mistake can neither train it nor have its batches taken as applied.
+//!
+//! Numbers are not trusted. A batch whose examples cannot be trained on (a token id
+//! outside the model's vocabulary, a loss mask of the wrong length, a non-finite DAPO
+//! advantage or old log-prob: `BatchError`) is refused with INVALID_ARGUMENT naming the
+//! episode and turn, counted and logged. A step whose loss or gradient norm is not finite
+//! is skipped (`StepReport::skipped`): the weights and the optimizer state stay as they
+//! were, no version is published for it (a `publish` batch repeats the latest version
+//! when nothing else changed the weights since), it triggers no checkpoint, and its reply
+//! reports nothing trained (`label_tokens` 0); it is counted, logged, and has a line in
+//! the train log whose `skipped` says why. The batch counts as consumed: sent again, it
+//! is `already_applied`.
+//!
+//! A panic in the trainer thread ends the learner: it is logged as an error, every call
+//! in flight or made after it is answered UNAVAILABLE with "the trainer thread panicked:
+//! …", and `serve` returns that error (so `tutor learner` exits non-zero) once the calls
+//! in flight had their answer (at most `PANIC_GRACE`). Restarted on the same `out_dir`,
+//! the learner resumes from its checkpoint.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 use tutor_collective::rendezvous::GroupOptions;
 use tutor_collective::CpuCollective;
-use tutor_proto::auth::{AuthToken, ServerAuth};
+use tutor_proto::auth::{AuthToken, Role, ServerAuth};
 use tutor_proto::learner_server::{Learner, LearnerServer};
 use tutor_proto::net::GrpcListener;
 use tutor_proto::weights_server::WeightsServer;
@@ -48,7 +66,7 @@ use tutor_proto::{
 use crate::checkpoint;
 use crate::config::LearnerConfig;
 use crate::group::{encode_batch, GroupLead};
-use crate::loss::StepExamples;
+use crate::loss::{BatchError, StepExamples};
 use crate::trainer::{StepError, StepReport, Trainer};
 use crate::weights::{PublishedVersion, WeightsStore};
 
@@ -56,6 +74,9 @@ use crate::weights::{PublishedVersion, WeightsStore};
 pub const CHECKPOINT_DIR: &str = "checkpoint";
 /// One JSON line per applied batch, in `out_dir`: what was trained when.
 pub const TRAIN_LOG: &str = "train-log.jsonl";
+/// After the trainer thread panicked: how long `serve` lets the calls in flight receive
+/// their error before it returns.
+pub const PANIC_GRACE: Duration = Duration::from_secs(10);
 
 /// Where the learner stands in the coordinator's batch stream: the data cursor of its
 /// checkpoints.
@@ -97,6 +118,10 @@ pub struct TrainLogEntry {
     /// recorded): equal digests, equal training data.
     #[serde(default)]
     pub batch_sha256: String,
+    /// Set when the step was skipped because its loss or gradient norm was not finite:
+    /// why (the non-finite values). Nothing was trained (`loss` and `label_tokens` are 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<String>,
 }
 
 /// Reads `out_dir/train-log.jsonl`: one entry per (iteration, step), the last line of a
@@ -155,12 +180,48 @@ enum Command {
     StopGroup { reply: oneshot::Sender<()> },
 }
 
+/// What the learner refused or skipped since it started (not checkpointed). Each one is
+/// also logged when it happens, naming the batch and the episode.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LearnerStats {
+    /// Training batches refused with INVALID_ARGUMENT (`BatchError`).
+    pub refused_batches: u64,
+    /// The examples those batches held.
+    pub refused_examples: u64,
+    /// Steps skipped because their loss or gradient norm was not finite.
+    pub skipped_steps: u64,
+}
+
+/// `LearnerStats` as the service and the trainer thread update them.
+#[derive(Debug, Default)]
+struct Counters {
+    refused_batches: AtomicU64,
+    refused_examples: AtomicU64,
+    skipped_steps: AtomicU64,
+}
+
+impl Counters {
+    fn snapshot(&self) -> LearnerStats {
+        LearnerStats {
+            refused_batches: self.refused_batches.load(Ordering::Relaxed),
+            refused_examples: self.refused_examples.load(Ordering::Relaxed),
+            skipped_steps: self.skipped_steps.load(Ordering::Relaxed),
+        }
+    }
+}
+
 /// Sends commands to the trainer thread.
 #[derive(Clone)]
 pub struct LearnerHandle {
     tx: mpsc::Sender<Command>,
     /// Learner ranks (1: no group); above 1 this process is rank 0.
     world_size: usize,
+    /// The model's vocabulary: token ids at or above it are refused.
+    vocab_size: usize,
+    counters: Arc<Counters>,
+    /// Set (to the panic's message) when the trainer thread panicked; closed without a
+    /// value when it ended otherwise.
+    panicked: watch::Receiver<Option<String>>,
 }
 
 /// The trainer thread's state beside the trainer: versions, cursor, checkpoint policy.
@@ -174,6 +235,11 @@ struct TrainerHost {
     since_checkpoint: u64,
     /// Rank 0's side of a data-parallel group; `None`: this learner trains alone.
     group: Option<GroupLead>,
+    counters: Arc<Counters>,
+    /// The optimizer step count when the latest version was published; `None` when not
+    /// known (after a resume). A skipped `publish` batch publishes a new version only
+    /// when the weights may differ from the latest one.
+    published_at_steps: Option<u64>,
 }
 
 impl LearnerHandle {
@@ -233,6 +299,8 @@ impl LearnerHandle {
                 checkpoint_every,
                 since_checkpoint: 0,
                 group: None,
+                counters: Arc::default(),
+                published_at_steps: None,
             }
         } else {
             let trainer = Trainer::from_model_dir(model_dir, config)?;
@@ -248,6 +316,8 @@ impl LearnerHandle {
                 checkpoint_every,
                 since_checkpoint: 0,
                 group: None,
+                counters: Arc::default(),
+                published_at_steps: Some(0),
             };
             host.save_checkpoint(&ckpt)?;
             host
@@ -256,49 +326,30 @@ impl LearnerHandle {
             parameters = host.trainer.policy().config().num_parameters(),
             "learner model ready"
         );
-        let (tx, mut rx) = mpsc::channel::<Command>(8);
+        let (tx, rx) = mpsc::channel::<Command>(8);
         let (ready_tx, ready) = oneshot::channel();
+        let (panic_tx, panicked) = watch::channel(None);
         let mut host = host;
         host.group = group;
+        let vocab_size = host.trainer.policy().config().vocab_size;
+        let counters = host.counters.clone();
         std::thread::Builder::new()
             .name("trainer".into())
             .spawn(move || {
-                let formed = match &mut host.group {
-                    Some(g) => g.ensure(&mut host.trainer),
-                    None => Ok(()),
-                };
-                let failed = formed.is_err();
-                let _ = ready_tx.send(formed);
-                if failed {
-                    return;
-                }
-                while let Some(cmd) = rx.blocking_recv() {
-                    match cmd {
-                        Command::Step { request, reply } => {
-                            let _ = reply.send(host.step(request));
-                        }
-                        Command::Checkpoint { dir, reply } => {
-                            let result = host
-                                .save_checkpoint(&dir)
-                                .map(|_| host.store.latest().map(|v| v.version).unwrap_or(0))
-                                .map_err(|e| format!("{e:#}"));
-                            let _ = reply.send(result);
-                        }
-                        Command::Status { reply } => {
-                            let _ = reply.send((host.trainer.steps(), host.store.latest()));
-                        }
-                        Command::Tick => {
-                            if let Some(g) = &mut host.group {
-                                g.tick(&mut host.trainer);
-                            }
-                        }
-                        Command::StopGroup { reply } => {
-                            if let Some(g) = &mut host.group {
-                                g.stop(&mut host.trainer);
-                            }
-                            let _ = reply.send(());
-                        }
-                    }
+                // The host and the command receiver go down with a panic: the request in
+                // flight loses its reply, later ones find the channel closed, and both
+                // then read the panic's message from `panic_tx`, which outlives them.
+                let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                    host.run(rx, ready_tx)
+                }));
+                if let Err(payload) = run {
+                    let message = panic_message(payload.as_ref());
+                    tracing::error!(
+                        panic = %message,
+                        "the trainer thread panicked: the learner stops (restart it on the \
+                         same --out-dir to resume from its checkpoint)"
+                    );
+                    let _ = panic_tx.send(Some(message));
                 }
             })
             .context("starting the trainer thread")?;
@@ -316,7 +367,79 @@ impl LearnerHandle {
                 })
                 .context("starting the keepalive thread")?;
         }
-        Ok((Self { tx, world_size }, ready))
+        Ok((
+            Self {
+                tx,
+                world_size,
+                vocab_size,
+                counters,
+                panicked,
+            },
+            ready,
+        ))
+    }
+
+    /// What the learner refused or skipped since it started.
+    pub fn stats(&self) -> LearnerStats {
+        self.counters.snapshot()
+    }
+
+    /// The trainer thread's panic message, once it panicked.
+    pub fn panic_message(&self) -> Option<String> {
+        self.panicked.borrow().clone()
+    }
+
+    /// Resolves with the panic's message when the trainer thread panics; never when it
+    /// ends otherwise.
+    pub async fn trainer_panicked(&self) -> String {
+        match self.wait_for_panic().await {
+            Some(message) => message,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// The panic's message once the trainer thread panicked; `None` once it ended
+    /// otherwise.
+    async fn wait_for_panic(&self) -> Option<String> {
+        let mut rx = self.panicked.clone();
+        let message = rx.wait_for(Option::is_some).await.ok()?.clone();
+        message
+    }
+
+    /// The answer to a call the trainer thread will not reply to: its panic (waiting for
+    /// the thread to record it: the reply is dropped while the panic unwinds, just before
+    /// the message is set), or that it stopped.
+    async fn stopped(&self) -> Status {
+        match self.wait_for_panic().await {
+            Some(message) => Status::unavailable(format!(
+                "the trainer thread panicked: {}; the learner is stopping (restarted on the \
+                 same --out-dir, it resumes from its checkpoint)",
+                panic_summary(&message)
+            )),
+            None => Status::unavailable("the trainer thread has stopped"),
+        }
+    }
+
+    /// A refused batch: counted and logged with the episode it names.
+    fn refused(&self, batch: &TrainBatch, examples: usize, e: &BatchError) {
+        let batches = self
+            .counters
+            .refused_batches
+            .fetch_add(1, Ordering::Relaxed)
+            + 1;
+        self.counters
+            .refused_examples
+            .fetch_add(examples as u64, Ordering::Relaxed);
+        tracing::warn!(
+            iteration = batch.iteration,
+            step = batch.step,
+            episode = %e.episode(),
+            turn = e.turn(),
+            examples,
+            refused_batches = batches,
+            error = %e,
+            "refused a training batch"
+        );
     }
 
     /// Rank 0 at the end of the run: tells the other ranks to exit (bounded wait).
@@ -336,19 +459,88 @@ impl LearnerHandle {
 
     async fn call<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, Status> {
         let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(make(reply))
-            .await
-            .map_err(|_| Status::unavailable("the trainer thread has stopped"))?;
-        rx.await
-            .map_err(|_| Status::internal("the trainer thread dropped a request"))
+        if self.tx.send(make(reply)).await.is_err() {
+            return Err(self.stopped().await);
+        }
+        match rx.await {
+            Ok(r) => Ok(r),
+            Err(_) => Err(self.stopped().await),
+        }
     }
 }
 
+/// The message a panic was raised with (`panic!`'s formatted text).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_string()
+    }
+}
+
+/// A panic's message cut to `PANIC_SUMMARY_CHARS` for a gRPC status and `serve`'s error
+/// (a libtorch error carries its C++ stack, kilobytes; the log has it whole).
+fn panic_summary(message: &str) -> String {
+    match message.char_indices().nth(PANIC_SUMMARY_CHARS) {
+        Some((cut, _)) => format!("{}… (cut; the log has it whole)", &message[..cut]),
+        None => message.to_string(),
+    }
+}
+
+const PANIC_SUMMARY_CHARS: usize = 400;
+
 impl TrainerHost {
+    /// The trainer thread: forms the group (if any; the result goes to `ready`), then
+    /// serves commands until every handle is dropped.
+    fn run(mut self, mut rx: mpsc::Receiver<Command>, ready: oneshot::Sender<Result<()>>) {
+        let formed = match &mut self.group {
+            Some(g) => g.ensure(&mut self.trainer),
+            None => Ok(()),
+        };
+        let failed = formed.is_err();
+        let _ = ready.send(formed);
+        if failed {
+            return;
+        }
+        while let Some(cmd) = rx.blocking_recv() {
+            match cmd {
+                Command::Step { request, reply } => {
+                    let _ = reply.send(self.step(request));
+                }
+                Command::Checkpoint { dir, reply } => {
+                    let result = self
+                        .save_checkpoint(&dir)
+                        .map(|_| self.store.latest().map(|v| v.version).unwrap_or(0))
+                        .map_err(|e| format!("{e:#}"));
+                    let _ = reply.send(result);
+                }
+                Command::Status { reply } => {
+                    let _ = reply.send((self.trainer.steps(), self.store.latest()));
+                }
+                Command::Tick => {
+                    if let Some(g) = &mut self.group {
+                        g.tick(&mut self.trainer);
+                    }
+                }
+                Command::StopGroup { reply } => {
+                    if let Some(g) = &mut self.group {
+                        g.stop(&mut self.trainer);
+                    }
+                    let _ = reply.send(());
+                }
+            }
+        }
+    }
+
     /// Trains one batch of this learner's run (binding it to the run of its first
     /// batch); a batch of another run is refused with FAILED_PRECONDITION.
     fn step(&mut self, r: StepRequest) -> Result<StepDone, Status> {
+        #[cfg(test)]
+        if r.run_id == tests::PANIC_RUN_ID {
+            panic!("{}", tests::PANIC_MESSAGE);
+        }
         if r.run_id.is_empty() {
             return Err(Status::invalid_argument(
                 "TrainBatch.run_id is empty: the coordinator must send its run id",
@@ -406,6 +598,7 @@ impl TrainerHost {
                     learning_rate: 0.0,
                     seconds: 0.0,
                     micro_batches: 0,
+                    skipped: None,
                 },
                 published,
                 already_applied: true,
@@ -434,10 +627,14 @@ impl TrainerHost {
             }
         };
         self.cursor.last = Some((r.iteration, r.step));
+        if let Some(why) = report.skipped {
+            return self.skipped(r, report, why);
+        }
         let published = if r.publish {
-            let pv = publish_next(&self.trainer, &self.store).context("publishing weights")?;
-            self.cursor.published.insert(r.iteration, pv.version);
-            Some(pv)
+            Some(
+                self.publish_for(r.iteration)
+                    .context("publishing weights")?,
+            )
         } else {
             None
         };
@@ -446,6 +643,70 @@ impl TrainerHost {
         if published.is_some()
             || (self.checkpoint_every > 0 && self.since_checkpoint >= self.checkpoint_every)
         {
+            self.save_checkpoint(&self.out_dir.join(CHECKPOINT_DIR))?;
+            self.since_checkpoint = 0;
+        }
+        Ok(StepDone {
+            report,
+            published,
+            already_applied: false,
+        })
+    }
+
+    /// Publishes the weights as the next version, for `r.iteration`.
+    fn publish_for(&mut self, iteration: u32) -> Result<PublishedVersion> {
+        let pv = publish_next(&self.trainer, &self.store)?;
+        self.cursor.published.insert(iteration, pv.version);
+        self.published_at_steps = Some(self.trainer.steps());
+        Ok(pv)
+    }
+
+    /// A batch whose step was skipped (loss or gradient norm not finite; the trainer left
+    /// the weights and the optimizer state alone and warned): counted, logged with the
+    /// batch and its episodes, consumed (the cursor moved past it). No checkpoint for it;
+    /// a `publish` batch publishes only when earlier steps changed the weights since the
+    /// latest version, else its reply repeats that version.
+    fn skipped(
+        &mut self,
+        r: StepRequest,
+        report: StepReport,
+        why: crate::trainer::NonFinite,
+    ) -> Result<StepDone> {
+        let skipped = self.counters.skipped_steps.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::warn!(
+            iteration = r.iteration,
+            step = r.step,
+            optimizer_steps = self.trainer.steps(),
+            episodes = ?r.episodes,
+            skipped_steps = skipped,
+            "batch not trained: {why}; the step was skipped"
+        );
+        let unchanged = self.published_at_steps == Some(self.trainer.steps());
+        let published = match (r.publish, unchanged) {
+            (false, _) => None,
+            (true, true) => {
+                let latest = self
+                    .store
+                    .latest()
+                    .context("no published version to repeat")?;
+                self.cursor.published.insert(r.iteration, latest.version);
+                Some(latest)
+            }
+            (true, false) => Some(
+                self.publish_for(r.iteration)
+                    .context("publishing weights")?,
+            ),
+        };
+        let report = StepReport {
+            loss: 0.0,
+            grad_norm: 0.0,
+            label_tokens: 0,
+            ..report
+        };
+        self.append_log(&r, &report, published.as_ref())?;
+        if r.publish && !unchanged {
+            // A new version (of the steps before this one): on disk with its optimizer
+            // state before the reply, as every published version.
             self.save_checkpoint(&self.out_dir.join(CHECKPOINT_DIR))?;
             self.since_checkpoint = 0;
         }
@@ -472,6 +733,7 @@ impl TrainerHost {
             episodes: r.episodes.clone(),
             published_version: published.map(|p| p.version).unwrap_or(0),
             batch_sha256: r.examples.digest(),
+            skipped: report.skipped.map(|why| why.to_string()),
         };
         let path = self.out_dir.join(TRAIN_LOG);
         let mut f = std::fs::OpenOptions::new()
@@ -535,7 +797,7 @@ impl Learner for LearnerHandle {
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(async move {
             while let Some(batch) = batches.next().await {
-                let batch = match batch {
+                let mut batch = match batch {
                     Ok(b) => b,
                     Err(status) => {
                         tracing::warn!(%status, "train stream from the coordinator broke");
@@ -552,9 +814,14 @@ impl Learner for LearnerHandle {
                     .iter()
                     .map(|e| e.episode_id.clone())
                     .collect();
-                let examples = match StepExamples::from_proto(batch.examples) {
+                let count = batch.examples.len();
+                let examples = match StepExamples::from_proto_for_vocab(
+                    std::mem::take(&mut batch.examples),
+                    handle.vocab_size,
+                ) {
                     Ok(e) => e,
                     Err(e) => {
+                        handle.refused(&batch, count, &e);
                         let _ = tx.send(Err(Status::invalid_argument(e.to_string()))).await;
                         return;
                     }
@@ -652,6 +919,9 @@ pub struct ServeOptions {
     /// Rank 0 of the weights broadcast group (see `broadcast`): every published version
     /// also goes to the workers over a collective. `None`: gRPC downloads only.
     pub broadcast: Option<GroupOptions>,
+    /// Listen on a non-loopback address with no token and no client certificates.
+    /// Without it that is refused at start (`--insecure` on the command line).
+    pub insecure: bool,
 }
 
 /// Runs the learner until `shutdown` resolves.
@@ -694,7 +964,13 @@ pub async fn serve(
             broadcast_stop.clone(),
         )?;
     }
+    let auth = ServerAuth::new(opts.auth_token);
     let listener = GrpcListener::bind("learner", opts.listen).await?;
+    listener.refuse_unprotected(
+        &auth,
+        server_tls.as_ref().is_some_and(|t| t.is_mutual()),
+        opts.insecure,
+    )?;
     listener.write_addr_file(opts.addr_file.as_deref())?;
     tracing::info!(
         addr = %listener.local_addr(),
@@ -702,32 +978,70 @@ pub async fn serve(
         client_certificates = server_tls.as_ref().is_some_and(|t| t.is_mutual()),
         "learner listening"
     );
-    let auth = ServerAuth::new(opts.auth_token);
     listener.warn_if_unauthenticated(&auth);
     // Probes carry no secrets: the health service is the one left unauthenticated.
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<LearnerServer<LearnerHandle>>().await;
     health.set_serving::<WeightsServer<WeightsStore>>().await;
+    // A trainer panic shuts the server down as the shutdown signal would: the calls in
+    // flight get their error before their connections close.
+    let panicked = handle.clone();
+    let shutdown = async move {
+        tokio::select! {
+            () = shutdown => {}
+            _ = panicked.trainer_panicked() => {}
+        }
+    };
     let server = server_builder
         .add_service(health_service)
+        // Training and publishing take the run's token only; workers' tokens may
+        // download weights.
         .add_service(
-            auth.intercept(
+            auth.allowing(&[]).intercept(
                 LearnerServer::new(handle)
                     .max_decoding_message_size(tutor_proto::MAX_MESSAGE_BYTES)
                     .max_encoding_message_size(tutor_proto::MAX_MESSAGE_BYTES),
             ),
         )
-        .add_service(auth.intercept(WeightsServer::new(store)))
+        .add_service(
+            auth.allowing(&[Role::Worker])
+                .intercept(WeightsServer::new(store)),
+        )
         .serve_with_incoming_shutdown(
             listener.incoming(),
             tutor_proto::net::not_serving_after(shutdown, health),
         );
+    tokio::pin!(server);
     tokio::select! {
-        r = server => r.context("learner server")?,
+        r = &mut server => r.context("learner server")?,
         e = group_failed => return Err(e.context("forming the data-parallel learner group")),
+        message = stopper.trainer_panicked() => {
+            // The server is shutting down; bounded, in case a client holds a stream open.
+            if tokio::time::timeout(PANIC_GRACE, &mut server).await.is_err() {
+                tracing::warn!(
+                    grace_s = PANIC_GRACE.as_secs_f64(),
+                    "calls still open after the trainer thread panicked: closing them"
+                );
+            }
+            broadcast_stop.store(true, Ordering::SeqCst);
+            anyhow::bail!("the trainer thread panicked: {}", panic_summary(&message));
+        }
     }
     broadcast_stop.store(true, Ordering::SeqCst);
+    if let Some(message) = stopper.panic_message() {
+        // The panic shut the server down before `select!` saw it.
+        anyhow::bail!("the trainer thread panicked: {}", panic_summary(&message));
+    }
     stopper.stop_group().await;
-    tracing::info!("learner stopped");
+    let stats = stopper.stats();
+    tracing::info!(
+        refused_batches = stats.refused_batches,
+        refused_examples = stats.refused_examples,
+        skipped_steps = stats.skipped_steps,
+        "learner stopped"
+    );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

@@ -97,7 +97,9 @@ impl Weights for WeightsStore {
                     .map_err(|e| Status::internal(format!("opening {}: {e}", pv.path.display())))?;
                 let mut offset = 0u64;
                 loop {
-                    let mut buf = vec![0u8; WEIGHTS_CHUNK_BYTES];
+                    // Never more than was published, whatever the file holds now.
+                    let want = (pv.bytes - offset).min(WEIGHTS_CHUNK_BYTES as u64) as usize;
+                    let mut buf = vec![0u8; want];
                     let mut filled = 0;
                     while filled < buf.len() {
                         let n = file
@@ -105,11 +107,19 @@ impl Weights for WeightsStore {
                             .await
                             .map_err(|e| Status::internal(format!("reading weights: {e}")))?;
                         if n == 0 {
-                            break;
+                            // A file cut short after it was published: an error, not an
+                            // endless stream of empty chunks.
+                            return Err(Status::data_loss(format!(
+                                "{} is shorter than policy version {} as published: it ends \
+                                 at byte {} of {}",
+                                pv.path.display(),
+                                pv.version,
+                                offset + filled as u64,
+                                pv.bytes
+                            )));
                         }
                         filled += n;
                     }
-                    buf.truncate(filled);
                     let last = offset + filled as u64 >= pv.bytes;
                     let chunk = WeightsChunk {
                         version: pv.version,
@@ -140,5 +150,62 @@ impl Weights for WeightsStore {
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio_stream::StreamExt;
+
+    use super::*;
+
+    /// A published file cut short afterwards (a full disk, an operator's cleanup) makes
+    /// the stream end with an error naming the file and where it ends. Before, the
+    /// server sent empty chunks forever and the worker waited on them.
+    #[tokio::test]
+    async fn a_file_shorter_than_published_is_an_error_not_an_endless_stream() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = WeightsStore::new(dir.path()).unwrap();
+        let size = WEIGHTS_CHUNK_BYTES + 1000;
+        std::fs::write(store.path_for(3), vec![7u8; size]).unwrap();
+        let pv = store.register(3).unwrap();
+        assert_eq!(pv.bytes, size as u64);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(store.path_for(3))
+            .unwrap();
+        f.set_len(WEIGHTS_CHUNK_BYTES as u64 + 10).unwrap();
+
+        let mut stream = store
+            .fetch(Request::new(FetchWeightsRequest { version: 3 }))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut chunks = 0;
+        let err = loop {
+            let item = tokio::time::timeout(Duration::from_secs(10), stream.next())
+                .await
+                .expect("the stream answers")
+                .expect("the stream ends with an error, not silently");
+            match item {
+                Ok(c) => {
+                    chunks += 1;
+                    assert!(!c.last, "a short file is never sent as complete");
+                    assert!(chunks < 10, "an endless stream of chunks");
+                }
+                Err(status) => break status,
+            }
+        };
+        assert_eq!(err.code(), tonic::Code::DataLoss);
+        assert!(
+            err.message().contains("shorter than policy version 3")
+                && err
+                    .message()
+                    .contains(&format!("byte {}", WEIGHTS_CHUNK_BYTES + 10)),
+            "{}",
+            err.message()
+        );
     }
 }

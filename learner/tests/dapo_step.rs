@@ -324,3 +324,53 @@ fn examples_the_learner_cannot_train_on_are_refused_naming_the_episode() {
         StepExamples::Dapo(_)
     ));
 }
+
+/// A token id the model has no embedding for is refused when the batch is read, for the
+/// model's vocabulary, naming the episode, turn, id and vocabulary size; ids below it are
+/// taken. Both objectives.
+#[test]
+fn token_ids_outside_the_vocabulary_are_refused_naming_episode_turn_and_id() {
+    let ce = TrainExample {
+        episode_id: "it002-train0003-g0a1".into(),
+        turn_index: 4,
+        tokens: vec![1, 63, 64, 2],
+        loss_mask: vec![false, false, true, true],
+        ..Default::default()
+    };
+    let err = StepExamples::from_proto_for_vocab(vec![ce.clone()], 64)
+        .unwrap_err()
+        .to_string();
+    for want in [
+        "it002-train0003-g0a1",
+        "turn 4",
+        "token id 64",
+        "at token 2",
+        "vocabulary of 64",
+    ] {
+        assert!(err.contains(want), "{want:?} missing from: {err}");
+    }
+    assert!(matches!(
+        StepExamples::from_proto_for_vocab(vec![ce], 65).unwrap(),
+        StepExamples::CrossEntropy(_)
+    ));
+    let dapo = TrainExample {
+        episode_id: "it002-train0004-g1a0".into(),
+        turn_index: 1,
+        tokens: vec![1, 2, 1000],
+        loss_mask: vec![false, true, true],
+        advantages: vec![0.0, 1.0, 1.0],
+        old_logprobs: vec![0.0, -1.0, -1.0],
+        loss_kind: tutor_proto::LossKind::Dapo as i32,
+    };
+    let err = StepExamples::from_proto_for_vocab(vec![dapo.clone()], 64)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("it002-train0004-g1a0") && err.contains("token id 1000"),
+        "{err}"
+    );
+    assert!(matches!(
+        StepExamples::from_proto_for_vocab(vec![dapo], 1001).unwrap(),
+        StepExamples::Dapo(_)
+    ));
+}

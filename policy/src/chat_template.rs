@@ -42,6 +42,43 @@ const SPECIAL_TOKEN_KEYS: [&str; 7] = [
     "mask_token",
 ];
 
+/// Instructions one render may run (minijinja's fuel). A real template spends about a
+/// hundred per message (Qwen3's: ~72), so this is a 100 000-message conversation, and a
+/// fraction of a second; a template that loops without end fails instead of hanging.
+pub const RENDER_FUEL: u64 = 10_000_000;
+
+/// Largest rendered prompt, in bytes: far over any model's context, and a bound on the
+/// memory a template that prints without end can take.
+pub const MAX_RENDER_BYTES: usize = 64 << 20;
+
+/// `tojson`'s limits: Python's `json.dumps` takes any indent and nests ~1000 deep; a
+/// template's own are far smaller, and unbounded ones would allocate or recurse at will.
+const MAX_JSON_INDENT: usize = 256;
+const MAX_JSON_DEPTH: usize = 256;
+
+/// The render's output: refuses to grow past `cap` bytes (a write over it fails, which
+/// ends the render).
+struct CappedOutput {
+    buf: Vec<u8>,
+    cap: usize,
+    over: bool,
+}
+
+impl std::io::Write for CappedOutput {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + data.len() > self.cap {
+            self.over = true;
+            return Err(std::io::Error::other("the rendered prompt is too large"));
+        }
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// A compiled chat template with the special tokens it is rendered with.
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -157,6 +194,7 @@ impl ChatTemplate {
         special_tokens: BTreeMap<String, String>,
     ) -> Result<Self, PolicyError> {
         let mut env = Environment::new();
+        env.set_fuel(Some(RENDER_FUEL));
         env.set_syntax(
             SyntaxConfig::builder()
                 .trim_blocks(true)
@@ -212,9 +250,32 @@ impl ChatTemplate {
             .env
             .get_template("chat")
             .map_err(|e| template_err(&self.source, describe(&e)))?;
-        template
-            .render(ctx)
-            .map_err(|e| template_err(&format!("rendering {}", self.source), describe(&e)))
+        let context = format!("rendering {}", self.source);
+        let mut out = CappedOutput {
+            buf: Vec::new(),
+            cap: MAX_RENDER_BYTES,
+            over: false,
+        };
+        match template.render_captured_to(ctx, &mut out).map(drop) {
+            // Whole `str` pieces are written or refused, so the bytes are UTF-8.
+            Ok(_) => String::from_utf8(out.buf).map_err(|e| template_err(&context, e)),
+            Err(_) if out.over => Err(template_err(
+                &context,
+                format!(
+                    "the rendered prompt is over {MAX_RENDER_BYTES} bytes (MAX_RENDER_BYTES); \
+                     does the template print without end?"
+                ),
+            )),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(template_err(
+                &context,
+                format!(
+                    "the template ran more than {RENDER_FUEL} instructions (RENDER_FUEL) \
+                     without finishing; does it loop without end? ({})",
+                    describe(&e)
+                ),
+            )),
+            Err(e) => Err(template_err(&context, describe(&e))),
+        }
     }
 }
 
@@ -226,8 +287,15 @@ fn raise_exception(message: String) -> Result<Value, Error> {
 /// `", "` and `": "` between items without an indent, `","` and a newline with one; maps
 /// in their own key order unless sorted.
 fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    if let Some(n) = indent.filter(|&n| n > MAX_JSON_INDENT) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: indent={n} is over the {MAX_JSON_INDENT} allowed"),
+        ));
+    }
     let opts = JsonOptions {
-        indent: kwargs.get("indent")?,
+        indent,
         sort_keys: kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false),
         ensure_ascii: kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
     };
@@ -268,6 +336,12 @@ fn write_str(s: &str, ensure_ascii: bool, out: &mut String) {
 
 fn write_json(v: &Value, opts: &JsonOptions, depth: usize, out: &mut String) -> Result<(), Error> {
     use minijinja::value::ValueKind as K;
+    if depth > MAX_JSON_DEPTH {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: the value nests deeper than {MAX_JSON_DEPTH} levels"),
+        ));
+    }
     let newline = |out: &mut String, depth: usize| {
         if let Some(n) = opts.indent {
             out.push('\n');

@@ -86,6 +86,7 @@ impl Policy {
         }
         let mut parsed = Vec::with_capacity(maps.len());
         for (file, map) in &maps {
+            check_data_offsets(map).map_err(|m| bad(file, m))?;
             let st = SafeTensors::deserialize(map).map_err(|e| bad(file, format!("{e:?}")))?;
             parsed.push((*file, st));
         }
@@ -174,9 +175,58 @@ impl Policy {
     }
 }
 
-/// The safetensors files of a checkpoint directory.
+/// Checks that no tensor in a safetensors header claims data past the end of the file,
+/// before `safetensors` itself parses it: safetensors 0.3 adds the last tensor's end
+/// offset to the header size unchecked, so a header that claims a `usize::MAX`-byte
+/// tensor (a valid shape for it: `[18446744073709551615]` of U8) overflows, a panic in
+/// debug builds. Anything else wrong is left to `safetensors`, which words it.
+fn check_data_offsets(file: &[u8]) -> Result<(), String> {
+    let Some(len) = file.get(..8) else {
+        return Ok(());
+    };
+    let n = u64::from_le_bytes(len.try_into().expect("8 bytes"));
+    let Some(header) = usize::try_from(n)
+        .ok()
+        .and_then(|n| file.get(8..n.checked_add(8)?))
+    else {
+        return Ok(());
+    };
+    let data_len = (file.len() - 8 - header.len()) as u64;
+    let Ok(serde_json::Value::Object(tensors)) = serde_json::from_slice(header) else {
+        return Ok(());
+    };
+    for (name, info) in &tensors {
+        let Some(offsets) = info.get("data_offsets").and_then(|o| o.as_array()) else {
+            continue;
+        };
+        if offsets
+            .iter()
+            .any(|o| o.as_u64().is_some_and(|o| o > data_len))
+        {
+            return Err(format!(
+                "tensor `{name}` has data_offsets {} past the end of the file's {data_len} \
+                 bytes of tensor data (truncated or corrupt file?)",
+                serde_json::Value::Array(offsets.clone())
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A shard name from `weight_map` that stays inside the checkpoint directory: relative,
+/// not empty, and without `..` (a hostile index could name `/etc/passwd` or
+/// `../../secret` otherwise, and the loader would read, and `tutor` copy, that file).
+fn shard_inside_dir(name: &str) -> bool {
+    use std::path::Component;
+    let p = Path::new(name);
+    p.components().any(|c| matches!(c, Component::Normal(_)))
+        && p.components()
+            .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+}
+
 /// The weight files of a Hugging Face checkpoint directory: `model.safetensors`, or the
 /// shards `model.safetensors.index.json` names (in name order; not checked to exist).
+/// Every shard must be inside `dir` (see `shard_inside_dir`); the error names the entry.
 pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, PolicyError> {
     let single = dir.join(WEIGHTS_FILE);
     if single.exists() {
@@ -208,7 +258,19 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, PolicyError> {
         let file = file
             .as_str()
             .ok_or_else(|| bad(format!("`weight_map.{name}` is not a file name")))?;
-        shards.insert(file.to_string());
+        if !shard_inside_dir(file) {
+            return Err(bad(format!(
+                "`weight_map.{name}` is {file:?}, not a file inside the checkpoint directory \
+                 (shard names must be relative, without `..`)"
+            )));
+        }
+        // Without its `.` components: `./a.safetensors` is `a.safetensors`.
+        shards.insert(
+            Path::new(file)
+                .components()
+                .filter(|c| matches!(c, std::path::Component::Normal(_)))
+                .collect::<PathBuf>(),
+        );
     }
     Ok(shards.into_iter().map(|f| dir.join(f)).collect())
 }

@@ -20,7 +20,9 @@ use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
-pub use chat_template::{ChatTemplate, CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE};
+pub use chat_template::{
+    ChatTemplate, CHAT_TEMPLATE_FILE, MAX_RENDER_BYTES, RENDER_FUEL, TOKENIZER_CONFIG_FILE,
+};
 pub use checkpoint::{weight_files, INDEX_FILE};
 pub use config::{Family, ModelConfig, RopeScaling, SUPPORTED_MODELS};
 pub use engine::{

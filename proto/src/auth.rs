@@ -24,7 +24,31 @@ pub const AUTH_TOKEN_ENV: &str = "TUTOR_AUTH_TOKEN";
 /// The gRPC metadata key that carries `Bearer <token>`.
 pub const AUTHORIZATION: &str = "authorization";
 
-/// A shared secret every process of one deployment holds.
+/// What a token may do. The run's token is the operator's: every call. A role's token is
+/// derived from it ([`AuthToken::derive`]) and allowed only the services that role needs,
+/// so a stolen worker token cannot shut the run down or train and publish weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// The run's own token: the coordinator, the learner ranks, `tutor run`.
+    Operator,
+    /// A rollout worker: the Rollout service, the weights (download, broadcast group).
+    Worker,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Operator => "operator",
+            Role::Worker => "worker",
+        }
+    }
+}
+
+/// The prefix of a worker's token; the rest is the HMAC that proves it.
+const WORKER_PREFIX: &str = "worker.";
+
+/// A shared secret every process of one deployment holds: the run's (operator) token,
+/// or a role's token derived from it.
 #[derive(Clone)]
 pub struct AuthToken(Arc<str>);
 
@@ -87,6 +111,33 @@ impl AuthToken {
     pub fn expose(&self) -> &str {
         &self.0
     }
+
+    /// The role this token is for: a derived role token says so in its prefix.
+    pub fn role(&self) -> Role {
+        if self.0.starts_with(WORKER_PREFIX) {
+            Role::Worker
+        } else {
+            Role::Operator
+        }
+    }
+
+    /// The token of `role` derived from this run (operator) token:
+    /// `worker.<hex HMAC-SHA256(run token, "tutor role token v1: worker")>`. Whoever holds
+    /// the run token can derive (and so check) it; whoever holds it cannot get back to
+    /// the run token. The operator's role is this token itself; deriving from a role
+    /// token gives it back unchanged.
+    pub fn derive(&self, role: Role) -> AuthToken {
+        if self.role() != Role::Operator || role == Role::Operator {
+            return self.clone();
+        }
+        use hmac::Mac;
+        let mut mac = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(self.0.as_bytes())
+            .expect("HMAC takes a key of any length");
+        mac.update(b"tutor role token v1: ");
+        mac.update(role.as_str().as_bytes());
+        let tag = hex::encode(mac.finalize().into_bytes());
+        AuthToken(format!("{WORKER_PREFIX}{tag}").into())
+    }
 }
 
 /// The token of this process: read from `file` when given, else from `TUTOR_AUTH_TOKEN`;
@@ -147,6 +198,10 @@ fn warn_if_readable_by_others(_path: &Path) {}
 #[derive(Clone)]
 pub struct ServerAuth {
     token: Option<AuthToken>,
+    /// The worker token derived from `token`, checked when workers are allowed.
+    worker: Option<AuthToken>,
+    /// Roles besides the operator this service takes calls from.
+    allowed: &'static [Role],
     rejected: Arc<AtomicU64>,
 }
 
@@ -160,10 +215,24 @@ impl fmt::Debug for ServerAuth {
 }
 
 impl ServerAuth {
+    /// A server holding the run's token: every role's token is checked against it.
+    /// Until [`Self::allowing`] narrows it, it takes every role.
     pub fn new(token: Option<AuthToken>) -> Self {
+        let worker = token.as_ref().map(|t| t.derive(Role::Worker));
         Self {
             token,
+            worker,
+            allowed: &[Role::Worker],
             rejected: Default::default(),
+        }
+    }
+
+    /// The same check (and rejection count) for a service that takes calls from the
+    /// operator and `roles` only; another role's valid token gets PERMISSION_DENIED.
+    pub fn allowing(&self, roles: &'static [Role]) -> Self {
+        Self {
+            allowed: roles,
+            ..self.clone()
         }
     }
 
@@ -192,6 +261,21 @@ impl ServerAuth {
             Some(value) => match bearer(value.as_bytes()) {
                 None => Err("the authorization metadata is not `Bearer <token>`"),
                 Some(sent) if bool::from(sent.ct_eq(token.expose().as_bytes())) => Ok(()),
+                Some(sent)
+                    if self
+                        .worker
+                        .as_ref()
+                        .is_some_and(|w| bool::from(sent.ct_eq(w.expose().as_bytes()))) =>
+                {
+                    if self.allowed.contains(&Role::Worker) {
+                        Ok(())
+                    } else {
+                        return Err(Status::permission_denied(
+                            "a worker's token may not call this service: it takes the \
+                             run's (operator) token only",
+                        ));
+                    }
+                }
                 Some(_) => Err("wrong bearer token"),
             },
         };
@@ -420,5 +504,38 @@ mod tests {
         assert!(open.call(request_with(None)).is_ok());
         assert!(open.call(request_with(Some("Bearer anything"))).is_ok());
         assert_eq!(open.rejected_count(), 0);
+    }
+
+    /// The worker token is derived from the run's token (and only from it), says its
+    /// role, and is accepted by a service that allows workers while one that takes the
+    /// operator only answers PERMISSION_DENIED; the run's token is accepted by both.
+    #[test]
+    fn role_tokens_are_derived_checked_and_scoped() {
+        let run = token("run-s3cret");
+        let worker = run.derive(Role::Worker);
+        assert_eq!(run.role(), Role::Operator);
+        assert_eq!(worker.role(), Role::Worker);
+        assert!(worker.expose().starts_with("worker.") && worker.expose().len() == 71);
+        assert_eq!(worker.derive(Role::Worker).expose(), worker.expose());
+        assert_ne!(
+            token("another-run").derive(Role::Worker).expose(),
+            worker.expose()
+        );
+        assert!(!worker.expose().contains("s3cret"));
+
+        let server = ServerAuth::new(Some(run.clone()));
+        let mut workers_too = server.allowing(&[Role::Worker]);
+        let mut operator_only = server.allowing(&[]);
+        let bearer = |t: &AuthToken| request_with(Some(&format!("Bearer {}", t.expose())));
+        assert!(workers_too.call(bearer(&worker)).is_ok());
+        assert!(workers_too.call(bearer(&run)).is_ok());
+        assert!(operator_only.call(bearer(&run)).is_ok());
+        let denied = operator_only.call(bearer(&worker)).unwrap_err();
+        assert_eq!(denied.code(), tonic::Code::PermissionDenied);
+        let forged = token(&format!("worker.{}", "ab".repeat(32)));
+        let status = workers_too.call(bearer(&forged)).unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unauthenticated);
+        // The services share one rejection count.
+        assert_eq!(server.rejected_count(), 1);
     }
 }

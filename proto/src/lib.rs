@@ -22,6 +22,20 @@ pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 /// buffered.
 pub const MAX_ROLLOUT_REQUEST_BYTES: usize = 16 * 1024 * 1024;
 
+/// Largest episode event the coordinator stores, encoded. A worker shrinks a larger
+/// outcome (its patch is left out: `OUTCOME_STATUS_PATCH_TOO_LARGE`) or turn (its texts
+/// cut) before sending it, and drops what still does not fit; the coordinator refuses
+/// a larger event with a reason in its ack instead of ending the stream. Well under
+/// [`MAX_ROLLOUT_REQUEST_BYTES`], so an event never breaks the stream it travels on.
+pub const MAX_EVENT_BYTES: usize = 8 * 1024 * 1024;
+
+/// gRPC metadata of a worker's event stream: the worker id its Register answer gave it,
+/// and the secret that came with it. Events of an episode leased to a worker are
+/// accepted only on a stream that proves to be that worker's.
+pub const WORKER_ID_METADATA: &str = "tutor-worker-id";
+/// See [`WORKER_ID_METADATA`].
+pub const WORKER_SECRET_METADATA: &str = "tutor-worker-secret";
+
 /// Size of one weights chunk on the Weights stream.
 pub const WEIGHTS_CHUNK_BYTES: usize = 1024 * 1024;
 

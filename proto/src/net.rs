@@ -23,12 +23,38 @@ pub enum ListenError {
         addr: SocketAddr,
         error: std::io::Error,
     },
+    #[error(
+        "the {role} would listen on {addr}, reachable from other machines, with no \
+         authentication: give it the run's token (--auth-token-file or TUTOR_AUTH_TOKEN) or \
+         client certificates (--tls-ca), listen on a loopback address, or pass --insecure to \
+         take calls from anyone who can reach it"
+    )]
+    Unprotected {
+        role: &'static str,
+        addr: SocketAddr,
+    },
     #[error("writing the {role}'s address file {}: {error}", path.display())]
     AddrFile {
         role: &'static str,
         path: std::path::PathBuf,
         error: std::io::Error,
     },
+}
+
+/// Fail closed: a server (`role`) on a non-loopback address must authenticate its
+/// callers (`protected`: a token, or client certificates) unless the operator said
+/// `--insecure`. On a loopback address anything goes (the single-machine default), with
+/// the warning of [`GrpcListener::warn_if_unauthenticated`].
+pub fn refuse_unprotected(
+    role: &'static str,
+    addr: SocketAddr,
+    protected: bool,
+    insecure: bool,
+) -> Result<(), ListenError> {
+    if protected || insecure || addr.ip().is_loopback() {
+        return Ok(());
+    }
+    Err(ListenError::Unprotected { role, addr })
 }
 
 /// A gRPC server's socket, bound before its services are assembled, so the address
@@ -75,6 +101,22 @@ impl GrpcListener {
         }
     }
 
+    /// [`refuse_unprotected`] for this socket: `auth` and whether TLS requires client
+    /// certificates decide whether it is protected.
+    pub fn refuse_unprotected(
+        &self,
+        auth: &crate::auth::ServerAuth,
+        client_certificates: bool,
+        insecure: bool,
+    ) -> Result<(), ListenError> {
+        refuse_unprotected(
+            self.role,
+            self.addr,
+            auth.is_enabled() || client_certificates,
+            insecure,
+        )
+    }
+
     /// Warns, once at start, when the server takes calls from anyone.
     pub fn warn_if_unauthenticated(&self, auth: &crate::auth::ServerAuth) {
         if !auth.is_enabled() {
@@ -104,4 +146,37 @@ pub async fn not_serving_after(
     health
         .set_service_status("", tonic_health::ServingStatus::NotServing)
         .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server reachable from other machines without authentication refuses to start,
+    /// naming the ways out; loopback, a token, client certificates or --insecure let it.
+    #[test]
+    fn an_exposed_server_without_authentication_refuses_to_start() {
+        let open: SocketAddr = "0.0.0.0:50051".parse().unwrap();
+        let e = refuse_unprotected("coordinator", open, false, false).unwrap_err();
+        let text = e.to_string();
+        for needle in [
+            "coordinator",
+            "0.0.0.0:50051",
+            "--auth-token-file",
+            "--insecure",
+        ] {
+            assert!(text.contains(needle), "{needle}: {text}");
+        }
+        let public: SocketAddr = "10.1.2.3:7000".parse().unwrap();
+        assert!(refuse_unprotected("learner", public, false, false).is_err());
+        let v6: SocketAddr = "[::]:7000".parse().unwrap();
+        assert!(refuse_unprotected("learner", v6, false, false).is_err());
+
+        assert!(refuse_unprotected("coordinator", open, true, false).is_ok());
+        assert!(refuse_unprotected("coordinator", open, false, true).is_ok());
+        for local in ["127.0.0.1:0", "[::1]:9000", "127.0.0.5:1"] {
+            let addr: SocketAddr = local.parse().unwrap();
+            assert!(refuse_unprotected("coordinator", addr, false, false).is_ok());
+        }
+    }
 }

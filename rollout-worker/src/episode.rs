@@ -210,13 +210,33 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
 
     outcome.num_turns = turns;
     outcome.submitted = submitted;
-    let patch = sandbox.diff();
+    let submission = sandbox.submission();
     drop(sandbox);
-    if outcome.status != OutcomeStatus::SandboxError as i32 {
-        grade_submission(env, lease, &task, &patch, &mut outcome);
+    if let Some(note) = submission.too_large_note() {
+        // Not graded: an unresolved outcome (reward as for any), with no patch to store.
+        tracing::warn!(episode = %lease.episode_id, "{note}");
+        if outcome.status != OutcomeStatus::SandboxError as i32 {
+            outcome.status = OutcomeStatus::PatchTooLarge as i32;
+        }
+        add_error(&mut outcome, note);
+    } else if outcome.status != OutcomeStatus::SandboxError as i32 {
+        grade_submission(env, lease, &task, &submission.patch, &mut outcome);
     }
-    outcome.patch = patch;
+    if let Some(note) = submission.left_out_note() {
+        tracing::info!(episode = %lease.episode_id, "{note}");
+        add_error(&mut outcome, note);
+    }
+    outcome.patch = submission.patch;
     finish(env, lease, outcome, start)
+}
+
+/// Adds `note` to the outcome's `error` text (after what is there).
+fn add_error(outcome: &mut EpisodeOutcome, note: String) {
+    if outcome.error.is_empty() {
+        outcome.error = note;
+    } else {
+        outcome.error = format!("{}\n{note}", outcome.error);
+    }
 }
 
 /// The lease's settings for every turn of its episode.

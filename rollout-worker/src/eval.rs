@@ -89,6 +89,7 @@ pub fn status_name(s: OutcomeStatus) -> &'static str {
         OutcomeStatus::TestsTimeout => "TESTS_TIMEOUT",
         OutcomeStatus::TestsError => "TESTS_ERROR",
         OutcomeStatus::SandboxError => "SANDBOX_ERROR",
+        OutcomeStatus::PatchTooLarge => "PATCH_TOO_LARGE",
         _ => "UNSPECIFIED",
     }
 }
@@ -181,8 +182,15 @@ pub fn eval_task(
             observation,
         });
     }
-    result.patch = sandbox.diff();
+    let submission = sandbox.submission();
     drop(sandbox);
+    if let Some(note) = submission.too_large_note() {
+        result.status = status_name(OutcomeStatus::PatchTooLarge).into();
+        result.error = note;
+        result.duration_s = start.elapsed().as_secs_f64();
+        return result;
+    }
+    result.patch = submission.patch;
     let g = grade_fresh(
         task,
         &result.patch,

@@ -64,9 +64,17 @@ fn strip_ansi(s: &str) -> String {
     let mut chars = s.chars().peekable();
     while let Some(c) = chars.next() {
         if c == '\u{1b}' && chars.peek() == Some(&'[') {
+            // A CSI sequence: parameter and intermediate bytes (0x20-0x3F), then one
+            // final byte (0x40-0x7E). An unfinished one ends at anything else (never
+            // swallowing a newline and the status line after it).
             chars.next();
-            for d in chars.by_ref() {
-                if d.is_ascii_alphabetic() {
+            while let Some(&d) = chars.peek() {
+                if ('\u{20}'..='\u{3f}').contains(&d) {
+                    chars.next();
+                } else {
+                    if ('\u{40}'..='\u{7e}').contains(&d) {
+                        chars.next();
+                    }
                     break;
                 }
             }
@@ -315,6 +323,23 @@ pub(crate) mod tests_support {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An escape sequence cut short stops at the first byte that cannot belong to it:
+    /// before, `\x1b[` swallowed everything up to the next letter, newline and the start
+    /// of the next status line included, and that test's status was lost.
+    #[test]
+    fn an_unfinished_escape_sequence_does_not_eat_the_next_line() {
+        assert_eq!(
+            strip_ansi("foo\x1b[\nPASSED t.py::x"),
+            "foo\nPASSED t.py::x"
+        );
+        assert_eq!(
+            strip_ansi("\x1b[1;31mFAILED\x1b[0m t.py::y"),
+            "FAILED t.py::y"
+        );
+        assert_eq!(strip_ansi("a\x1b[?25lb"), "ab");
+        assert_eq!(strip_ansi("end\x1b["), "end");
+    }
 
     const CANNED: &str = "\
 ============================= test session starts ==============================

@@ -8,6 +8,7 @@ pub mod grade;
 pub mod mixing;
 pub mod observation;
 pub mod sandbox;
+pub mod sink;
 pub mod student;
 pub mod tasks;
 pub mod teacher;

@@ -2,7 +2,7 @@
 //! capacity, runs them, streams their events (replaying unacknowledged ones after a
 //! broken stream), heartbeats, and swaps in new policy versions between episodes.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -10,17 +10,21 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, Semaphore};
 use tonic::transport::Channel;
 use tonic::Request;
 use tutor_policy::ChatTokenizer;
 use tutor_proto::auth::{AuthChannel, ClientAuth};
 use tutor_proto::rollout_client::RolloutClient;
-use tutor_proto::{EpisodeEvent, HeartbeatRequest, LeaseRequest, RegisterRequest};
+use tutor_proto::{
+    episode_event, EpisodeEvent, EpisodeLease, EpisodeOutcome, HeartbeatRequest, LeaseRequest,
+    OutcomeStatus, RegisterRequest,
+};
 
 use crate::episode::{run_episode, EpisodeEnv, TeacherSource, DEFAULT_SYSTEM_PROMPT};
 use crate::sandbox::WarmPool;
 use crate::sandbox::{DockerSettings, ImageRule, SandboxFactory};
+use crate::sink::{EventSink, WorkerIdentity};
 use crate::student::StudentHost;
 use crate::teacher::endpoint::{ChatEndpoint, TeacherConfig, TeacherKind};
 
@@ -37,6 +41,12 @@ pub struct WorkerConfig {
     pub sandbox: SandboxKind,
     /// Where local episode working copies are created (default: the system temp dir).
     pub sandbox_root: Option<PathBuf>,
+    /// Local sandboxes: run the model's commands even where they cannot be confined (no
+    /// bubblewrap, or user namespaces disabled), as this worker's user on the host with
+    /// the run's token, the Python venv and everything else of the user in reach
+    /// (docs/security.md, "Local sandbox"). Off by default: such a worker refuses to start,
+    /// naming what is missing.
+    pub allow_unconfined: bool,
     /// Docker: the image of tasks whose record names none. An image name, `swebench`
     /// (the SWE-bench naming rule), or a template with `{instance_id}`, `{repo}`,
     /// `{repo_slug}`, `{version}`.
@@ -102,6 +112,7 @@ impl Default for WorkerConfig {
             grade_timeout_s: 120.0,
             sandbox: SandboxKind::Local,
             sandbox_root: None,
+            allow_unconfined: false,
             image: "tutor/python-task:latest".into(),
             memory_mb: 2048,
             cpus: 1.0,
@@ -173,7 +184,15 @@ impl WorkerConfig {
     pub async fn sandboxes(&self, run: &str, worker: &str) -> Result<SandboxFactory> {
         match self.sandbox {
             SandboxKind::Local => {
+                // The model's commands run on this host: this process's /proc (its
+                // environment, its memory) stays out of their user's reach.
+                crate::sandbox::confine::harden_process();
                 let owner = format!("{run}-{worker}");
+                let factory = SandboxFactory::local(
+                    self.sandbox_root.clone(),
+                    Some(owner.clone()),
+                    &self.confine_settings(),
+                )?;
                 let removed =
                     crate::sandbox::remove_local_orphans(self.sandbox_root.as_deref(), &owner);
                 if removed > 0 {
@@ -184,10 +203,7 @@ impl WorkerConfig {
                         "removed sandboxes a previous worker left behind"
                     );
                 }
-                Ok(SandboxFactory::Local {
-                    root: self.sandbox_root.clone(),
-                    owner: Some(owner),
-                })
+                Ok(factory)
             }
             SandboxKind::Docker => {
                 let user = parse_user(&self.container_user).with_context(|| {
@@ -239,6 +255,14 @@ impl WorkerConfig {
 }
 
 impl WorkerConfig {
+    /// How local sandboxes are to be confined (`allow_unconfined`).
+    pub fn confine_settings(&self) -> crate::sandbox::ConfineSettings {
+        crate::sandbox::ConfineSettings {
+            allow_unconfined: self.allow_unconfined,
+            ..Default::default()
+        }
+    }
+
     /// The teacher this configuration describes (checks the endpoint settings).
     pub fn teacher_source(&self) -> Result<TeacherSource> {
         Ok(match self.teacher.kind {
@@ -286,6 +310,12 @@ pub async fn run_worker(
     opts: WorkerOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
+    // Before anything else: a worker whose episodes cannot be confined refuses here, and
+    // its /proc (the run's token and API keys in its environment) is no other process's.
+    crate::sandbox::confine::harden_process();
+    if opts.config.sandbox == SandboxKind::Local {
+        crate::sandbox::Confinement::new(&opts.config.confine_settings())?;
+    }
     // tokenizer.json, and the directory's chat template when it has one (else ChatML).
     let tokenizer = ChatTokenizer::from_dir(&opts.model_dir)
         .with_context(|| format!("loading the tokenizer of {}", opts.model_dir.display()))?;
@@ -327,7 +357,13 @@ pub async fn run_worker(
     tracing::info!(sandbox = sandboxes.kind(), "sandboxes ready");
     let cancel = Arc::new(AtomicBool::new(false));
     let active: Arc<Mutex<HashSet<String>>> = Default::default();
-    let sink = EventSink::spawn(client.clone());
+    let sink = EventSink::spawn(
+        client.clone(),
+        Some(WorkerIdentity {
+            worker_id: worker_id.clone(),
+            secret: reg.worker_secret.clone(),
+        }),
+    );
     let heartbeat = tokio::spawn(heartbeat_loop(
         client.clone(),
         worker_id.clone(),
@@ -417,18 +453,21 @@ pub async fn run_worker(
             tokio::spawn(async move {
                 let id = lease.episode_id.clone();
                 // Weights are swapped between episodes, never during one.
+                let mut lease = lease;
                 if let Some(p) = &lease.policy {
                     if let Err(e) = student.ensure(p).await {
                         tracing::error!(episode = %id, error = %format!("{e:#}"), "could not load the leased policy version");
                     }
                 }
-                let result = tokio::task::spawn_blocking(move || run_episode(&env, &lease)).await;
-                match result {
-                    Ok(o) => {
-                        tracing::info!(episode = %id, status = o.status, turns = o.num_turns, seconds = o.duration_s, "episode done")
-                    }
-                    Err(e) => tracing::error!(episode = %id, error = %e, "episode thread panicked"),
-                }
+                under_loaded_version(&mut lease, student.loaded_version());
+                let events = env.events.clone();
+                let worker_id = env.worker_id.clone();
+                let leased = lease.clone();
+                let o = run_guarded(&events, &worker_id, &leased, move || {
+                    run_episode(&env, &lease)
+                })
+                .await;
+                tracing::info!(episode = %id, status = o.status, turns = o.num_turns, seconds = o.duration_s, "episode done");
                 active.lock().expect("active set").remove(&id);
                 drop(permit);
             });
@@ -449,13 +488,73 @@ pub async fn run_worker(
     } else {
         60
     };
-    sink.flush(Duration::from_secs(grace)).await;
+    let _ = sink.flush(Duration::from_secs(grace)).await;
     heartbeat.abort();
     // The warm pool's containers go with the worker, and any a removal missed.
     env.sandboxes.shutdown().await;
     env.sandboxes.remove_leftovers().await;
     tracing::info!(worker = %worker_id, version = student.loaded_version(), "worker stopped");
     Ok(())
+}
+
+/// Makes `lease` report its episode under `loaded`, the version the student actually
+/// runs, when that is not the leased one (its download or load failed): the
+/// coordinator's staleness rule and the datasets then see the truth. True if it changed.
+fn under_loaded_version(lease: &mut EpisodeLease, loaded: u64) -> bool {
+    match lease.policy.as_mut() {
+        Some(p) if p.version != loaded => {
+            tracing::warn!(episode = %lease.episode_id, leased = p.version, loaded, "the episode runs on, and is reported under, the version loaded");
+            p.version = loaded;
+            p.sha256.clear();
+            true
+        }
+        _ => false,
+    }
+}
+
+/// Runs `episode` on a blocking thread. If it panics, the panic is reported as the
+/// episode's outcome (SANDBOX_ERROR, naming the panic; never counted as solved), so its
+/// slot completes at once instead of holding the iteration until the lease expires, and
+/// the worker goes on with its next lease.
+async fn run_guarded(
+    events: &mpsc::Sender<EpisodeEvent>,
+    worker_id: &str,
+    lease: &EpisodeLease,
+    episode: impl FnOnce() -> EpisodeOutcome + Send + 'static,
+) -> EpisodeOutcome {
+    let panic = match tokio::task::spawn_blocking(episode).await {
+        Ok(outcome) => return outcome,
+        Err(e) if e.is_panic() => e.into_panic(),
+        Err(e) => Box::new(e.to_string()),
+    };
+    let message = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into());
+    tracing::error!(episode = %lease.episode_id, panic = %message, "the episode panicked: reported as a SANDBOX_ERROR outcome");
+    let outcome = EpisodeOutcome {
+        status: OutcomeStatus::SandboxError as i32,
+        error: format!("the worker's episode code panicked: {message}"),
+        purpose: lease.purpose,
+        iteration: lease.iteration,
+        instance_id: lease
+            .task
+            .as_ref()
+            .map(|t| t.instance_id.clone())
+            .unwrap_or_default(),
+        policy_version: lease.policy.as_ref().map(|p| p.version).unwrap_or(0),
+        ..Default::default()
+    };
+    let event = EpisodeEvent {
+        episode_id: lease.episode_id.clone(),
+        worker_id: worker_id.to_string(),
+        event: Some(episode_event::Event::Outcome(outcome.clone())),
+    };
+    if events.send(event).await.is_err() {
+        tracing::error!(episode = %lease.episode_id, "event sink stopped: the panic's outcome is lost");
+    }
+    outcome
 }
 
 async fn connect(auth: &ClientAuth, endpoint: &str) -> Result<Channel> {
@@ -518,99 +617,6 @@ async fn heartbeat_loop(
     }
 }
 
-/// Delivers episode events at least once: keeps each event until the coordinator acks
-/// it (after its durable write) and replays the unacked ones on a new stream.
-struct EventSink {
-    events: mpsc::Sender<EpisodeEvent>,
-    flush: mpsc::Sender<oneshot::Sender<()>>,
-}
-
-impl EventSink {
-    fn spawn(client: RolloutClient<AuthChannel>) -> Self {
-        let (events, rx) = mpsc::channel(256);
-        let (flush, flush_rx) = mpsc::channel(4);
-        tokio::spawn(sink_loop(client, rx, flush_rx));
-        Self { events, flush }
-    }
-
-    async fn flush(&self, timeout: Duration) {
-        let (tx, rx) = oneshot::channel();
-        if self.flush.send(tx).await.is_ok() && tokio::time::timeout(timeout, rx).await.is_err() {
-            tracing::error!("events still unacknowledged after {timeout:?}: they may be lost");
-        }
-    }
-}
-
-async fn sink_loop(
-    mut client: RolloutClient<AuthChannel>,
-    mut events: mpsc::Receiver<EpisodeEvent>,
-    mut flush_rx: mpsc::Receiver<oneshot::Sender<()>>,
-) {
-    let mut pending: BTreeMap<u64, EpisodeEvent> = BTreeMap::new();
-    let mut seq_of: BTreeMap<(String, u32), u64> = BTreeMap::new();
-    let mut next_seq = 0u64;
-    let mut waiters: Vec<oneshot::Sender<()>> = Vec::new();
-    let mut events_open = true;
-    loop {
-        let (stx, srx) = mpsc::channel::<EpisodeEvent>(256);
-        let mut acks = match client
-            .stream_events(tokio_stream::wrappers::ReceiverStream::new(srx))
-            .await
-        {
-            Ok(r) => r.into_inner(),
-            Err(status) => {
-                tracing::warn!(%status, "event stream to the coordinator failed; retrying");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                continue;
-            }
-        };
-        let mut ok = true;
-        for ev in pending.values() {
-            if stx.send(ev.clone()).await.is_err() {
-                ok = false;
-                break;
-            }
-        }
-        while ok {
-            if pending.is_empty() {
-                for w in waiters.drain(..) {
-                    let _ = w.send(());
-                }
-            }
-            tokio::select! {
-                ev = events.recv(), if events_open => match ev {
-                    Some(ev) => {
-                        let Some(key) = tutor_proto::event_key(&ev) else { continue };
-                        seq_of.insert(key, next_seq);
-                        pending.insert(next_seq, ev.clone());
-                        next_seq += 1;
-                        if stx.send(ev).await.is_err() {
-                            ok = false;
-                        }
-                    }
-                    None => events_open = false,
-                },
-                w = flush_rx.recv() => match w {
-                    Some(w) => waiters.push(w),
-                    None => return,
-                },
-                ack = acks.message() => match ack {
-                    Ok(Some(ack)) => {
-                        if let Some(seq) = seq_of.remove(&(ack.episode_id, ack.turn_index)) {
-                            pending.remove(&seq);
-                        }
-                    }
-                    Ok(None) | Err(_) => {
-                        tracing::warn!(unacked = pending.len(), "event stream broke; reconnecting and replaying");
-                        ok = false;
-                    }
-                },
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -629,5 +635,68 @@ mod tests {
         c.student_device = "cuda:63".into();
         let e = c.student_device().unwrap_err().to_string();
         assert!(e.contains("cuda:63") && e.contains("CUDA device"), "{e}");
+    }
+
+    /// An episode that panics is reported as its outcome (SANDBOX_ERROR naming the
+    /// panic), so its slot completes instead of waiting for the lease to expire; before,
+    /// the worker only logged it.
+    #[tokio::test]
+    async fn a_panicking_episode_is_reported_as_its_outcome() {
+        let (tx, mut rx) = mpsc::channel(4);
+        let lease = EpisodeLease {
+            episode_id: "it0-train-s3-a0".into(),
+            iteration: 2,
+            task: Some(tutor_proto::Task {
+                instance_id: "toy-7".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let o = run_guarded(&tx, "w-1", &lease, || panic!("index out of bounds: 9")).await;
+        assert_eq!(o.status, OutcomeStatus::SandboxError as i32);
+        let ev = rx.try_recv().expect("the panic is reported");
+        assert_eq!(
+            (ev.episode_id.as_str(), ev.worker_id.as_str()),
+            ("it0-train-s3-a0", "w-1")
+        );
+        let Some(episode_event::Event::Outcome(sent)) = ev.event else {
+            panic!("an outcome")
+        };
+        assert_eq!(sent.status, OutcomeStatus::SandboxError as i32);
+        assert!(
+            sent.error.contains("index out of bounds: 9"),
+            "{}",
+            sent.error
+        );
+        assert_eq!((sent.iteration, sent.instance_id.as_str()), (2, "toy-7"));
+
+        // An episode that returns is passed through, nothing extra sent.
+        let o = run_guarded(&tx, "w-1", &lease, || EpisodeOutcome {
+            num_turns: 3,
+            ..Default::default()
+        })
+        .await;
+        assert_eq!(o.num_turns, 3);
+        assert!(rx.try_recv().is_err());
+    }
+
+    /// When the leased version could not be loaded, the episode is reported under the
+    /// version the student runs; before, it carried the leased version it never ran.
+    #[test]
+    fn an_episode_is_reported_under_the_version_loaded() {
+        let mut lease = EpisodeLease {
+            episode_id: "e".into(),
+            policy: Some(tutor_proto::PolicyVersion {
+                version: 5,
+                sha256: "ab".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert!(!under_loaded_version(&mut lease, 5));
+        assert_eq!(lease.policy.as_ref().unwrap().version, 5);
+        assert!(under_loaded_version(&mut lease, 3));
+        let p = lease.policy.unwrap();
+        assert_eq!((p.version, p.sha256.as_str()), (3, ""));
     }
 }

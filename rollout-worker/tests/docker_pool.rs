@@ -263,3 +263,46 @@ async fn the_worker_factory_uses_the_pool_only_when_configured() {
         assert_eq!(containers_of(&d, &run).await.len(), 0, "size {size}");
     }
 }
+
+/// A warm container has the pool's limits, read-only root and tmpfs quota included, and
+/// an episode that asks for other limits (here another disk quota) gets a container made
+/// for it, not a warm one with the wrong quota.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_container_has_the_pools_limits_and_other_limits_get_their_own() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-pool-limits-{}", std::process::id());
+    let pool = WarmPool::start(&d, &spec(&run, ""), 1);
+    pool.warm(IMAGE).await;
+    assert_eq!(pool.wait_ready(IMAGE, FILL).await, 1);
+    let warm = pool.ready(IMAGE).await;
+
+    let mut other = spec(&run, "e1");
+    other.disk_bytes = 64 << 20;
+    let mut sb = pool.acquire(&other, &task()).await.unwrap();
+    assert!(
+        !sb.pooled(),
+        "a warm container with another quota was handed out"
+    );
+    assert!(!warm.contains(&sb.id().to_string()));
+    let t = Duration::from_secs(20);
+    let out = sb.run("df -B1 --output=size /testbed | tail -1", t).await;
+    assert_eq!(out.output.trim(), (64u64 << 20).to_string(), "{out:?}");
+    sb.remove().await;
+
+    let mut sb = pool.acquire(&spec(&run, "e2"), &task()).await.unwrap();
+    assert!(sb.pooled());
+    let out = sb
+        .run(
+            "df -B1 --output=size /testbed | tail -1; ulimit -n; (echo x > /home/agent/x) 2>&1 | sed 's/.*: //'; git status --porcelain | wc -l",
+            t,
+        )
+        .await;
+    assert_eq!(
+        out.output,
+        format!("{}\n1024\nRead-only file system\n0\n", 1u64 << 30),
+        "{out:?}"
+    );
+    sb.remove().await;
+    pool.shutdown().await;
+    assert_eq!(wait_gone(&d, &run).await, 0);
+}

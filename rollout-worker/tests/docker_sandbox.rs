@@ -1,10 +1,12 @@
 //! The Docker sandbox against the real engine: persistent shell, timeouts, output caps,
-//! no network, diff, cleanup. Needs the image from `make images`; skips (saying so) only
+//! no network, diff, cleanup, and the container's limits (ulimits, disk quota, read-only
+//! root, swap; docs/security.md, "Docker sandbox"). Needs the image from `make images`; skips (saying so) only
 //! when no Docker engine is reachable.
 
 use std::time::{Duration, Instant};
 
 use tutor_rollout_worker::sandbox::docker::{self, ContainerSpec, DockerError, DockerSandbox};
+use tutor_rollout_worker::sandbox::{LeftOutReason, Submission, MAX_SUBMISSION_BYTES};
 
 const IMAGE: &str = "tutor/python-task:latest";
 
@@ -243,6 +245,63 @@ async fn bookkeeping_git_runs_nothing_the_agent_configured() {
     sb.remove().await;
 }
 
+/// An agent that leaves a compiled binary (with an odd name), a large untracked file and
+/// 6 MB of generated text files (300 of 20 KiB) beside its fix: the submission is "too
+/// large", with no patch (inside the container git's output goes through `head -c`, so no
+/// more than the cap + 1 bytes ever leave it), and the left-out paths are named. Once the
+/// generated files are gone, the patch is the text fix alone. Before, the whole diff,
+/// binary included, came back as the patch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_submission_is_too_large_and_binaries_are_left_out() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-submission-{}", std::process::id());
+    let mut sb = sandbox(&d, &run).await;
+    let t = Duration::from_secs(60);
+    let out = sb
+        .run(
+            "echo '# touched' >> README.md && printf '\\177ELF\\0\\1' > $'-lib\\n(x).so' \
+             && head -c 2000000 /dev/zero | tr '\\0' x > 'big file.txt' && mkdir -p gen \
+             && awk 'BEGIN { l = sprintf(\"%099d\", 0); for (i = 0; i < 300; i++) { \
+                  f = \"gen/f\" i \".txt\"; for (j = 0; j < 205; j++) print l > f; close(f) } }'",
+            t,
+        )
+        .await;
+    assert_eq!(out.exit_code, 0, "{}", out.output);
+    let left = |sub: &Submission| {
+        let mut l: Vec<(String, LeftOutReason)> = sub
+            .left_out
+            .iter()
+            .map(|l| (l.path.clone(), l.reason))
+            .collect();
+        l.sort_by(|a, b| a.0.cmp(&b.0));
+        l
+    };
+    let expected = vec![
+        ("-lib\n(x).so".to_string(), LeftOutReason::Binary),
+        ("big file.txt".to_string(), LeftOutReason::Large(2_000_000)),
+    ];
+
+    let sub = sb.submission().await;
+    assert_eq!(sub.too_large, Some(MAX_SUBMISSION_BYTES as u64 + 1));
+    assert_eq!(sub.patch, "");
+    assert_eq!(left(&sub), expected);
+    assert_eq!(sub.left_out_total, 2);
+    let note = sub.too_large_note().unwrap();
+    assert!(note.contains(&MAX_SUBMISSION_BYTES.to_string()), "{note}");
+
+    let out = sb.run("rm -rf gen", t).await;
+    assert_eq!(out.exit_code, 0, "{}", out.output);
+    let sub = sb.submission().await;
+    assert_eq!(sub.too_large, None);
+    assert!(sub.patch.contains("+# touched"), "{}", sub.patch);
+    assert!(sub.patch.len() < 2000, "{}", sub.patch);
+    assert_eq!(left(&sub), expected);
+    let files = sb.apply_to_base(&sub.patch).await.unwrap();
+    assert_eq!(files.keys().collect::<Vec<_>>(), vec!["README.md"]);
+    assert_eq!(sb.diff().await, sub.patch);
+    sb.remove().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_image_is_a_clear_error() {
     let Some(d) = engine().await else { return };
@@ -416,4 +475,426 @@ async fn the_factory_removes_its_leftover_containers() {
     assert_eq!(factory.remove_leftovers().await, 1);
     assert_eq!(containers_of(&d, &run).await, 0);
     assert_eq!(factory.remove_leftovers().await, 0);
+}
+
+/// Creates a sandbox with `spec` for the toy task.
+async fn sandbox_with(d: &bollard::Docker, spec: &ContainerSpec) -> DockerSandbox {
+    match DockerSandbox::create(d, spec, &task()).await {
+        Ok(s) => s,
+        Err(e) => panic!("creating the sandbox: {e}"),
+    }
+}
+
+/// `ulimit -n` and `ulimit -f` hold in the agent's shell: a file past the size limit is
+/// cut there (bash's redirect: "File size limit exceeded", exit 153; Python, which ignores
+/// SIGXFSZ: EFBIG), and opening more files than the limit fails. Before, the engine's
+/// defaults (a million open files, no file size limit) applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ulimits_cap_open_files_and_file_size() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-ulimit-{}", std::process::id());
+    let mut s = spec(&run, "e1");
+    s.fsize_bytes = 8 << 20;
+    let mut sb = sandbox_with(&d, &s).await;
+    let t = Duration::from_secs(30);
+    let out = sb
+        .run("ulimit -Sn; ulimit -Hn; ulimit -Sf; ulimit -Hf", t)
+        .await;
+    // bash shows the file size limit in blocks of 1024 bytes.
+    assert_eq!(out.output, "1024\n1024\n8192\n8192\n", "{out:?}");
+    let out = sb
+        .run(
+            "head -c 9M /dev/zero > big.bin; echo rc=$?; stat -c %s big.bin",
+            t,
+        )
+        .await;
+    assert!(
+        out.output.contains("rc=153") && out.output.contains(&format!("\n{}\n", 8 << 20)),
+        "{out:?}"
+    );
+    let out = sb
+        .run(
+            "python3 -c \"open('big2.bin', 'wb').write(b'x' * (9 << 20))\" 2>&1 | tail -1; \
+             python3 -c \"fs = [open('README.md') for _ in range(2000)]\" 2>&1 | tail -1",
+            t,
+        )
+        .await;
+    assert!(out.output.contains("File too large"), "{out:?}");
+    assert!(out.output.contains("Too many open files"), "{out:?}");
+    // Set on the container, so every exec has them (the shell is one, as are the
+    // worker's own git and file reads).
+    let host = d
+        .inspect_container(sb.id(), None)
+        .await
+        .unwrap()
+        .host_config
+        .unwrap();
+    let mut ulimits: Vec<(String, i64, i64)> = host
+        .ulimits
+        .unwrap_or_default()
+        .into_iter()
+        .map(|u| (u.name.unwrap(), u.soft.unwrap(), u.hard.unwrap()))
+        .collect();
+    ulimits.sort();
+    assert_eq!(
+        ulimits,
+        vec![
+            ("fsize".to_string(), 8 << 20, 8 << 20),
+            ("nofile".to_string(), 1024, 1024)
+        ]
+    );
+    assert_eq!(sb.run("echo alive", t).await.output.trim(), "alive");
+    sb.remove().await;
+}
+
+/// The writable places are capped: /testbed at `disk_bytes`, /tmp at `tmp_bytes`.
+/// Writing past them fails with ENOSPC inside the container (the host's disk is never
+/// touched), and the sandbox works again once the file is gone. Before, 200 MB went to
+/// the host's disk through the container's writable layer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_past_the_disk_quota_fail_with_no_space_left() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-quota-{}", std::process::id());
+    let mut s = spec(&run, "e1");
+    s.disk_bytes = 128 << 20;
+    s.tmp_bytes = 32 << 20;
+    let mut sb = sandbox_with(&d, &s).await;
+    let t = Duration::from_secs(60);
+    let started = Instant::now();
+    let out = sb
+        .run(
+            "dd if=/dev/zero of=/testbed/fill bs=1M count=200 2>&1 | grep -v records; echo rc=${PIPESTATUS[0]}; \
+             dd if=/dev/zero of=/tmp/fill bs=1M count=64 2>&1 | grep -v records; echo rc=${PIPESTATUS[0]}",
+            t,
+        )
+        .await;
+    assert_eq!(
+        out.output.matches("No space left on device").count(),
+        2,
+        "{out:?}"
+    );
+    assert_eq!(out.output.matches("rc=1").count(), 2, "{out:?}");
+    let out = sb
+        .run(
+            "stat -c %s /testbed/fill /tmp/fill; df -B1 --output=size /testbed /tmp | tail -2",
+            t,
+        )
+        .await;
+    let sizes: Vec<u64> = out
+        .output
+        .split_whitespace()
+        .map(|n| n.parse().unwrap())
+        .collect();
+    assert!(
+        sizes[0] <= 128 << 20 && sizes[1] <= 32 << 20,
+        "{:?}",
+        out.output
+    );
+    assert_eq!(sizes[2..], [128 << 20, 32 << 20], "{:?}", out.output);
+    // Room again: the shell, git and the submission work.
+    let out = sb
+        .run(
+            "rm /testbed/fill /tmp/fill && echo 'x = 1' > new_file.py",
+            t,
+        )
+        .await;
+    assert_eq!(out.exit_code, 0, "{out:?}");
+    assert!(sb.diff().await.contains("+x = 1"));
+    eprintln!("quota test: {:?}", started.elapsed());
+    sb.remove().await;
+}
+
+/// The root filesystem is read-only: only /testbed, /tmp and /dev/shm take writes. For
+/// the unprivileged agent the image's home directory and /var/tmp were writable before;
+/// for an agent running as root (capabilities dropped, but the owner of /etc and
+/// site-packages) /etc and the Python packages were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_root_filesystem_is_read_only_outside_the_writable_places() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-rootfs-{}", std::process::id());
+    let t = Duration::from_secs(30);
+    let writes = |paths: &[&str]| {
+        paths
+            .iter()
+            .map(|p| format!("(echo x > {p}) 2>&1 | sed 's/.*: //'; "))
+            .collect::<String>()
+    };
+    let mut sb = sandbox(&d, &run).await;
+    let out = sb
+        .run(&writes(&["/home/agent/.bashrc", "/var/tmp/x", "/x"]), t)
+        .await;
+    assert_eq!(
+        out.output,
+        "Read-only file system\n".repeat(3),
+        "{:?}",
+        out.output
+    );
+    let out = sb
+        .run(
+            "echo a > /testbed/a && echo b > /tmp/b && echo c > /dev/shm/c && cat /testbed/a /tmp/b /dev/shm/c",
+            t,
+        )
+        .await;
+    assert_eq!(out.output, "a\nb\nc\n", "{out:?}");
+    let host = d
+        .inspect_container(sb.id(), None)
+        .await
+        .unwrap()
+        .host_config
+        .unwrap();
+    assert_eq!(host.readonly_rootfs, Some(true));
+    sb.remove().await;
+
+    let mut s = spec(&run, "e2");
+    s.user = (0, 0);
+    let mut sb = sandbox_with(&d, &s).await;
+    let out = sb
+        .run(
+            &format!(
+                "{}{}",
+                writes(&["/etc/passwd", "/usr/bin/python3"]),
+                "touch \"$(python3 -c 'import os; print(os.path.dirname(os.__file__))')/evil.py\" 2>&1 | sed 's/.*: //'"
+            ),
+            t,
+        )
+        .await;
+    assert_eq!(
+        out.output,
+        "Read-only file system\n".repeat(3),
+        "{:?}",
+        out.output
+    );
+    let out = sb.run("echo 'x = 1' > new_file.py && id -u", t).await;
+    assert_eq!(out.output, "0\n", "{out:?}");
+    assert!(sb.diff().await.contains("+x = 1"));
+    sb.remove().await;
+    assert_eq!(containers_of(&d, &run).await, 0);
+}
+
+/// The peak resident memory of this process, in bytes.
+fn peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    line.split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        * 1024
+}
+
+/// The worker's own execs (here `cat` through `read_file`) take at most
+/// `EXEC_OUTPUT_CAP` bytes: a file of 100 MB, or a symlink to /dev/zero, is "no file",
+/// quickly, and the worker's memory stays where it was; the sandbox keeps working.
+/// Before, the whole output was buffered (twice: bytes, then the string), and /dev/zero
+/// never ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_internal_exec_with_huge_output_is_capped() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-execcap-{}", std::process::id());
+    let mut sb = sandbox(&d, &run).await;
+    let t = Duration::from_secs(60);
+    let out = sb
+        .run(
+            "yes | head -c 100M > big.txt && ln -s /dev/zero zero.txt && echo small > small.txt",
+            t,
+        )
+        .await;
+    assert_eq!(out.exit_code, 0, "{out:?}");
+    let before = peak_rss();
+    let started = Instant::now();
+    // (Lengths only: a failure must not print 100 MB.)
+    let big = sb.read_file("big.txt").await.map(|s| s.len());
+    assert_eq!(big, None, "bytes of big.txt read");
+    let zero = sb.read_file("zero.txt").await.map(|s| s.len());
+    assert_eq!(zero, None, "bytes of zero.txt read");
+    let took = started.elapsed();
+    let grew = peak_rss().saturating_sub(before);
+    assert!(
+        grew < 3 * docker::EXEC_OUTPUT_CAP as u64,
+        "the worker's peak memory grew by {grew} bytes"
+    );
+    assert!(took < Duration::from_secs(30), "{took:?}");
+    // The commands were stopped in the container, not left writing.
+    let out = sb
+        .run("pgrep -c -x cat || true; pgrep -c -x yes || true", t)
+        .await;
+    assert_eq!(out.output, "0\n0\n", "{out:?}");
+    assert_eq!(sb.read_file("small.txt").await.as_deref(), Some("small\n"));
+    assert_eq!(sb.run("echo alive", t).await.output.trim(), "alive");
+    eprintln!("exec cap: two reads in {took:?}, peak memory +{grew} bytes");
+    sb.remove().await;
+}
+
+/// No swap beyond the memory limit: `memory_swap` equals `memory`, and the container's
+/// memory cgroup says so (cgroup v1: memsw = memory; v2: swap.max = 0). Before,
+/// Docker's default allowed as much swap again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swap_is_limited_to_the_memory_limit() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-swap-{}", std::process::id());
+    let mut s = spec(&run, "e1");
+    s.memory_bytes = 512 << 20;
+    let mut sb = sandbox_with(&d, &s).await;
+    let host = d
+        .inspect_container(sb.id(), None)
+        .await
+        .unwrap()
+        .host_config
+        .unwrap();
+    assert_eq!(host.memory, Some(512 << 20));
+    assert_eq!(host.memory_swap, Some(512 << 20));
+    let out = sb
+        .run(
+            "cd /sys/fs/cgroup; if [ -e memory.swap.max ]; then echo v2 $(cat memory.max memory.swap.max); \
+             else echo v1 $(cat memory/memory.limit_in_bytes memory/memory.memsw.limit_in_bytes 2>/dev/null); fi",
+            Duration::from_secs(10),
+        )
+        .await;
+    let f: Vec<&str> = out.output.split_whitespace().collect();
+    match f[..] {
+        ["v2", max, swap] => assert_eq!((max, swap), ("536870912", "0"), "{out:?}"),
+        ["v1", mem, memsw] => assert_eq!((mem, memsw), ("536870912", "536870912"), "{out:?}"),
+        // A v1 kernel without swap accounting has no memsw file: the inspection above
+        // is all there is.
+        ["v1", _] => eprintln!("no memsw accounting in this kernel: {out:?}"),
+        _ => panic!("{out:?}"),
+    }
+    sb.remove().await;
+}
+
+/// An image that ships its repository in /testbed (as SWE-bench images do) keeps it on
+/// a read-only root: it is copied into the tmpfs at launch, with its modes, and the
+/// episode's base is the image's commit. The image is made here with `docker commit`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_that_ships_its_repository_keeps_it_on_a_read_only_root() {
+    let Some(d) = engine().await else { return };
+    let pid = std::process::id();
+    let run = format!("test-shipped-{pid}");
+    let image = format!("tutor/test-shipped:{pid}");
+    // A container that commits a repository in /testbed, then becomes the image.
+    let body = bollard::models::ContainerCreateBody {
+        image: Some(IMAGE.into()),
+        user: Some("1000:1000".into()),
+        working_dir: Some("/testbed".into()),
+        cmd: Some(vec![
+            "bash".into(),
+            "-c".into(),
+            "git init -q && git config user.email a@b && git config user.name a \
+             && printf 'def f():\\n    return 1\\n' > mod.py && mkdir -p bin && printf '#!/bin/sh\\necho ran\\n' > bin/run \
+             && chmod +x bin/run && git add -A && git commit -qm shipped"
+                .into(),
+        ]),
+        ..Default::default()
+    };
+    let c = d
+        .create_container(
+            Some(bollard::query_parameters::CreateContainerOptionsBuilder::default().build()),
+            body,
+        )
+        .await
+        .unwrap();
+    d.start_container(
+        &c.id,
+        None::<bollard::query_parameters::StartContainerOptions>,
+    )
+    .await
+    .unwrap();
+    let mut waited = d.wait_container(
+        &c.id,
+        None::<bollard::query_parameters::WaitContainerOptions>,
+    );
+    while let Some(w) = futures::StreamExt::next(&mut waited).await {
+        assert_eq!(w.unwrap().status_code, 0);
+    }
+    let (repo, tag) = image.split_once(':').unwrap();
+    d.commit_container(
+        bollard::query_parameters::CommitContainerOptionsBuilder::default()
+            .container(&c.id)
+            .repo(repo)
+            .tag(tag)
+            .build(),
+        bollard::models::ContainerConfig::default(),
+    )
+    .await
+    .unwrap();
+    let rm = bollard::query_parameters::RemoveContainerOptionsBuilder::default()
+        .force(true)
+        .build();
+    d.remove_container(&c.id, Some(rm)).await.unwrap();
+
+    let mut s = spec(&run, "e1");
+    s.image = image.clone();
+    let no_files = tutor_rollout_worker::tasks::TaskRecord {
+        instance_id: "shipped".into(),
+        ..Default::default()
+    };
+    let created = DockerSandbox::create(&d, &s, &no_files).await;
+    let result = async {
+        let mut sb = created.map_err(|e| format!("creating the sandbox: {e}"))?;
+        let t = Duration::from_secs(30);
+        let out = sb
+            .run(
+                "bin/run && git log --format=%s && git status --short && stat -c %U mod.py && stat -f -c %T /testbed",
+                t,
+            )
+            .await;
+        let head = sb.head().await;
+        let base = sb.base_commit().to_string();
+        sb.run("echo '# edited' >> mod.py", t).await;
+        let diff = sb.diff().await;
+        sb.remove().await;
+        if out.output != "ran\nshipped\nagent\ntmpfs\n" {
+            return Err(format!("{out:?}"));
+        }
+        if head.as_deref() != Some(base.as_str()) {
+            return Err(format!("head {head:?}, base {base}"));
+        }
+        if !diff.contains("+# edited") {
+            return Err(diff);
+        }
+        Ok(())
+    }
+    .await;
+    let _ = d
+        .remove_image(
+            &image,
+            Some(
+                bollard::query_parameters::RemoveImageOptionsBuilder::default()
+                    .force(true)
+                    .build(),
+            ),
+            None,
+        )
+        .await;
+    result.unwrap();
+    assert_eq!(containers_of(&d, &run).await, 0);
+}
+
+/// `read_only_root = false` (an image that must write elsewhere): the root is writable
+/// again, and where the storage driver has no quota (fuse-overlayfs, overlay2 on ext4)
+/// the container is made without `--storage-opt` rather than refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writable_root_is_a_setting_and_works_without_a_driver_quota() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-rwroot-{}", std::process::id());
+    let mut s = spec(&run, "e1");
+    s.read_only_root = false;
+    let mut sb = sandbox_with(&d, &s).await;
+    let out = sb
+        .run(
+            "echo x > /home/agent/x && cat /home/agent/x && ulimit -n",
+            Duration::from_secs(10),
+        )
+        .await;
+    assert_eq!(out.output, "x\n1024\n", "{out:?}");
+    let host = d
+        .inspect_container(sb.id(), None)
+        .await
+        .unwrap()
+        .host_config
+        .unwrap();
+    assert_eq!(host.readonly_rootfs, Some(false));
+    assert_eq!(host.memory_swap, host.memory);
+    sb.remove().await;
 }

@@ -5,69 +5,14 @@
 
 mod common;
 
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
-use std::time::Duration;
-
-use tutor_policy::{ChatTokenizer, ModelConfig};
-use tutor_proto::auth::ClientAuth;
 use tutor_proto::{episode_event, Actor, EpisodeLease, EpisodePurpose, SamplingParams, TurnRecord};
-use tutor_rollout_worker::episode::{
-    run_episode, EpisodeEnv, TeacherSource, DEFAULT_SYSTEM_PROMPT,
-};
-use tutor_rollout_worker::sandbox::SandboxFactory;
-use tutor_rollout_worker::student::StudentHost;
+use tutor_rollout_worker::episode::{run_episode, TeacherSource};
 
-struct Setup {
-    _dir: tempfile::TempDir,
-    env: EpisodeEnv,
-    events: tokio::sync::mpsc::Receiver<tutor_proto::EpisodeEvent>,
-    task: tutor_proto::Task,
-}
-
-fn setup() -> Setup {
-    common::init_python();
-    let dir = tempfile::tempdir().unwrap();
-    let task = tutor_rollout_worker::toy::generate(1, 11).remove(0);
-    let corpus = vec![
-        DEFAULT_SYSTEM_PROMPT.to_string(),
-        task.problem_statement.clone(),
-        task.patch.clone(),
-    ];
-    let tokenizer = ChatTokenizer::train(&corpus, 400).unwrap();
-    tokenizer.save(&dir.path().join("tokenizer.json")).unwrap();
-    ModelConfig::tiny(tokenizer.vocab_size())
-        .save(&dir.path().join("config.json"))
-        .unwrap();
-    let student = StudentHost::start(
-        dir.path(),
-        dir.path(),
-        tokenizer.clone(),
-        tutor_rollout_worker::worker::WorkerConfig::default().student_engine(),
-        ClientAuth::default(),
+fn setup() -> common::EpisodeSetup {
+    common::episode_setup(
+        tutor_rollout_worker::toy::generate(1, 11).remove(0),
+        TeacherSource::Oracle,
     )
-    .unwrap();
-    let (tx, events) = tokio::sync::mpsc::channel(1024);
-    let env = EpisodeEnv {
-        worker_id: "w-test".into(),
-        tokenizer: Arc::new(tokenizer),
-        student,
-        events: tx,
-        system_prompt: DEFAULT_SYSTEM_PROMPT.to_string(),
-        sandboxes: SandboxFactory::Local {
-            root: Some(dir.path().to_path_buf()),
-            owner: None,
-        },
-        grade_timeout: Duration::from_secs(120),
-        teacher: TeacherSource::Oracle,
-        cancel: Arc::new(AtomicBool::new(false)),
-    };
-    Setup {
-        _dir: dir,
-        env,
-        events,
-        task: (&task).into(),
-    }
 }
 
 fn lease(task: &tutor_proto::Task, beta: f64, student_turns: Option<u32>) -> EpisodeLease {

@@ -287,7 +287,8 @@ async fn oversized_message_is_refused_and_the_coordinator_keeps_serving() {
 }
 
 /// A tiny learner process on `dir` (model, out dir, token) with a fresh port.
-fn start_learner(dir: &Path) -> Server {
+/// The flags of a learner on a tiny model of its own in `dir`, with the token file.
+fn learner_args(dir: &Path) -> Vec<String> {
     let model = dir.join("model");
     std::fs::create_dir_all(&model).unwrap();
     std::fs::write(
@@ -300,7 +301,7 @@ fn start_learner(dir: &Path) -> Server {
     .unwrap();
     std::fs::write(dir.join("run.toml"), "").unwrap();
     let p = |n: &Path| n.display().to_string();
-    let args: Vec<String> = vec![
+    vec![
         "learner".into(),
         "--config".into(),
         p(&dir.join("run.toml")),
@@ -312,8 +313,11 @@ fn start_learner(dir: &Path) -> Server {
         "127.0.0.1:0".into(),
         "--auth-token-file".into(),
         p(&token_file(dir)),
-    ];
-    Server::start(dir, "learner", &args)
+    ]
+}
+
+fn start_learner(dir: &Path) -> Server {
+    Server::start(dir, "learner", &learner_args(dir))
 }
 
 #[tokio::test]
@@ -425,6 +429,133 @@ fn a_server_without_a_token_warns_in_json_logs_and_a_bad_token_file_is_named() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("no-such-token-file"), "{err}");
+}
+
+/// A worker's token (derived from the run's) reaches what a worker needs — Register,
+/// the weights — and nothing else: Control (watching, shutting the run down) and the
+/// learner's training and status answer PERMISSION_DENIED. Before, any process's token
+/// was the operator's.
+#[tokio::test]
+async fn a_worker_token_reaches_rollout_and_weights_only() {
+    let worker_token = tutor_proto::auth::AuthToken::new(TOKEN)
+        .unwrap()
+        .derive(tutor_proto::auth::Role::Worker);
+    let worker = Some(worker_token.expose());
+    assert!(worker_token.expose().starts_with("worker."));
+
+    let dir = tempfile::tempdir().unwrap();
+    let (coord, _metrics) = start_coordinator(dir.path());
+    let mut rollout = RolloutClient::new(coord.channel().await);
+    rollout
+        .register(with_token(register("w"), worker))
+        .await
+        .expect("a worker's token may register");
+    let mut control = ControlClient::new(coord.channel().await);
+    let status = control
+        .watch_run(with_token(WatchRunRequest {}, worker))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    let status = control
+        .shutdown(with_token(tutor_proto::ShutdownRequest {}, worker))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    // A made-up "worker." token is no token at all.
+    let forged = format!("worker.{}", "0".repeat(64));
+    let status = rollout
+        .register(with_token(register("f"), Some(&forged)))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+
+    let ldir = tempfile::tempdir().unwrap();
+    let learner = start_learner(ldir.path());
+    let mut client = LearnerClient::new(learner.channel().await);
+    let status = client
+        .status(with_token(LearnerStatusRequest {}, worker))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    let mut weights = WeightsClient::new(learner.channel().await);
+    let mut stream = weights
+        .fetch(with_token(FetchWeightsRequest { version: 0 }, worker))
+        .await
+        .expect("a worker's token may download the weights")
+        .into_inner();
+    assert!(stream.message().await.unwrap().is_some());
+    assert!(!learner.log().contains(worker_token.expose()));
+}
+
+/// Fail closed: a coordinator on an address other machines can reach, with no token and
+/// no client certificates, refuses to start and says how to start safely; `--insecure`
+/// is the operator's explicit "yes". Before, it served anyone with a warning.
+#[test]
+fn an_exposed_coordinator_without_a_token_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("run.toml"), "").unwrap();
+    let p = |n: &str| dir.path().join(n).display().to_string();
+    let out = common::tutor(&["tasks", "toy", "--n", "1", "--out", &p("tasks.jsonl")]);
+    assert!(out.status.success());
+    let args = |extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "coordinator",
+            "--config",
+            &p("run.toml"),
+            "--run-dir",
+            &p("run"),
+            "--learner",
+            "http://127.0.0.1:9",
+            "--train-tasks",
+            &p("tasks.jsonl"),
+            "--listen",
+            "0.0.0.0:0",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let out = Command::new(common::tutor_bin())
+        .args(args(&[]))
+        .env_remove("TUTOR_AUTH_TOKEN")
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "an exposed coordinator started");
+    let err = String::from_utf8_lossy(&out.stderr);
+    for needle in ["0.0.0.0", "--auth-token-file", "--insecure"] {
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
+    // The operator's explicit --insecure, or a token, lets it start.
+    let open = Server::start(dir.path(), "insecure", &args(&["--insecure"]));
+    drop(open);
+    let tok = token_file(dir.path()).display().to_string();
+    let guarded = Server::start(dir.path(), "token", &args(&["--auth-token-file", &tok]));
+    drop(guarded);
+
+    // The learner too (it holds the weights and takes training batches).
+    let exposed: Vec<String> = learner_args(dir.path())
+        .into_iter()
+        .map(|a| {
+            if a == "127.0.0.1:0" {
+                "0.0.0.0:0".into()
+            } else {
+                a
+            }
+        })
+        .take_while(|a| a != "--auth-token-file")
+        .collect();
+    let out = Command::new(common::tutor_bin())
+        .args(&exposed)
+        .env_remove("TUTOR_AUTH_TOKEN")
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "an exposed learner started");
+    let err = String::from_utf8_lossy(&out.stderr);
+    for needle in ["learner", "0.0.0.0", "--insecure"] {
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
 }
 
 /// One Train stream with one empty batch of `run_id`: the learner's reply.

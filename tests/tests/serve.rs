@@ -424,6 +424,23 @@ fn an_api_key_is_required_when_configured_and_never_logged() {
         err.contains("api-key") && err.contains("empty"),
         "the error should name the empty file: {err}"
     );
+
+    // Fail closed: a non-loopback host without a key is refused at start, naming the
+    // ways out (before, it served anyone with a warning).
+    let out = Command::new(common::tutor_bin())
+        .args([
+            "serve", "--device", "cpu", "--host", "0.0.0.0", "--port", "0", "--model",
+        ])
+        .arg(&model)
+        .env_remove("TUTOR_SERVE_API_KEY")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("0.0.0.0") && err.contains("--api-key-file") && err.contains("--insecure"),
+        "the error should say how to serve safely: {err}"
+    );
 }
 
 #[test]

@@ -105,6 +105,14 @@ enum Cmd {
         #[command(subcommand)]
         command: TasksCmd,
     },
+    /// Print the workers' token derived from the run's token (--auth-token-file, else
+    /// TUTOR_AUTH_TOKEN), for the workers' Secret: it reaches Rollout, the rendezvous
+    /// and the weights, but not Control (shutdown) or the learner's training.
+    WorkerToken {
+        /// File holding the run's token.
+        #[arg(long, value_name = "PATH")]
+        auth_token_file: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -162,6 +170,17 @@ async fn dispatch(cli: Cli) -> Result<()> {
                 e.parameters,
                 e.out.display()
             );
+            Ok(())
+        }
+        Cmd::WorkerToken { auth_token_file } => {
+            let token =
+                tutor_proto::auth::load_token(auth_token_file.as_deref())?.ok_or_else(|| {
+                    anyhow::anyhow!("no run token: give --auth-token-file or TUTOR_AUTH_TOKEN")
+                })?;
+            if token.role() != tutor_proto::auth::Role::Operator {
+                anyhow::bail!("that is already a worker's token: give the run's token");
+            }
+            println!("{}", token.derive(tutor_proto::auth::Role::Worker).expose());
             Ok(())
         }
         Cmd::Coordinator(args) => roles::coordinator::run(args).await,

@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use tokio::process::{Child, Command};
 use tonic::Request;
-use tutor_proto::auth::{AuthToken, ClientAuth};
+use tutor_proto::auth::{AuthToken, ClientAuth, Role};
 use tutor_proto::control_client::ControlClient;
 use tutor_proto::{run_event, IterationSummary, RunFinished, WatchRunRequest};
 
@@ -29,10 +29,16 @@ struct Proc {
 /// A fresh random token (32 bytes, hex) for one run, written 0600 to `path`.
 fn write_run_token(path: &Path) -> Result<AuthToken> {
     use rand::RngCore;
-    use std::os::unix::fs::OpenOptionsExt;
     let mut bytes = [0u8; 32];
     rand::rngs::OsRng.fill_bytes(&mut bytes);
     let token = AuthToken::new(&hex::encode(bytes))?;
+    write_token_file(path, &token)?;
+    Ok(token)
+}
+
+/// Writes `token` to a new file at `path`, mode 0600.
+fn write_token_file(path: &Path, token: &AuthToken) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -41,12 +47,27 @@ fn write_run_token(path: &Path) -> Result<AuthToken> {
         .with_context(|| format!("creating the auth token file {}", path.display()))?;
     f.write_all(token.expose().as_bytes())
         .and_then(|_| f.sync_all())
-        .with_context(|| format!("writing the auth token file {}", path.display()))?;
-    Ok(token)
+        .with_context(|| format!("writing the auth token file {}", path.display()))
 }
 
-/// Flags every child gets: the log format and the run's token file.
-struct ChildFlags(Vec<String>);
+/// Flags every child gets: the log format and a token file: the run's, or for the
+/// workers the workers' token derived from it (which cannot shut the run down or train).
+struct ChildFlags {
+    common: Vec<String>,
+    worker_token_file: String,
+}
+
+impl ChildFlags {
+    fn for_role(&self, role: &str) -> Vec<String> {
+        let mut flags = self.common.clone();
+        if role.starts_with("worker") {
+            if let Some(i) = flags.iter().position(|f| f == "--auth-token-file") {
+                flags[i + 1] = self.worker_token_file.clone();
+            }
+        }
+        flags
+    }
+}
 
 /// Children die with the parent even if it is killed with SIGKILL.
 fn spawn(role: &str, args: &[String], flags: &ChildFlags, run: &PreparedRun) -> Result<Proc> {
@@ -56,7 +77,7 @@ fn spawn(role: &str, args: &[String], flags: &ChildFlags, run: &PreparedRun) -> 
     let err = out.try_clone()?;
     let mut cmd = Command::new(exe);
     cmd.args(args)
-        .args(&flags.0)
+        .args(flags.for_role(role))
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err)
@@ -208,6 +229,8 @@ pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
     );
     let token_file = prepared.dir.join("auth-token");
     let token = write_run_token(&token_file)?;
+    let worker_token_file = prepared.dir.join("worker-token");
+    write_token_file(&worker_token_file, &token.derive(Role::Worker))?;
     let mut flags = vec![
         "--log-format".into(),
         log_format.as_arg().into(),
@@ -224,7 +247,10 @@ pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
             flags.push(p.display().to_string());
         }
     }
-    let flags = ChildFlags(flags);
+    let flags = ChildFlags {
+        common: flags,
+        worker_token_file: worker_token_file.display().to_string(),
+    };
     let client = ClientAuth::new(Some(&token)).with_tls(client_tls);
     let mut procs: Vec<Proc> = Vec::new();
     let result = orchestrate(&config, &prepared, &flags, &client, &mut procs).await;

@@ -1,6 +1,10 @@
 //! The dataset of each iteration (D_i, and D = ∪ D_i when aggregating): the counted
 //! training episodes' examples, and the staleness filter that leaves out episodes lagging
-//! the learner by more than `max_staleness` (async mode).
+//! the learner by more than `max_staleness` (async mode). Without aggregation
+//! (`CoordinatorConfig::aggregates`) only the newest iteration is trained on: opening
+//! iteration i drops the examples of the iterations before i − 1 (i − 1 may still be
+//! training in async mode), keeping their label counts, so memory holds at most two
+//! iterations' examples however long the run.
 
 use std::collections::BTreeMap;
 
@@ -24,6 +28,8 @@ pub struct EpisodeData {
 pub struct IterationDatasets {
     config: CoordinatorConfig,
     episodes: BTreeMap<u32, Vec<EpisodeData>>,
+    /// Iterations whose examples were dropped (not aggregating): their label counts.
+    dropped: BTreeMap<u32, u64>,
     train_bases: BTreeMap<u32, u64>,
     stale: BTreeMap<u32, u64>,
 }
@@ -33,14 +39,34 @@ impl IterationDatasets {
         Self {
             config,
             episodes: BTreeMap::new(),
+            dropped: BTreeMap::new(),
             train_bases: BTreeMap::new(),
             stale: BTreeMap::new(),
         }
     }
 
     /// Starts `iteration`'s dataset empty (a replanned iteration is counted again).
+    /// Without aggregation, drops the examples of the iterations before the previous
+    /// one: no batch needs them again.
     pub fn open(&mut self, iteration: u32) {
+        self.dropped.remove(&iteration);
         self.episodes.insert(iteration, Vec::new());
+        if !self.config.aggregates() {
+            let kept = self.episodes.split_off(&iteration.saturating_sub(1));
+            for (k, eps) in std::mem::replace(&mut self.episodes, kept) {
+                let labels = eps.iter().map(|e| e.examples.len() as u64).sum();
+                self.dropped.insert(k, labels);
+            }
+        }
+    }
+
+    /// Training examples held in memory, over every iteration.
+    pub fn examples_in_memory(&self) -> usize {
+        self.episodes
+            .values()
+            .flatten()
+            .map(|e| e.examples.len())
+            .sum()
     }
 
     pub fn push(&mut self, iteration: u32, episode: EpisodeData) {
@@ -49,17 +75,23 @@ impl IterationDatasets {
 
     /// Teacher labels (DAgger examples) of the iterations up to `iteration`.
     pub fn teacher_labels_through(&self, iteration: u32) -> u64 {
+        let dropped: u64 = self.dropped.range(..=iteration).map(|(_, n)| n).sum();
         self.episodes
             .range(..=iteration)
             .flat_map(|(_, eps)| eps)
             .map(|e| e.examples.len() as u64)
-            .sum()
+            .sum::<u64>()
+            + dropped
     }
 
     /// Records that training on `iteration` starts from learner version `base_version`
     /// and returns how many of its episodes are too stale to train on.
+    /// An iteration whose examples were dropped keeps the count it was sealed with.
     pub fn seal(&mut self, iteration: u32, base_version: u64) -> u64 {
         self.train_bases.insert(iteration, base_version);
+        if self.dropped.contains_key(&iteration) {
+            return self.stale.get(&iteration).copied().unwrap_or(0);
+        }
         let stale = self
             .episodes
             .get(&iteration)
@@ -94,7 +126,8 @@ impl IterationDatasets {
     }
 
     /// The training examples of `iteration` (with `aggregate`, of every iteration up to
-    /// it), less the episodes the staleness filter left out.
+    /// it), less the episodes the staleness filter left out. `aggregate` is
+    /// `config.aggregates()`: without it, iterations before `iteration - 1` are gone.
     pub fn examples(&self, iteration: u32, aggregate: bool) -> Vec<TrainExample> {
         let first = if aggregate { 0 } else { iteration };
         if self.config.algorithm == Algorithm::Dapo {
@@ -148,7 +181,9 @@ impl IterationDatasets {
 
 #[cfg(test)]
 mod tests {
-    use tutor_proto::{episode_event, EpisodeEvent, Task, TurnRecord};
+    use tutor_proto::{episode_event, EpisodeEvent, Task, TrainExample, TurnRecord};
+
+    use super::{EpisodeData, IterationDatasets};
 
     use crate::config::{CoordinatorConfig, ScheduleMode};
     use crate::scheduler::tests::outcome;
@@ -215,5 +250,61 @@ mod tests {
         );
         let (stale, trained, _) = stale_filter(ScheduleMode::Sync).await;
         assert_eq!((stale, trained.len()), (0, 3));
+    }
+
+    /// Runs `iterations` iterations of 2 episodes of 3 examples each through datasets
+    /// of `config`, training each on `examples(k, aggregates)` as the driver does;
+    /// returns the datasets and the examples each iteration trained on.
+    fn run(config: CoordinatorConfig, iterations: u32) -> (IterationDatasets, Vec<usize>) {
+        let aggregate = config.aggregates();
+        let mut datasets = IterationDatasets::new(config);
+        let mut trained = Vec::new();
+        for k in 0..iterations {
+            datasets.open(k);
+            for ep in 0..2 {
+                datasets.push(
+                    k,
+                    EpisodeData {
+                        policy_version: u64::from(k),
+                        examples: (0..3)
+                            .map(|t| TrainExample {
+                                tokens: vec![1; 8],
+                                episode_id: format!("it{k}-ep{ep}"),
+                                turn_index: t,
+                                ..Default::default()
+                            })
+                            .collect(),
+                        group: ep,
+                        reward: 1.0,
+                    },
+                );
+            }
+            datasets.seal(k, u64::from(k));
+            trained.push(datasets.examples(k, aggregate).len());
+        }
+        (datasets, trained)
+    }
+
+    /// Without aggregation only the newest iteration is trained on: after many
+    /// iterations the datasets hold the last two iterations' examples (the previous one
+    /// may still be training in async mode), and the label counts of all. With
+    /// aggregation every iteration is kept and trained on.
+    #[test]
+    fn without_aggregation_finished_iterations_are_not_kept() {
+        let config = CoordinatorConfig {
+            aggregate: false,
+            ..Default::default()
+        };
+        let (datasets, trained) = run(config, 10);
+        assert_eq!(trained, vec![6; 10]);
+        assert_eq!(datasets.examples_in_memory(), 12, "iterations 8 and 9");
+        assert_eq!(datasets.teacher_labels_through(9), 60);
+        assert_eq!(datasets.teacher_labels_through(4), 30);
+        assert_eq!(datasets.examples(9, false).len(), 6);
+
+        let (datasets, trained) = run(CoordinatorConfig::default(), 10);
+        assert_eq!(trained, (1..=10).map(|k| 6 * k).collect::<Vec<_>>());
+        assert_eq!(datasets.examples_in_memory(), 60);
+        assert_eq!(datasets.teacher_labels_through(9), 60);
     }
 }

@@ -1,13 +1,16 @@
 //! The DAgger dataset: one example per visited state, context h_t (attended to, not in
 //! the loss) followed by the teacher's label y*_t (in the loss); the RFT dataset: one
 //! example per resolved trajectory; the DAPO policy-gradient example of a trajectory
-//! (old log-probs and advantages per token); and batching by a padded-token budget.
-//! Each iteration's dataset and the staleness filter are in `iterations`.
+//! (old log-probs and advantages per token); and batching by a padded-token budget,
+//! with a batch whose message would be over the learner's gRPC limit split into several
+//! steps (`split_oversized`). Each iteration's dataset and the staleness filter are in
+//! `iterations`.
 
 mod iterations;
 
 pub use iterations::{EpisodeData, IterationDatasets};
 
+use prost::Message;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use tutor_proto::{Actor, LossKind, TrainBatch, TrainExample, TurnRecord};
@@ -350,6 +353,104 @@ fn numbered(mut batches: Vec<Vec<TrainExample>>, iteration: u32) -> Vec<TrainBat
         .collect()
 }
 
+/// A training example that no `TrainBatch` the learner accepts can carry.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error(
+    "the training example of episode {episode_id} turn {turn_index} is {bytes} bytes \
+     encoded: a TrainBatch holding it alone would be over the {max} bytes a message to the \
+     learner may be (tutor_proto::MAX_MESSAGE_BYTES); lower coordinator.max_seq_len (an \
+     example has at most that many tokens)"
+)]
+pub struct ExampleTooLarge {
+    pub episode_id: String,
+    pub turn_index: u32,
+    pub bytes: usize,
+    pub max: usize,
+}
+
+/// Splits every batch whose encoded message is over `max_bytes` (the learner's limit,
+/// `tutor_proto::MAX_MESSAGE_BYTES`) into consecutive batches of about equal size, each
+/// within it, every example in exactly one of them, in order. A TrainBatch is one
+/// optimizer step and the learner has no step in several parts, so a split batch
+/// becomes several smaller steps (as with a smaller `batch_tokens`); the batches are
+/// numbered again in order, the last one marked `publish`. The split is a function of
+/// the batches only, so an iteration's batches built again (a resend after a broken
+/// stream or a restart) get the same steps. Set `run_id` before: it counts in the size.
+pub fn split_oversized(
+    batches: Vec<TrainBatch>,
+    max_bytes: usize,
+) -> Result<Vec<TrainBatch>, ExampleTooLarge> {
+    if batches.iter().all(|b| b.encoded_len() <= max_bytes) {
+        return Ok(batches);
+    }
+    let mut out = Vec::with_capacity(batches.len() + 1);
+    for mut batch in batches {
+        let size = batch.encoded_len();
+        if size <= max_bytes {
+            out.push(batch);
+            continue;
+        }
+        let examples = std::mem::take(&mut batch.examples);
+        // The batch's fields besides the examples, at their longest (a step number
+        // of five bytes, publish set).
+        let header = TrainBatch {
+            step: u32::MAX,
+            publish: true,
+            ..batch.clone()
+        }
+        .encoded_len();
+        let room = max_bytes.saturating_sub(header);
+        // What each example adds to the message: tag, length, bytes.
+        let sizes: Vec<usize> = examples
+            .iter()
+            .map(|e| {
+                let n = e.encoded_len();
+                1 + prost::length_delimiter_len(n) + n
+            })
+            .collect();
+        if let Some(i) = sizes.iter().position(|&n| n > room) {
+            let e = &examples[i];
+            return Err(ExampleTooLarge {
+                episode_id: e.episode_id.clone(),
+                turn_index: e.turn_index,
+                bytes: e.encoded_len(),
+                max: max_bytes,
+            });
+        }
+        let total: usize = sizes.iter().sum();
+        let target = total.div_ceil(total.div_ceil(room));
+        let mut parts: Vec<Vec<TrainExample>> = vec![Vec::new()];
+        let mut part_size = 0usize;
+        for (e, n) in examples.into_iter().zip(sizes) {
+            if part_size > 0 && (part_size + n > room || part_size >= target) {
+                parts.push(Vec::new());
+                part_size = 0;
+            }
+            part_size += n;
+            parts.last_mut().expect("one part at least").push(e);
+        }
+        tracing::warn!(
+            iteration = batch.iteration,
+            step = batch.step,
+            bytes = size,
+            max_bytes,
+            parts = parts.len(),
+            "a batch over the learner's message limit is split into several steps (lower \
+             coordinator.batch_tokens to avoid it)"
+        );
+        out.extend(parts.into_iter().map(|examples| TrainBatch {
+            examples,
+            ..batch.clone()
+        }));
+    }
+    let n = out.len();
+    for (i, b) in out.iter_mut().enumerate() {
+        b.step = i as u32;
+        b.publish = i + 1 == n;
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -621,5 +722,68 @@ mod tests {
         let empty = make_batches(&[], 0, 200, 2, 3, 1);
         assert_eq!(empty.len(), 1);
         assert!(empty[0].publish);
+    }
+
+    /// Examples with DAPO's per-token floats, so size grows with length.
+    fn long_example(episode: u32, turn: u32, n: usize) -> TrainExample {
+        TrainExample {
+            tokens: vec![50_000; n],
+            loss_mask: vec![true; n],
+            episode_id: format!("ep{episode}"),
+            turn_index: turn,
+            old_logprobs: vec![-1.5; n],
+            advantages: vec![0.25; n],
+            loss_kind: LossKind::Dapo as i32,
+        }
+    }
+
+    /// A batch whose message is over the limit goes as several steps, each within it,
+    /// every example exactly once and in order; the steps are numbered again and only
+    /// the last publishes; batches within the limit are left as they are.
+    #[test]
+    fn oversized_batches_are_split_into_steps_under_the_limit() {
+        let examples: Vec<TrainExample> = (0..40u32)
+            .map(|i| long_example(i / 4, i % 4, 20 + (i as usize * 37) % 90))
+            .collect();
+        let mut batches = make_batches(&examples, 3, 1 << 20, 2, 100, 9);
+        assert_eq!(batches.len(), 2, "one batch per epoch");
+        for b in &mut batches {
+            b.run_id = "run-1".into();
+        }
+        let limit = 4096;
+        assert!(batches.iter().all(|b| b.encoded_len() > 3 * limit));
+        let unchanged = split_oversized(batches.clone(), usize::MAX).unwrap();
+        assert_eq!(unchanged, batches);
+
+        let split = split_oversized(batches.clone(), limit).unwrap();
+        assert!(split.len() > 6, "{} steps", split.len());
+        for (i, b) in split.iter().enumerate() {
+            assert!(
+                b.encoded_len() <= limit,
+                "step {i}: {} bytes",
+                b.encoded_len()
+            );
+            assert_eq!(
+                (b.iteration, b.step, b.run_id.as_str()),
+                (3, i as u32, "run-1")
+            );
+            assert_eq!(b.publish, i + 1 == split.len());
+            assert!(!b.examples.is_empty());
+        }
+        let sent: Vec<&TrainExample> = split.iter().flat_map(|b| &b.examples).collect();
+        let built: Vec<&TrainExample> = batches.iter().flat_map(|b| &b.examples).collect();
+        assert_eq!(sent, built, "every example once, in order");
+        // About equal parts: none is a small remainder.
+        let sizes: Vec<usize> = split.iter().map(|b| b.encoded_len()).collect();
+        assert!(
+            sizes.iter().all(|&s| s > limit / 3),
+            "uneven parts: {sizes:?}"
+        );
+
+        // An example no batch within the limit can carry: the error names it.
+        let huge = vec![long_example(7, 2, 2000)];
+        let err = split_oversized(make_batches(&huge, 0, 1 << 20, 1, 1, 0), limit).unwrap_err();
+        assert_eq!((err.episode_id.as_str(), err.turn_index), ("ep7", 2));
+        assert!(err.to_string().contains("max_seq_len"), "{err}");
     }
 }

@@ -14,7 +14,10 @@ use crate::episode_id::{EpisodeId, Purpose};
 pub struct Outstanding {
     pub slot: usize,
     pub worker_id: String,
+    /// Moved on by heartbeats, never past `hard_deadline`.
     pub deadline: Instant,
+    /// When the lease ends however often it is renewed (`lease_max_s` after the grant).
+    pub hard_deadline: Instant,
 }
 
 /// The current iteration's leases.
@@ -25,6 +28,9 @@ pub struct Leases {
     outstanding: HashMap<EpisodeId, Outstanding>,
     /// Every episode leased (or adopted after a restart) in this iteration → its slot.
     episode_slot: HashMap<EpisodeId, usize>,
+    /// Every episode this coordinator leased in this iteration → the worker it leased
+    /// it to: the only one whose events of it are accepted, also after it expired.
+    holder: HashMap<EpisodeId, String>,
     /// Leases that expired, since the coordinator started.
     expiries: u64,
 }
@@ -35,6 +41,7 @@ impl Leases {
         self.pending.clear();
         self.outstanding.clear();
         self.episode_slot.clear();
+        self.holder.clear();
     }
 
     /// Replaces the queue with `slots`.
@@ -55,21 +62,45 @@ impl Leases {
         self.pending.len()
     }
 
-    /// Leases `slot` to `worker_id` as episode `id` until `deadline`.
-    pub fn grant(&mut self, id: EpisodeId, slot: usize, worker_id: &str, deadline: Instant) {
+    /// Leases `slot` to `worker_id` as episode `id` until `deadline` (renewable up to
+    /// `hard_deadline`).
+    pub fn grant(
+        &mut self,
+        id: EpisodeId,
+        slot: usize,
+        worker_id: &str,
+        deadline: Instant,
+        hard_deadline: Instant,
+    ) {
         self.episode_slot.insert(id, slot);
-        self.keep(id, slot, worker_id.to_string(), deadline);
+        self.holder.insert(id, worker_id.to_string());
+        self.keep(id, slot, worker_id.to_string(), deadline, hard_deadline);
     }
 
-    /// Keeps `id` (already mapped to its slot) leased to `worker_id` until `deadline`:
-    /// an episode in progress when the coordinator restarted.
-    pub fn keep(&mut self, id: EpisodeId, slot: usize, worker_id: String, deadline: Instant) {
+    /// The worker this coordinator leased `id` to (`None`: not leased by it, e.g. an
+    /// episode leased before a restart).
+    pub fn holder(&self, id: &EpisodeId) -> Option<&str> {
+        self.holder.get(id).map(String::as_str)
+    }
+
+    /// Keeps `id` (already mapped to its slot) leased to `worker_id` until `deadline`
+    /// (renewable up to `hard_deadline`): an episode in progress when the coordinator
+    /// restarted.
+    pub fn keep(
+        &mut self,
+        id: EpisodeId,
+        slot: usize,
+        worker_id: String,
+        deadline: Instant,
+        hard_deadline: Instant,
+    ) {
         self.outstanding.insert(
             id,
             Outstanding {
                 slot,
                 worker_id,
-                deadline,
+                deadline: deadline.min(hard_deadline),
+                hard_deadline,
             },
         );
     }
@@ -90,7 +121,8 @@ impl Leases {
         self.outstanding.remove(id);
     }
 
-    /// Moves the deadline of the leases `worker_id` holds among `active` to `deadline`.
+    /// Moves the deadline of the leases `worker_id` holds among `active` to `deadline`,
+    /// never past a lease's hard deadline.
     pub fn renew(&mut self, worker_id: &str, active: &[String], deadline: Instant) {
         for ep in active {
             let Ok(id) = ep.parse::<EpisodeId>() else {
@@ -98,7 +130,7 @@ impl Leases {
             };
             if let Some(o) = self.outstanding.get_mut(&id) {
                 if o.worker_id == worker_id {
-                    o.deadline = deadline;
+                    o.deadline = deadline.min(o.hard_deadline);
                 }
             }
         }

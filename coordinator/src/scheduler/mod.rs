@@ -33,7 +33,7 @@ enum Cmd {
     Register {
         name: String,
         capacity: u32,
-        reply: oneshot::Sender<(String, PolicyVersion)>,
+        reply: oneshot::Sender<(String, String, PolicyVersion)>,
     },
     Lease {
         worker_id: String,
@@ -44,6 +44,20 @@ enum Cmd {
     /// `Slot::claimed_by`); false when another attempt already completed or claimed it.
     ClaimOutcome {
         event: Box<EpisodeEvent>,
+        reply: oneshot::Sender<bool>,
+    },
+    /// May this event be stored, coming from a stream that claims to be `worker` (id
+    /// and secret; `None`: it claims nobody)? Outcomes also claim their slot.
+    Admit {
+        episode_id: String,
+        outcome: Option<Box<EpisodeEvent>>,
+        worker: Option<(String, String)>,
+        reply: oneshot::Sender<Admission>,
+    },
+    /// Does `secret` prove `worker_id`?
+    Authenticate {
+        worker_id: String,
+        secret: String,
         reply: oneshot::Sender<bool>,
     },
     Stored {
@@ -90,6 +104,17 @@ enum Cmd {
     Drain,
     Finish,
     Tick,
+}
+
+/// Whether an event arriving on a worker's stream may be stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admission {
+    Store,
+    /// An outcome of an attempt whose slot another attempt completed: acknowledged as a
+    /// duplicate, not stored.
+    Superseded,
+    /// Never stored (the worker drops it): why.
+    Refused(String),
 }
 
 /// The scheduler's numbers at one instant, for metrics. Counters (`*_total`) count
@@ -159,12 +184,49 @@ impl SchedulerHandle {
     }
 
     pub async fn register(&self, name: String, capacity: u32) -> Option<(String, PolicyVersion)> {
+        let (id, _secret, policy) = self.register_worker(name, capacity).await?;
+        Some((id, policy))
+    }
+    /// Registers a worker: its id, the secret it proves that id with on its event
+    /// streams, and the current policy.
+    pub async fn register_worker(
+        &self,
+        name: String,
+        capacity: u32,
+    ) -> Option<(String, String, PolicyVersion)> {
         self.ask(|reply| Cmd::Register {
             name,
             capacity,
             reply,
         })
         .await
+    }
+    /// Whether `secret` proves `worker_id` (false once the scheduler stopped).
+    pub async fn authenticate(&self, worker_id: String, secret: String) -> bool {
+        self.ask(|reply| Cmd::Authenticate {
+            worker_id,
+            secret,
+            reply,
+        })
+        .await
+        .unwrap_or(false)
+    }
+    /// Before an event is stored: refused unless the stream proves (`worker`: id and
+    /// secret) to be the worker its episode was leased to; for an outcome, also whether
+    /// its slot is still open (see [`SchedulerHandle::claim_outcome`]). Checked per
+    /// event, so a stream opened before its worker was known (a coordinator restart)
+    /// counts once the worker is. A stopped scheduler allows everything.
+    pub async fn admit(&self, event: &EpisodeEvent, worker: Option<(String, String)>) -> Admission {
+        let outcome = matches!(event.event, Some(episode_event::Event::Outcome(_)))
+            .then(|| Box::new(event.clone()));
+        self.ask(|reply| Cmd::Admit {
+            episode_id: event.episode_id.clone(),
+            outcome,
+            worker,
+            reply,
+        })
+        .await
+        .unwrap_or(Admission::Store)
     }
     pub async fn lease(&self, worker_id: String, max: u32) -> Option<LeaseResponse> {
         self.ask(|reply| Cmd::Lease {
@@ -332,8 +394,8 @@ impl Scheduler {
                     capacity,
                     reply,
                 } => {
-                    let id = self.workers.register(name, capacity);
-                    let _ = reply.send((id, self.policy.clone()));
+                    let (id, secret) = self.workers.register(name, capacity);
+                    let _ = reply.send((id, secret, self.policy.clone()));
                 }
                 Cmd::Lease {
                     worker_id,
@@ -345,6 +407,21 @@ impl Scheduler {
                 Cmd::Stored { event } => self.on_stored(*event),
                 Cmd::ClaimOutcome { event, reply } => {
                     let _ = reply.send(self.claim_outcome(&event));
+                }
+                Cmd::Admit {
+                    episode_id,
+                    outcome,
+                    worker,
+                    reply,
+                } => {
+                    let _ = reply.send(self.admit(&episode_id, outcome.as_deref(), worker));
+                }
+                Cmd::Authenticate {
+                    worker_id,
+                    secret,
+                    reply,
+                } => {
+                    let _ = reply.send(self.workers.authenticate(&worker_id, &secret));
                 }
                 Cmd::Heartbeat {
                     worker_id,
@@ -486,6 +563,7 @@ impl Scheduler {
     /// as it was). Episodes with turns and no outcome stay leased to their worker.
     fn replay(&mut self, events: Vec<EpisodeEvent>) {
         let deadline = Instant::now() + Duration::from_secs_f64(self.config.lease_timeout_s);
+        let hard_deadline = Instant::now() + Duration::from_secs_f64(self.config.lease_max_s);
         let mut open: HashMap<EpisodeId, (usize, String)> = HashMap::new();
         for ev in events {
             let Some((id, slot)) = self.adopt(&ev) else {
@@ -502,7 +580,8 @@ impl Scheduler {
             if self.plan.slots[slot].done {
                 self.turns.remove(&id);
             } else {
-                self.leases.keep(id, slot, worker_id, deadline);
+                self.leases
+                    .keep(id, slot, worker_id, deadline, hard_deadline);
             }
         }
     }
@@ -522,6 +601,7 @@ impl Scheduler {
             };
         }
         let timeout = Duration::from_secs_f64(self.config.lease_timeout_s);
+        let held_at_most = Duration::from_secs_f64(self.config.lease_max_s);
         let mut leases = Vec::new();
         while (leases.len() as u32) < max.max(1) {
             let Some(slot) = self.leases.next_pending() else {
@@ -538,8 +618,9 @@ impl Scheduler {
                 &self.policy,
                 timeout,
             ));
+            let now = Instant::now();
             self.leases
-                .grant(id, slot, worker_id, Instant::now() + timeout);
+                .grant(id, slot, worker_id, now + timeout, now + held_at_most);
         }
         let retry_after_ms = if leases.is_empty() { 200 } else { 0 };
         LeaseResponse {
@@ -559,19 +640,73 @@ impl Scheduler {
         }
     }
 
-    /// Leases past their deadline: the slot goes back to the queue as its next attempt.
+    /// Leases past their deadline (unrenewed, or held past `lease_max_s`): the slot goes
+    /// back to the queue as its next attempt, or, after `max_attempts`, is failed.
     fn expire_leases(&mut self) {
-        for (id, o) in self.leases.take_expired(Instant::now()) {
+        let now = Instant::now();
+        for (id, o) in self.leases.take_expired(now) {
             self.rollouts.expired_leases += 1;
             self.turns.remove(&id);
             let slot = &mut self.plan.slots[o.slot];
-            if !slot.done {
-                slot.attempt += 1;
-                tracing::warn!(episode = %id, worker = %o.worker_id, "lease expired: episode goes to another worker");
+            if slot.done {
+                continue;
+            }
+            slot.attempt += 1;
+            let why = if o.hard_deadline <= now {
+                format!("held past lease_max_s = {} s", self.config.lease_max_s)
+            } else {
+                format!(
+                    "not renewed for lease_timeout_s = {} s",
+                    self.config.lease_timeout_s
+                )
+            };
+            if slot.attempt >= self.config.max_attempts {
+                let attempts = slot.attempt;
+                tracing::error!(episode = %id, worker = %o.worker_id, attempts, "lease expired ({why}) on the last attempt: the slot is recorded as failed");
+                self.fail_slot(
+                    o.slot,
+                    format!(
+                        "no attempt of this slot finished: {attempts} leases expired (the last \
+                         {why}; max_attempts = {attempts})"
+                    ),
+                );
+            } else {
+                tracing::warn!(episode = %id, worker = %o.worker_id, attempt = slot.attempt, "lease expired ({why}): episode goes to another worker");
                 self.leases.queue([o.slot]);
             }
         }
         self.workers.forget_silent();
+    }
+
+    /// Records `slot` as failed, its attempts run out: an unresolved outcome
+    /// (SANDBOX_ERROR, `error`) counts in the iteration's rollouts (so solve rates count
+    /// it as unsolved), no training examples. A later outcome of any attempt of the slot
+    /// is acknowledged and dropped, as for any completed slot.
+    fn fail_slot(&mut self, slot: usize, error: String) {
+        let task = self.task_of(slot).instance_id.clone();
+        let purpose = self.plan.slots[slot].purpose;
+        self.plan.slots[slot].fail();
+        let outcome = tutor_proto::EpisodeOutcome {
+            status: tutor_proto::OutcomeStatus::SandboxError as i32,
+            error,
+            purpose: tutor_proto::EpisodePurpose::from(purpose) as i32,
+            iteration: self.plan.iteration,
+            instance_id: task,
+            policy_version: self.policy.version,
+            ..Default::default()
+        };
+        self.rollouts.failed_slots += 1;
+        match purpose {
+            Purpose::Train => {
+                self.rollouts.train.push(outcome);
+                self.completed_train += 1;
+            }
+            Purpose::Eval => {
+                self.rollouts.eval.push(outcome);
+                self.completed_eval += 1;
+            }
+        }
+        self.check_iteration_done();
     }
 
     /// The id and slot of an event of the current iteration. An episode this coordinator
@@ -610,6 +745,35 @@ impl Scheduler {
         match self.plan.planned() {
             Some(p) if iteration <= p => None,
             _ => Some(iteration),
+        }
+    }
+
+    fn admit(
+        &mut self,
+        episode_id: &str,
+        outcome: Option<&EpisodeEvent>,
+        claimed: Option<(String, String)>,
+    ) -> Admission {
+        let worker = claimed
+            .filter(|(id, secret)| self.workers.authenticate(id, secret))
+            .map(|(id, _)| id);
+        if let Ok(id) = episode_id.parse::<EpisodeId>() {
+            if let Some(holder) = self.leases.holder(&id) {
+                if worker.as_deref() != Some(holder) {
+                    let from = match &worker {
+                        Some(w) => format!("worker {w}"),
+                        None => "a stream that did not prove a worker id".to_string(),
+                    };
+                    return Admission::Refused(format!(
+                        "episode {episode_id} is leased to worker {holder}; its events are \
+                         accepted from that worker only, not from {from}"
+                    ));
+                }
+            }
+        }
+        match outcome {
+            Some(ev) if !self.claim_outcome(ev) => Admission::Superseded,
+            _ => Admission::Store,
         }
     }
 
@@ -724,75 +888,4 @@ impl Scheduler {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-    use tutor_proto::EpisodeOutcome;
-
-    pub(crate) fn outcome(episode_id: &str) -> EpisodeEvent {
-        EpisodeEvent {
-            episode_id: episode_id.to_string(),
-            worker_id: "w-0".into(),
-            event: Some(episode_event::Event::Outcome(EpisodeOutcome::default())),
-        }
-    }
-
-    #[tokio::test]
-    async fn snapshot_counts_completions_by_purpose_expiries_and_the_queue() {
-        let config = CoordinatorConfig {
-            episodes_per_iteration: 2,
-            heldout_episodes: 1,
-            lease_timeout_s: 0.05,
-            ..Default::default()
-        };
-        let sched = SchedulerHandle::spawn(config, vec![Task::default()], vec![Task::default()]);
-        let (worker, _) = sched.register("w".into(), 4).await.unwrap();
-        sched
-            .set_policy(PolicyVersion {
-                version: 7,
-                ..Default::default()
-            })
-            .await;
-        let runner = sched.clone();
-        let iteration = tokio::spawn(async move { runner.run_iteration(0, 1.0).await });
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let s = sched.snapshot().await.unwrap();
-        assert_eq!(
-            (s.policy_version, s.pending_episodes, s.live_workers),
-            (7, 3, 1)
-        );
-
-        // A lease nobody renews expires and goes back to the queue.
-        let first = sched.lease(worker.clone(), 1).await.unwrap();
-        assert_eq!(first.leases.len(), 1);
-        assert_eq!(sched.snapshot().await.unwrap().outstanding_leases, 1);
-        tokio::time::sleep(Duration::from_millis(1200)).await;
-        let s = sched.snapshot().await.unwrap();
-        assert_eq!(
-            (s.lease_expiries_total, s.pending_episodes),
-            (1, 3),
-            "{s:?}"
-        );
-
-        let leases = sched.lease(worker.clone(), 3).await.unwrap().leases;
-        assert_eq!(leases.len(), 3);
-        for l in &leases {
-            sched.stored(outcome(&l.episode_id)).await;
-        }
-        let rollouts = iteration.await.unwrap().unwrap();
-        assert_eq!((rollouts.train.len(), rollouts.eval.len()), (2, 1));
-        let s = sched.snapshot().await.unwrap();
-        assert_eq!(
-            (
-                s.train_episodes_completed_total,
-                s.eval_episodes_completed_total,
-                s.pending_episodes,
-                s.outstanding_leases
-            ),
-            (2, 1, 0, 0),
-            "{s:?}"
-        );
-        assert!(!s.run_finished);
-        sched.finish().await;
-        assert!(sched.snapshot().await.unwrap().run_finished);
-    }
-}
+pub(crate) mod tests;

@@ -48,6 +48,12 @@ impl Slot {
         }
     }
 
+    /// Marks the slot done with no attempt's outcome (its attempts ran out): every
+    /// outcome that arrives later is refused.
+    pub fn fail(&mut self) {
+        self.done = true;
+    }
+
     /// Marks the slot done by attempt `id` (unless another attempt claimed it first).
     pub fn complete(&mut self, id: EpisodeId) {
         self.done = true;

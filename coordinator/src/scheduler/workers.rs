@@ -11,6 +11,10 @@ struct WorkerInfo {
     name: String,
     last_seen: Instant,
     loaded: u64,
+    /// What the worker proves its id with on its event stream; `None` for a worker
+    /// known only from its heartbeats (registered with a coordinator before a restart):
+    /// the first secret it presents is then taken as its own.
+    secret: Option<String>,
 }
 
 /// Registered workers by id.
@@ -30,10 +34,13 @@ impl Workers {
         }
     }
 
-    /// Registers a worker and returns its id.
-    pub fn register(&mut self, name: String, capacity: u32) -> String {
+    /// Registers a worker and returns its id and secret (32 random bytes, hex).
+    pub fn register(&mut self, name: String, capacity: u32) -> (String, String) {
         let id = format!("{name}-g{}-{}", self.generation, self.next);
         self.next += 1;
+        let mut bytes = [0u8; 32];
+        rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut bytes);
+        let secret = hex::encode(bytes);
         tracing::info!(worker = %id, capacity, "worker registered");
         self.by_id.insert(
             id.clone(),
@@ -42,19 +49,53 @@ impl Workers {
                 last_seen: Instant::now(),
                 // Nothing loaded yet.
                 loaded: u64::MAX,
+                secret: Some(secret.clone()),
             },
         );
-        id
+        (id, secret)
     }
 
-    /// A lease request from `worker_id`: it is alive.
+    /// Whether `secret` proves `worker_id` (constant-time). A worker known only from
+    /// its heartbeats (it registered before a restart) has no secret here yet: the
+    /// first it presents becomes its own.
+    pub fn authenticate(&mut self, worker_id: &str, secret: &str) -> bool {
+        use subtle::ConstantTimeEq;
+        let Some(w) = self.by_id.get_mut(worker_id) else {
+            return false;
+        };
+        match &w.secret {
+            Some(s) => bool::from(s.as_bytes().ct_eq(secret.as_bytes())),
+            None if !secret.is_empty() => {
+                tracing::info!(
+                    worker = worker_id,
+                    "worker from before a restart: its secret is taken as presented"
+                );
+                w.secret = Some(secret.to_string());
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A lease request from `worker_id`: it is alive. A worker this coordinator does not
+    /// know (registered before a restart) is registered under the id it sends, as a
+    /// heartbeat does, so that its event stream can prove it.
     pub fn seen(&mut self, worker_id: &str) {
         if let Some(w) = self.by_id.get_mut(worker_id) {
             w.last_seen = Instant::now();
         } else {
             tracing::warn!(
                 worker = worker_id,
-                "lease request from an unregistered worker"
+                "lease request from an unknown worker: registering it"
+            );
+            self.by_id.insert(
+                worker_id.to_string(),
+                WorkerInfo {
+                    name: worker_id.to_string(),
+                    last_seen: Instant::now(),
+                    loaded: u64::MAX,
+                    secret: None,
+                },
             );
         }
     }
@@ -79,6 +120,7 @@ impl Workers {
                         name: worker_id.to_string(),
                         last_seen: Instant::now(),
                         loaded,
+                        secret: None,
                     },
                 );
             }

@@ -159,6 +159,7 @@ pub async fn start_coordinator(
             metrics_addr_file: None,
             store: Default::default(),
             tls: Default::default(),
+            insecure: false,
         },
         async move {
             let _ = stopped.await;
@@ -190,21 +191,26 @@ fn rand_suffix() -> u128 {
 pub struct Worker {
     pub client: RolloutClient<Channel>,
     pub id: String,
+    /// What proves `id` on the event stream (from the Register answer).
+    pub secret: String,
 }
 
 impl Worker {
     pub async fn register(addr: &str, name: &str) -> Self {
         let mut client = RolloutClient::connect(addr.to_string()).await.unwrap();
-        let id = client
+        let registered = client
             .register(RegisterRequest {
                 worker_name: name.into(),
                 capacity: 4,
             })
             .await
             .unwrap()
-            .into_inner()
-            .worker_id;
-        Self { client, id }
+            .into_inner();
+        Self {
+            client,
+            id: registered.worker_id,
+            secret: registered.worker_secret,
+        }
     }
 
     /// The same worker (id) talking to another coordinator, as after a restart.
@@ -212,6 +218,7 @@ impl Worker {
         Self {
             client: RolloutClient::connect(addr.to_string()).await.unwrap(),
             id: self.id.clone(),
+            secret: self.secret.clone(),
         }
     }
 
@@ -257,9 +264,16 @@ impl Worker {
     /// Streams the events on one stream and returns the acks.
     pub async fn send(&mut self, events: Vec<EpisodeEvent>) -> Vec<EventAck> {
         let n = events.len();
+        let mut request = tonic::Request::new(tokio_stream::iter(events));
+        let md = request.metadata_mut();
+        md.insert(tutor_proto::WORKER_ID_METADATA, self.id.parse().unwrap());
+        md.insert(
+            tutor_proto::WORKER_SECRET_METADATA,
+            self.secret.parse().unwrap(),
+        );
         let mut acks = self
             .client
-            .stream_events(tokio_stream::iter(events))
+            .stream_events(request)
             .await
             .unwrap()
             .into_inner();

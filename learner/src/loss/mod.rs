@@ -96,10 +96,27 @@ impl StepExamples {
         }
     }
 
-    /// The step a batch's examples ask for. Every example of a batch must have the same
-    /// loss kind and one loss-mask value per token, and a DAPO example one finite
-    /// advantage and one finite old log-prob per token.
+    /// The step a batch's examples ask for, for a model of `vocab_size` token ids. Every
+    /// example of a batch must have the same loss kind, token ids below `vocab_size` and
+    /// one loss-mask value per token, and a DAPO example one finite advantage and one
+    /// finite old log-prob per token. What breaks a rule is refused with the episode and
+    /// turn it came from, before anything reaches a tensor (an id outside the vocabulary
+    /// would panic in the embedding lookup on the CPU, and corrupt the device on a GPU).
+    pub fn from_proto_for_vocab(
+        examples: Vec<TrainExample>,
+        vocab_size: usize,
+    ) -> Result<Self, BatchError> {
+        Self::read(examples, Some(vocab_size))
+    }
+
+    /// `from_proto_for_vocab` without the vocabulary check: for a batch whose token ids
+    /// were checked already (the other learner ranks get rank 0's batches after rank 0
+    /// read them) or when no model is at hand.
     pub fn from_proto(examples: Vec<TrainExample>) -> Result<Self, BatchError> {
+        Self::read(examples, None)
+    }
+
+    fn read(examples: Vec<TrainExample>, vocab_size: Option<usize>) -> Result<Self, BatchError> {
         let kind = examples
             .first()
             .map(|e| e.loss_kind)
@@ -111,6 +128,19 @@ impl StepExamples {
                 episode: e.episode_id.clone(),
                 turn: e.turn_index,
             });
+        }
+        if let Some(vocab_size) = vocab_size {
+            for e in &examples {
+                if let Some(at) = e.tokens.iter().position(|&t| t as usize >= vocab_size) {
+                    return Err(BatchError::OutOfVocabulary {
+                        episode: e.episode_id.clone(),
+                        turn: e.turn_index,
+                        id: e.tokens[at],
+                        at,
+                        vocab_size,
+                    });
+                }
+            }
         }
         match LossKind::try_from(kind) {
             Ok(LossKind::CrossEntropy) => examples
@@ -138,6 +168,7 @@ impl StepExamples {
                     {
                         return Err(BatchError::DapoLengths {
                             episode: e.episode_id,
+                            turn: e.turn_index,
                             tokens: n,
                             mask: e.loss_mask.len(),
                             advantages: e.advantages.len(),
@@ -167,7 +198,14 @@ impl StepExamples {
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map(Self::Dapo),
-            Err(_) => Err(BatchError::UnknownKind(kind)),
+            Err(_) => {
+                let first = examples.first();
+                Err(BatchError::UnknownKind {
+                    kind,
+                    episode: first.map(|e| e.episode_id.clone()).unwrap_or_default(),
+                    turn: first.map_or(0, |e| e.turn_index),
+                })
+            }
         }
     }
 }
@@ -196,19 +234,24 @@ pub enum BatchError {
         turn: u32,
     },
     #[error(
-        "DAPO example of episode {episode} has {tokens} tokens but {mask} mask values, \
-         {advantages} advantages and {old_logprobs} old log-probs (one each per token \
+        "DAPO example of episode {episode} turn {turn} has {tokens} tokens but {mask} mask \
+         values, {advantages} advantages and {old_logprobs} old log-probs (one each per token \
          expected)"
     )]
     DapoLengths {
         episode: String,
+        turn: u32,
         tokens: usize,
         mask: usize,
         advantages: usize,
         old_logprobs: usize,
     },
-    #[error("unknown loss kind {0} in a training batch")]
-    UnknownKind(i32),
+    #[error("unknown loss kind {kind} in a training batch (episode {episode} turn {turn})")]
+    UnknownKind {
+        kind: i32,
+        episode: String,
+        turn: u32,
+    },
     #[error(
         "the example of episode {episode} turn {turn} has {tokens} tokens but {mask} loss-mask \
          values (one per token expected)"
@@ -230,6 +273,44 @@ pub enum BatchError {
         at: usize,
         value: f32,
     },
+    #[error(
+        "the example of episode {episode} turn {turn} has token id {id} (at token {at}), \
+         outside the model's vocabulary of {vocab_size} ids: was it tokenized for another \
+         model?"
+    )]
+    OutOfVocabulary {
+        episode: String,
+        turn: u32,
+        id: u32,
+        at: usize,
+        vocab_size: usize,
+    },
+}
+
+impl BatchError {
+    /// The episode of the example that broke the rule (empty for an empty episode id).
+    pub fn episode(&self) -> &str {
+        match self {
+            BatchError::MixedKinds { episode, .. }
+            | BatchError::DapoLengths { episode, .. }
+            | BatchError::UnknownKind { episode, .. }
+            | BatchError::MaskLength { episode, .. }
+            | BatchError::NotFinite { episode, .. }
+            | BatchError::OutOfVocabulary { episode, .. } => episode,
+        }
+    }
+
+    /// The turn of that example.
+    pub fn turn(&self) -> u32 {
+        match self {
+            BatchError::MixedKinds { turn, .. }
+            | BatchError::DapoLengths { turn, .. }
+            | BatchError::UnknownKind { turn, .. }
+            | BatchError::MaskLength { turn, .. }
+            | BatchError::NotFinite { turn, .. }
+            | BatchError::OutOfVocabulary { turn, .. } => *turn,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 mod state;
 mod step;
 
-pub use step::{micro_batch_ranges, micro_batches, rank_shard, StepError};
+pub use step::{micro_batch_ranges, micro_batches, rank_shard, NonFinite, StepError};
 
 use std::path::Path;
 
@@ -32,6 +32,10 @@ pub struct StepReport {
     pub seconds: f64,
     /// Forward/backward passes this rank ran for the step (gradient accumulation).
     pub micro_batches: usize,
+    /// `Some`: the loss or the gradient norm was not finite and the step was skipped
+    /// (no update, no optimizer or schedule step); `loss` and `grad_norm` are the
+    /// non-finite values.
+    pub skipped: Option<NonFinite>,
 }
 
 /// Mixed precision (`LearnerConfig::precision`): the fp32 weights AdamW updates (the
@@ -53,6 +57,9 @@ pub struct Trainer {
     master: Option<Master>,
     config: LearnerConfig,
     steps: u64,
+    /// Steps skipped for a non-finite loss or gradient norm since this trainer started
+    /// (not checkpointed).
+    skipped_steps: u64,
     collective: Box<dyn Collective>,
     /// The trainer's own random stream (seeded by `config.seed`), saved in checkpoints so
     /// a resumed run draws the same numbers. The cross-entropy step draws none.
@@ -141,6 +148,7 @@ impl Trainer {
             master,
             config,
             steps: 0,
+            skipped_steps: 0,
             collective,
             rng,
         })
@@ -162,6 +170,12 @@ impl Trainer {
     /// Optimizer steps taken (the schedule position).
     pub fn steps(&self) -> u64 {
         self.steps
+    }
+
+    /// Steps skipped since this trainer started because their loss or gradient norm was
+    /// not finite (`StepReport::skipped`).
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped_steps
     }
 
     pub fn rank(&self) -> usize {
@@ -394,6 +408,95 @@ mod tests {
         );
         let step = (w1 - &w0).abs().max().double_value(&[]);
         assert!(step <= 1.2e-5, "AdamW's first step is about lr: {step}");
+    }
+
+    /// DAPO examples whose importance ratio overflows: old log-probs of −200 (finite, so
+    /// a batch carrying them is taken) make r = exp(ℓ_θ + 200) infinite in f32, and with
+    /// Â < 0 the unclipped −∞ is the surrogate's minimum: the loss is +∞ and backward
+    /// gives non-finite gradients.
+    fn overflowing_dapo() -> Vec<crate::loss::RlExample> {
+        repeated_examples()
+            .into_iter()
+            .map(|(tokens, loss_mask)| crate::loss::RlExample {
+                advantages: loss_mask
+                    .iter()
+                    .map(|&m| if m { -1.0 } else { 0.0 })
+                    .collect(),
+                old_logprobs: loss_mask
+                    .iter()
+                    .map(|&m| if m { -200.0 } else { 0.0 })
+                    .collect(),
+                tokens,
+                loss_mask,
+            })
+            .collect()
+    }
+
+    fn copies<'a>(ts: impl IntoIterator<Item = &'a Tensor>) -> Vec<Tensor> {
+        ts.into_iter().map(Tensor::copy).collect()
+    }
+
+    fn all_equal(a: &[Tensor], b: &[Tensor]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.equal(y))
+    }
+
+    /// A step whose loss or gradient norm is not finite is skipped: the parameters (and
+    /// the fp32 master weights in bf16), the AdamW moments and step and the schedule
+    /// position are exactly as before it, it is reported and counted; the next good step
+    /// trains from there.
+    #[test]
+    fn a_step_whose_loss_is_not_finite_changes_nothing() {
+        for bf16 in [false, true] {
+            let mut t = if bf16 {
+                bf16_trainer(1e-2)
+            } else {
+                tiny_trainer()
+            };
+            // A good step first: non-zero moments to keep.
+            t.step(&repeated_examples()).unwrap();
+            let params = copies(&t.params);
+            let master = t.master.as_ref().map(|m| copies(&m.weights));
+            let exp_avg = copies(t.optimizer.exp_avg());
+            let exp_avg_sq = copies(t.optimizer.exp_avg_sq());
+            let (steps, adam_steps) = (t.steps, t.optimizer.steps_taken());
+
+            let r = t.dapo_step(&overflowing_dapo()).unwrap();
+            let why = r.skipped.expect("the step is skipped");
+            assert_eq!(why.loss, f64::INFINITY, "bf16 {bf16}: {why}");
+            assert!(!why.grad_norm.is_finite(), "bf16 {bf16}: {why}");
+            assert_eq!(
+                (r.loss.to_bits(), r.grad_norm.to_bits()),
+                (why.loss.to_bits(), why.grad_norm.to_bits())
+            );
+            assert!(r.label_tokens > 0);
+            assert!(
+                all_equal(&t.params, &params),
+                "bf16 {bf16}: the weights moved"
+            );
+            if let (Some(m), Some(before)) = (&t.master, &master) {
+                assert!(all_equal(&m.weights, before), "the master weights moved");
+            }
+            assert!(all_equal(t.optimizer.exp_avg(), &exp_avg), "bf16 {bf16}");
+            assert!(
+                all_equal(t.optimizer.exp_avg_sq(), &exp_avg_sq),
+                "bf16 {bf16}"
+            );
+            assert_eq!((t.steps, t.optimizer.steps_taken()), (steps, adam_steps));
+            assert_eq!(t.skipped_steps(), 1);
+            assert!(why.to_string().contains("not finite"), "{why}");
+
+            let r = t.step(&repeated_examples()).unwrap();
+            assert!(r.skipped.is_none() && r.loss.is_finite() && r.grad_norm > 0.0);
+            assert_eq!(t.steps, steps + 1);
+            assert!(
+                !all_equal(&t.params, &params),
+                "bf16 {bf16}: the good step trained"
+            );
+            for p in &t.params {
+                let finite = p.isfinite().all().int64_value(&[]) == 1;
+                assert!(finite, "bf16 {bf16}: a non-finite weight");
+            }
+        }
     }
 
     #[test]

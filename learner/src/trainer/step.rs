@@ -28,6 +28,35 @@ pub enum StepError {
     },
 }
 
+/// Why a step was skipped: its loss or its gradient norm (over all ranks, so every rank
+/// skips the same steps) was NaN or infinite. A skipped step changes nothing: no update,
+/// no AdamW moment or schedule step; its gradients are dropped.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NonFinite {
+    /// The step's mean loss over the trained tokens.
+    pub loss: f64,
+    /// The global gradient norm before clipping.
+    pub grad_norm: f64,
+}
+
+impl std::fmt::Display for NonFinite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.loss.is_finite(), self.grad_norm.is_finite()) {
+            (false, false) => write!(
+                f,
+                "the loss ({}) and the gradient norm ({}) are not finite",
+                self.loss, self.grad_norm
+            ),
+            (false, true) => write!(f, "the loss ({}) is not finite", self.loss),
+            _ => write!(
+                f,
+                "the gradient norm ({}) is not finite (loss {})",
+                self.grad_norm, self.loss
+            ),
+        }
+    }
+}
+
 impl Trainer {
     /// The passes of one step: `loss` gives each batch's summed loss and its trained
     /// tokens (`None`: nothing to train in it); each sum's gradient is accumulated
@@ -60,6 +89,7 @@ impl Trainer {
             learning_rate: self.config.lr_at(self.steps),
             seconds: 0.0,
             micro_batches: 0,
+            skipped: None,
         }
     }
 
@@ -102,7 +132,8 @@ impl Trainer {
     /// `.grad`: loss sums and token counts summed over the ranks, gradients all-reduced
     /// and divided by the total token count (the token-level mean over the union of the
     /// ranks' examples), clipped by global norm, AdamW. No trained token on any rank: no
-    /// update, no step.
+    /// update, no step. A loss or gradient norm that is not finite: no update, no step
+    /// either (`StepReport::skipped` says why), with a warning.
     pub(crate) fn finish_step(
         &mut self,
         start: Instant,
@@ -166,6 +197,30 @@ impl Trainer {
             }
             norm
         });
+        let loss = totals[0] / totals[1];
+        if !loss.is_finite() || !grad_norm.is_finite() {
+            // Before clipping and AdamW: the weights, the moments and the schedule stay
+            // as they were; the poisoned gradients are zeroed by the next `begin_step`.
+            let why = NonFinite { loss, grad_norm };
+            self.skipped_steps += 1;
+            tracing::warn!(
+                optimizer_steps = self.steps,
+                loss,
+                grad_norm,
+                skipped_steps = self.skipped_steps,
+                "training step skipped: {why}; the weights and the optimizer state are left \
+                 as they were"
+            );
+            return Ok(StepReport {
+                loss,
+                grad_norm,
+                label_tokens,
+                learning_rate: lr,
+                seconds: start.elapsed().as_secs_f64(),
+                micro_batches: passes,
+                skipped: Some(why),
+            });
+        }
         match &mut self.master {
             Some(m) => {
                 self.optimizer.step(&mut m.weights, &grads, lr);
@@ -179,12 +234,13 @@ impl Trainer {
         }
         self.steps += 1;
         Ok(StepReport {
-            loss: totals[0] / totals[1],
+            loss,
             grad_norm,
             label_tokens,
             learning_rate: lr,
             seconds: start.elapsed().as_secs_f64(),
             micro_batches: passes,
+            skipped: None,
         })
     }
 }

@@ -1,6 +1,6 @@
 //! The Docker sandbox: one container per episode, and a persistent shell inside it.
 //!
-//! Long (about 1,000 lines) because the container's lifecycle, the shell protocol and
+//! Long (about 1,500 lines) because the container's lifecycle, the shell protocol and
 //! the file operations run over that shell share one private state (the container and its
 //! open exec), and the blocking adapter [`BlockingDocker`] closes it; its tests need an
 //! engine and live in tests/docker_*.rs.
@@ -17,15 +17,22 @@
 //! The caller reads until the marker; if the marker does not come in time the shell is
 //! replaced. Containers carry labels (run, worker, episode) so a restarted worker can
 //! remove the orphans of its predecessor.
+//!
+//! Limits ([`ContainerSpec`]; docs/security.md, "Docker sandbox", says what each is
+//! for): memory without swap, CPU, pids, open files and file size, no network, no
+//! capabilities, and a read-only root whose writable places are size-capped tmpfs
+//! mounts (the image's own /testbed copied in). Files go in through `tar` in an exec,
+//! and the worker's own execs are cut at [`EXEC_OUTPUT_CAP`] and a time limit inside
+//! the container.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use bollard::container::LogOutput;
-use bollard::models::{ContainerCreateBody, ExecConfig, HostConfig};
+use bollard::models::{ContainerCreateBody, ExecConfig, HostConfig, ResourcesUlimits};
 use bollard::query_parameters::{
-    CreateContainerOptionsBuilder, ListContainersOptionsBuilder, RemoveContainerOptionsBuilder,
-    UploadToContainerOptionsBuilder,
+    CreateContainerOptionsBuilder, DownloadFromContainerOptionsBuilder,
+    ListContainersOptionsBuilder, RemoveContainerOptionsBuilder,
 };
 use bollard::Docker;
 use futures::StreamExt;
@@ -34,7 +41,9 @@ use tokio::runtime::Handle;
 
 use crate::observation::truncate_head_tail;
 use crate::sandbox::{
-    shell_quote, CommandOutput, Sandbox, SandboxError, BOOKKEEPING_CONFIG, SUBMISSION_EXCLUDE,
+    shell_quote, CommandOutput, LeftOutReason, Sandbox, SandboxError, Submission,
+    BOOKKEEPING_CONFIG, LEFT_OUT_LISTED, MAX_SUBMISSION_BYTES, MAX_UNTRACKED_FILE_BYTES,
+    SUBMISSION_EXCLUDE,
 };
 use crate::tasks::TaskRecord;
 
@@ -62,8 +71,131 @@ fn book_git() -> String {
     git
 }
 
+/// The submission's script (see [`DockerSandbox::submission`]); `@GIT@` is [`book_git`],
+/// the other `@…@` the base commit and the caps. Its stderr goes to a file, shown when a
+/// step fails (exit 1). Its answer, on stdout: a line `<diff bytes> <large files> <binary
+/// files>`, then the first `@LISTED@` of the large files as `<size>\t<path>\0` records,
+/// the first `@LISTED@` of the binary ones as `<path>\0`, then the patch unless the
+/// diff was over the cap. Every list of paths is NUL-separated and never word-split.
+const SUBMISSION_SCRIPT: &str = r#"
+S=/tmp/.tutor/submission
+rm -rf "$S" && mkdir -p "$S" || { echo "cannot make $S"; exit 1; }
+exec 2>"$S/err"
+fail() { printf '%s failed: ' "$1"; head -c 2000 "$S/err"; exit 1; }
+cd /testbed || fail cd
+export GIT_INDEX_FILE=/tmp/.tutor/diff-index
+rm -f "$GIT_INDEX_FILE"
+@GIT@ read-tree @BASE@ || fail read-tree
+# Untracked files over the cap: named, and excluded from `add`.
+@GIT@ ls-files -o --exclude-standard -z > "$S/untracked" || fail ls-files
+xargs -0 -r stat --printf '%s\t%F\t%n\0' -- < "$S/untracked" > "$S/sizes"
+printf '.\0' > "$S/spec"
+: > "$S/large"
+while IFS= read -r -d '' l; do
+  n=${l%%$'\t'*}; r=${l#*$'\t'}
+  if [ "${r%%$'\t'*}" = "regular file" ] && [ "$n" -gt @FILE_CAP@ ]; then
+    printf ':(exclude,literal)%s\0' "${r#*$'\t'}" >> "$S/spec"
+    printf '%s\t%s\0' "$n" "${r#*$'\t'}" >> "$S/large"
+  fi
+done < "$S/sizes"
+@GIT@ add -A --pathspec-from-file="$S/spec" --pathspec-file-nul || fail add
+# Binary changes (numstat shows "-<tab>-<tab>" for them): reset to the base.
+@GIT@ diff --cached --numstat -z --no-renames @BASE@ -- > "$S/numstat" || fail numstat
+: > "$S/binary"
+while IFS= read -r -d '' l; do
+  case $l in $'-\t-\t'*) printf '%s\0' "${l#$'-\t-\t'}" >> "$S/binary";; esac
+done < "$S/numstat"
+if [ -s "$S/binary" ]; then
+  GIT_LITERAL_PATHSPECS=1 @GIT@ reset -q @BASE@ --pathspec-from-file="$S/binary" --pathspec-file-nul || fail reset
+fi
+# The diff, at most the cap + 1 bytes of it: past that git is cut off (SIGPIPE).
+@GIT@ -c core.quotepath=off diff --cached --binary --no-color --no-ext-diff --no-textconv \
+  --no-renames --src-prefix=a/ --dst-prefix=b/ @BASE@ -- | head -c @CAP1@ > "$S/patch"
+rc=${PIPESTATUS[0]}
+size=$(stat -c %s "$S/patch") || fail size
+[ "$rc" -eq 0 ] || [ "$size" -gt @CAP@ ] || fail diff
+printf '%s %s %s\n' "$size" "$(tr -cd '\0' < "$S/large" | wc -c)" "$(tr -cd '\0' < "$S/binary" | wc -c)"
+head -z -n @LISTED@ "$S/large"
+head -z -n @LISTED@ "$S/binary"
+[ "$size" -gt @CAP@ ] || cat "$S/patch"
+"#;
+
+/// Reads [`SUBMISSION_SCRIPT`]'s answer.
+fn parse_submission(out: &[u8]) -> Result<Submission, String> {
+    let nl = out
+        .iter()
+        .position(|&b| b == b'\n')
+        .ok_or("no header line")?;
+    let header = String::from_utf8_lossy(&out[..nl]);
+    let nums: Vec<u64> = header
+        .split_whitespace()
+        .map(|n| {
+            n.parse::<u64>()
+                .map_err(|e| format!("header {header:?}: {e}"))
+        })
+        .collect::<Result<_, _>>()?;
+    let [size, large, binary] = nums[..] else {
+        return Err(format!("header {header:?}: three numbers expected"));
+    };
+    let mut rest = &out[nl + 1..];
+    let mut record = || -> Result<&[u8], String> {
+        let z = rest
+            .iter()
+            .position(|&b| b == 0)
+            .ok_or("a left-out path is cut short")?;
+        let (rec, after) = rest.split_at(z);
+        rest = &after[1..];
+        Ok(rec)
+    };
+    let mut sub = Submission::default();
+    for _ in 0..(large as usize).min(LEFT_OUT_LISTED) {
+        let rec = record()?;
+        let tab = rec
+            .iter()
+            .position(|&b| b == b'\t')
+            .ok_or("a large file without its size")?;
+        let bytes = String::from_utf8_lossy(&rec[..tab])
+            .parse::<u64>()
+            .map_err(|e| format!("a large file's size: {e}"))?;
+        let path = String::from_utf8_lossy(&rec[tab + 1..]).into_owned();
+        sub.leave_out(path, LeftOutReason::Large(bytes));
+    }
+    for _ in 0..(binary as usize).min(LEFT_OUT_LISTED) {
+        let path = String::from_utf8_lossy(record()?).into_owned();
+        sub.leave_out(path, LeftOutReason::Binary);
+    }
+    sub.left_out_total = (large + binary) as usize;
+    if size > MAX_SUBMISSION_BYTES as u64 {
+        sub.too_large = Some(size);
+    } else if rest.len() as u64 != size {
+        return Err(format!(
+            "the patch is {} bytes, the header says {size}",
+            rest.len()
+        ));
+    } else {
+        sub.patch = String::from_utf8_lossy(rest).into_owned();
+    }
+    Ok(sub)
+}
+
 /// Output kept per command before head+tail truncation (the rest is read and dropped).
 const CAPTURE_BYTES: usize = 1024 * 1024;
+
+/// The most stdout the worker takes from one of its own execs (git, `cat` of a file, the
+/// submission script), in bytes. Inside the container the output goes through
+/// `head -c` one byte past it, so the command is stopped (SIGPIPE) there; the worker keeps
+/// no more than this and fails the exec with [`DockerError::OutputTooLarge`]. Above
+/// the submission's own cap ([`MAX_SUBMISSION_BYTES`] plus the left-out paths).
+pub const EXEC_OUTPUT_CAP: usize = 8 << 20;
+const _: () = assert!(MAX_SUBMISSION_BYTES + 2 * LEFT_OUT_LISTED * 8192 < EXEC_OUTPUT_CAP);
+
+/// Time limits of the worker's own execs (killed inside the container by `timeout`, the
+/// worker waiting 30 s more): a file read, one git command, the submission script (several
+/// git commands of 120 s at most each), copying files in.
+const FILE_LIMIT: Duration = Duration::from_secs(60);
+const GIT_LIMIT: Duration = Duration::from_secs(300);
+const SUBMISSION_LIMIT: Duration = Duration::from_secs(900);
+const COPY_LIMIT: Duration = Duration::from_secs(600);
 
 #[derive(Debug, thiserror::Error)]
 pub enum DockerError {
@@ -77,15 +209,24 @@ pub enum DockerError {
     Api(#[from] bollard::errors::Error),
     #[error("sandbox shell: {0}")]
     Shell(String),
+    /// One of the worker's own execs wrote more than [`EXEC_OUTPUT_CAP`] bytes; it was
+    /// stopped and its output dropped.
+    #[error("the output of `{command}` is over {cap} bytes; the command was stopped and its output dropped")]
+    OutputTooLarge { command: String, cap: usize },
+    #[error("`{command}` did not finish within {limit:?}")]
+    ExecTimeout { command: String, limit: Duration },
 }
 
-/// Limits and identity of a sandbox container.
+/// Limits and identity of a sandbox container (docs/security.md, "Docker sandbox", says
+/// what each limit is for).
 #[derive(Debug, Clone)]
 pub struct ContainerSpec {
     pub image: String,
     pub run: String,
     pub worker: String,
     pub episode: String,
+    /// Memory limit; swap is limited to it too (`memory_swap` = `memory`: no swap beyond
+    /// it). The tmpfs mounts of a read-only root are charged to it as they fill.
     pub memory_bytes: i64,
     pub nano_cpus: i64,
     pub pids_limit: i64,
@@ -94,7 +235,31 @@ pub struct ContainerSpec {
     /// dropped, root could not write files owned by anyone else, so the agent runs as
     /// the image's unprivileged user (1000 in deploy/images/python-task).
     pub user: (u32, u32),
+    /// Open files per process (`ulimit -n`, soft and hard).
+    pub nofile: i64,
+    /// Largest file a process may write, in bytes (`ulimit -f`, soft and hard): a write
+    /// past it fails with EFBIG (SIGXFSZ, "File size limit exceeded", where not ignored).
+    pub fsize_bytes: i64,
+    /// The root filesystem read-only; the writable places are size-capped tmpfs mounts:
+    /// [`WORKDIR`] ([`Self::disk_bytes`], the image's own content copied in at launch),
+    /// /tmp ([`Self::tmp_bytes`]) and /dev/shm ([`SHM_BYTES`]). Off for an image that
+    /// must write elsewhere (a SWE-bench image whose tests install into its environment);
+    /// then [`Self::disk_bytes`] caps the container's writable layer where the storage
+    /// driver supports `--storage-opt size` (overlay2 on xfs with pquota, btrfs, zfs,
+    /// devicemapper), and nothing but [`Self::fsize_bytes`] caps the disk elsewhere
+    /// (fuse-overlayfs, overlay2 on ext4; a warning says so once).
+    pub read_only_root: bool,
+    /// What the agent can write: the size of [`WORKDIR`]'s tmpfs (read-only root), or of
+    /// the writable layer (writable root, where supported). Past it: ENOSPC.
+    pub disk_bytes: i64,
+    /// The size of /tmp's tmpfs (read-only root only; the tools and the bookkeeping git
+    /// directory live there too).
+    pub tmp_bytes: i64,
 }
+
+/// /dev/shm's size (Docker's default, set explicitly): the shell's per-command state
+/// lives there, and it is writable even on a read-only root.
+pub const SHM_BYTES: i64 = 64 << 20;
 
 impl ContainerSpec {
     pub fn new(image: &str, run: &str, worker: &str, episode: &str) -> Self {
@@ -108,9 +273,90 @@ impl ContainerSpec {
             pids_limit: 512,
             network: false,
             user: (1000, 1000),
+            nofile: 1024,
+            fsize_bytes: 1 << 30,
+            read_only_root: true,
+            // With /tmp and /dev/shm, 1.3 GiB of the 2 GiB of memory at most: a full
+            // disk leaves the processes 0.7 GiB.
+            disk_bytes: 1 << 30,
+            tmp_bytes: 256 << 20,
         }
     }
+
+    /// Whether containers made from `self` and from `other` get the same limits (the
+    /// image, run and episode aside): what the warm pool checks before handing one out.
+    pub fn same_limits(&self, other: &ContainerSpec) -> bool {
+        self.memory_bytes == other.memory_bytes
+            && self.nano_cpus == other.nano_cpus
+            && self.pids_limit == other.pids_limit
+            && self.network == other.network
+            && self.user == other.user
+            && self.nofile == other.nofile
+            && self.fsize_bytes == other.fsize_bytes
+            && self.read_only_root == other.read_only_root
+            && self.disk_bytes == other.disk_bytes
+            && self.tmp_bytes == other.tmp_bytes
+    }
+
+    /// The container's host configuration; `storage_quota`: give a writable root
+    /// `--storage-opt size` (only where the engine's driver supports it).
+    fn host_config(&self, storage_quota: bool) -> HostConfig {
+        let ulimit = |name: &str, n: i64| ResourcesUlimits {
+            name: Some(name.into()),
+            soft: Some(n),
+            hard: Some(n),
+        };
+        let mut host = HostConfig {
+            memory: Some(self.memory_bytes),
+            memory_swap: Some(self.memory_bytes),
+            nano_cpus: Some(self.nano_cpus),
+            pids_limit: Some(self.pids_limit),
+            ulimits: Some(vec![
+                ulimit("nofile", self.nofile),
+                ulimit("fsize", self.fsize_bytes),
+            ]),
+            shm_size: Some(SHM_BYTES),
+            network_mode: Some(if self.network {
+                "bridge".into()
+            } else {
+                "none".into()
+            }),
+            cap_drop: Some(vec!["ALL".into()]),
+            security_opt: Some(vec!["no-new-privileges".into()]),
+            init: Some(true),
+            ..Default::default()
+        };
+        if self.read_only_root {
+            let (uid, gid) = self.user;
+            host.readonly_rootfs = Some(true);
+            // Docker's tmpfs defaults to noexec: the tools in /tmp and whatever the agent
+            // builds in /testbed must run.
+            host.tmpfs = Some(HashMap::from([
+                (
+                    WORKDIR.to_string(),
+                    format!(
+                        "rw,exec,nosuid,nodev,size={},uid={uid},gid={gid},mode=0755",
+                        self.disk_bytes
+                    ),
+                ),
+                (
+                    "/tmp".to_string(),
+                    format!("rw,exec,nosuid,nodev,size={},mode=1777", self.tmp_bytes),
+                ),
+            ]));
+        } else if storage_quota {
+            host.storage_opt = Some(HashMap::from([(
+                "size".to_string(),
+                self.disk_bytes.to_string(),
+            )]));
+        }
+        host
+    }
 }
+
+/// Whether the engine's storage driver takes `--storage-opt size` (0: not known yet,
+/// 1: yes, 2: no): learnt from the first writable-root container, for the process.
+static STORAGE_QUOTA: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// Connects to the local engine and checks it answers.
 pub async fn connect() -> Result<Docker, DockerError> {
@@ -290,31 +536,40 @@ impl DockerSandbox {
         if docker.inspect_image(&spec.image).await.is_err() {
             return Err(DockerError::MissingImage(spec.image.clone()));
         }
-        let body = ContainerCreateBody {
+        let body = |host_config| ContainerCreateBody {
             image: Some(spec.image.clone()),
             cmd: Some(vec!["sleep".into(), "infinity".into()]),
             working_dir: Some(WORKDIR.into()),
-            labels: Some(labels),
+            labels: Some(labels.clone()),
             network_disabled: Some(!spec.network),
-            host_config: Some(HostConfig {
-                memory: Some(spec.memory_bytes),
-                nano_cpus: Some(spec.nano_cpus),
-                pids_limit: Some(spec.pids_limit),
-                network_mode: Some(if spec.network {
-                    "bridge".into()
-                } else {
-                    "none".into()
-                }),
-                cap_drop: Some(vec!["ALL".into()]),
-                security_opt: Some(vec!["no-new-privileges".into()]),
-                init: Some(true),
-                ..Default::default()
-            }),
+            host_config: Some(host_config),
             ..Default::default()
         };
-        let created = docker
-            .create_container(Some(CreateContainerOptionsBuilder::default().build()), body)
-            .await?;
+        use std::sync::atomic::Ordering::Relaxed;
+        let quota = !spec.read_only_root && STORAGE_QUOTA.load(Relaxed) != 2;
+        let options = || CreateContainerOptionsBuilder::default().build();
+        let created = match docker
+            .create_container(Some(options()), body(spec.host_config(quota)))
+            .await
+        {
+            Ok(c) => {
+                if quota {
+                    STORAGE_QUOTA.store(1, Relaxed);
+                }
+                c
+            }
+            // "--storage-opt is not supported", "... supported only for overlay over xfs
+            // with 'pquota' mount option": the driver has no quota.
+            Err(e) if quota && e.to_string().to_lowercase().contains("storage-opt") => {
+                if STORAGE_QUOTA.swap(2, Relaxed) != 2 {
+                    tracing::warn!(error = %e, "the Docker storage driver has no disk quota: sandboxes with a writable root have no cap on what they write but the file size limit (a read-only root caps it with tmpfs; see docs/security.md)");
+                }
+                docker
+                    .create_container(Some(options()), body(spec.host_config(false)))
+                    .await?
+            }
+            Err(e) => return Err(e.into()),
+        };
         let mut sb = Self {
             docker: docker.clone(),
             id: created.id,
@@ -329,23 +584,98 @@ impl DockerSandbox {
             removed: false,
             pooled: false,
         };
-        if let Err(e) = sb.prepare().await {
+        if let Err(e) = sb.prepare(spec.read_only_root).await {
             sb.remove().await;
             return Err(e);
         }
         Ok(sb)
     }
 
-    /// Starts the container, installs the tools and starts the shell.
-    async fn prepare(&mut self) -> Result<(), DockerError> {
+    /// Starts the container, installs the tools and starts the shell. With a read-only
+    /// root, [`WORKDIR`] is a tmpfs that hides the image's own content (a SWE-bench image
+    /// ships its repository there): that content is read before the start and copied in.
+    async fn prepare(&mut self, read_only_root: bool) -> Result<(), DockerError> {
+        let image_workdir = if read_only_root {
+            self.image_workdir().await?
+        } else {
+            None
+        };
         self.docker
             .start_container(
                 &self.id,
                 None::<bollard::query_parameters::StartContainerOptions>,
             )
             .await?;
+        if let Some((file, size)) = image_workdir {
+            let cmd = [
+                "tar",
+                "-x",
+                "--no-same-owner",
+                "--preserve-permissions",
+                "--strip-components=1",
+                "-f",
+                "-",
+                "-C",
+                WORKDIR,
+            ];
+            self.exec_stdin(&cmd, file, COPY_LIMIT).await.map_err(|e| {
+                DockerError::Shell(format!(
+                    "copying the image's {WORKDIR} ({size} bytes as tar) into the container's \
+                     tmpfs failed (too large for disk_bytes, or for memory_bytes, which the \
+                     tmpfs is charged to? a writable root avoids the copy): {e}"
+                ))
+            })?;
+        }
         self.install_tools(self.owner.0, self.owner.1).await?;
         self.start_shell().await
+    }
+
+    /// The image's own [`WORKDIR`] as a tar archive in a temporary file, with its size,
+    /// read from the created container before it starts (its tmpfs is mounted at the
+    /// start); `None` when the image has no such directory or an empty one.
+    async fn image_workdir(&self) -> Result<Option<(tokio::fs::File, u64)>, DockerError> {
+        use tokio::io::AsyncSeekExt;
+        let io = |e: std::io::Error| {
+            DockerError::Shell(format!(
+                "reading the image's {WORKDIR} into a temporary file: {e}"
+            ))
+        };
+        let mut stream = self.docker.download_from_container(
+            &self.id,
+            Some(
+                DownloadFromContainerOptionsBuilder::default()
+                    .path(WORKDIR)
+                    .build(),
+            ),
+        );
+        let mut file = tokio::fs::File::from_std(tempfile::tempfile().map_err(io)?);
+        let mut size = 0u64;
+        while let Some(chunk) = stream.next().await {
+            let chunk = match chunk {
+                Ok(c) => c,
+                Err(bollard::errors::Error::DockerResponseServerError {
+                    status_code: 404, ..
+                }) => return Ok(None),
+                Err(e) => return Err(e.into()),
+            };
+            size += chunk.len() as u64;
+            file.write_all(&chunk).await.map_err(io)?;
+        }
+        file.flush().await.map_err(io)?;
+        file.rewind().await.map_err(io)?;
+        // An empty directory is its own entry and the end of the archive.
+        if size <= 16 * 1024 {
+            let mut tar = Vec::new();
+            tokio::io::AsyncReadExt::read_to_end(&mut file, &mut tar)
+                .await
+                .map_err(io)?;
+            let entries = tar::Archive::new(&tar[..]).entries().map_err(io)?.count();
+            if entries <= 1 {
+                return Ok(None);
+            }
+            file.rewind().await.map_err(io)?;
+        }
+        Ok(Some((file, size)))
     }
 
     /// Copies the task's files into /testbed and commits them as the base of the diff
@@ -426,19 +756,86 @@ impl DockerSandbox {
         Ok(())
     }
 
+    /// Unpacks `tar` into `path` as the shell's user, through `tar` in the container (the
+    /// engine's archive upload refuses a read-only root, and writes beside a tmpfs, not
+    /// into it).
     async fn upload(&self, path: &str, tar: Vec<u8>) -> Result<(), DockerError> {
-        self.docker
-            .upload_to_container(
+        let cmd = ["tar", "-x", "--no-same-owner", "-f", "-", "-C", path];
+        self.exec_stdin(&cmd, &tar[..], COPY_LIMIT).await
+    }
+
+    /// Runs `cmd` as its own exec with `input` on its stdin (closed at its end); an error
+    /// with the start of its output if it fails.
+    async fn exec_stdin<R>(
+        &self,
+        cmd: &[&str],
+        mut input: R,
+        limit: Duration,
+    ) -> Result<(), DockerError>
+    where
+        R: tokio::io::AsyncRead + Unpin + Send,
+    {
+        let command = cmd.join(" ");
+        let exec = self
+            .docker
+            .create_exec(
                 &self.id,
-                Some(
-                    UploadToContainerOptionsBuilder::default()
-                        .path(path)
-                        .build(),
-                ),
-                bollard::body_full(tar.into()),
+                ExecConfig {
+                    attach_stdin: Some(true),
+                    attach_stdout: Some(true),
+                    attach_stderr: Some(true),
+                    cmd: Some(cmd.iter().map(|s| s.to_string()).collect()),
+                    working_dir: Some("/".into()),
+                    user: Some(self.user.clone()),
+                    env: Some(vec!["HOME=/tmp/.tutor".into(), "LC_ALL=C.UTF-8".into()]),
+                    ..Default::default()
+                },
             )
             .await?;
-        Ok(())
+        let bollard::exec::StartExecResults::Attached {
+            mut output,
+            input: mut stdin,
+        } = self.docker.start_exec(&exec.id, None).await?
+        else {
+            return Err(DockerError::Shell("exec started detached".into()));
+        };
+        let write = async move {
+            let copied = tokio::io::copy(&mut input, &mut stdin).await;
+            // The end of stdin: the command sees EOF.
+            let closed = stdin.shutdown().await;
+            copied.and(closed)
+        };
+        // Drained as it comes (so the command never blocks on a full pipe), the first
+        // 4 KiB kept for the error message.
+        let read = async {
+            let mut said = Vec::new();
+            while let Some(chunk) = output.next().await {
+                let bytes = chunk?.into_bytes();
+                let room = 4096usize.saturating_sub(said.len());
+                said.extend_from_slice(&bytes[..bytes.len().min(room)]);
+            }
+            Ok::<_, bollard::errors::Error>(said)
+        };
+        let (written, said) = tokio::time::timeout(limit, async { tokio::join!(write, read) })
+            .await
+            .map_err(|_| DockerError::ExecTimeout {
+                command: command.clone(),
+                limit,
+            })?;
+        let said = said?;
+        let code = self
+            .docker
+            .inspect_exec(&exec.id)
+            .await?
+            .exit_code
+            .unwrap_or(-1);
+        if code != 0 {
+            return Err(DockerError::Shell(format!(
+                "`{command}` failed (exit {code}): {}",
+                String::from_utf8_lossy(&said).trim()
+            )));
+        }
+        written.map_err(|e| DockerError::Shell(format!("writing to `{command}`: {e}")))
     }
 
     /// Puts the tool helper and its shims (crate::tools) into /tmp/.tutor/bin, owned by
@@ -690,7 +1087,33 @@ impl DockerSandbox {
 
     /// Runs a short command as its own exec (not through the agent's shell) and returns
     /// its exit code and stdout: bookkeeping reads that must not disturb the episode.
-    async fn exec_capture(&self, cmd: &[&str]) -> Result<(i64, Vec<u8>), DockerError> {
+    /// Bounded inside the container, where an exec cannot be stopped from outside: killed
+    /// at `limit` (`timeout`, exit 124), its stdout cut one byte past
+    /// [`EXEC_OUTPUT_CAP`] (`head -c`; the command dies of SIGPIPE). More than the cap is
+    /// [`DockerError::OutputTooLarge`]: the worker never holds more of it (a `cat` of a
+    /// symlink to /dev/zero, a generated file of gigabytes). Its stderr is dropped in the
+    /// container (a script that wants it redirects it to stdout).
+    async fn exec_capture(
+        &self,
+        cmd: &[&str],
+        limit: Duration,
+    ) -> Result<(i64, Vec<u8>), DockerError> {
+        let mut command = cmd.join(" ");
+        if command.len() > 120 {
+            let cut = (0..=117)
+                .rev()
+                .find(|&i| command.is_char_boundary(i))
+                .unwrap_or(0);
+            command.truncate(cut);
+            command.push_str("...");
+        }
+        let bounded = format!(
+            "set -o pipefail; timeout -k 5 {} \"$@\" 2>/dev/null | head -c {}",
+            limit.as_secs().max(1),
+            EXEC_OUTPUT_CAP + 1
+        );
+        let mut argv = vec!["bash", "-c", &bounded, "tutor-exec"];
+        argv.extend_from_slice(cmd);
         let exec = self
             .docker
             .create_exec(
@@ -698,7 +1121,7 @@ impl DockerSandbox {
                 ExecConfig {
                     attach_stdout: Some(true),
                     attach_stderr: Some(true),
-                    cmd: Some(cmd.iter().map(|s| s.to_string()).collect()),
+                    cmd: Some(argv.iter().map(|s| s.to_string()).collect()),
                     working_dir: Some(WORKDIR.into()),
                     user: Some(self.user.clone()),
                     env: Some(vec![
@@ -710,16 +1133,41 @@ impl DockerSandbox {
                 },
             )
             .await?;
-        let mut out = Vec::new();
-        if let bollard::exec::StartExecResults::Attached { mut output, .. } =
+        let bollard::exec::StartExecResults::Attached { mut output, .. } =
             self.docker.start_exec(&exec.id, None).await?
-        {
+        else {
+            return Err(DockerError::Shell("exec started detached".into()));
+        };
+        // `None`: over the cap (the rest is not read; the stream is dropped).
+        let read = async {
+            let mut out = Vec::new();
             while let Some(chunk) = output.next().await {
                 if let LogOutput::StdOut { message } = chunk? {
+                    if out.len() + message.len() > EXEC_OUTPUT_CAP {
+                        return Ok(None);
+                    }
                     out.extend_from_slice(&message);
                 }
             }
-        }
+            Ok::<_, bollard::errors::Error>(Some(out))
+        };
+        // The container kills the command at `limit`; this is for an engine that hangs.
+        let wait = limit + Duration::from_secs(30);
+        let out = match tokio::time::timeout(wait, read).await {
+            Err(_) => {
+                return Err(DockerError::ExecTimeout {
+                    command,
+                    limit: wait,
+                })
+            }
+            Ok(r) => r?,
+        };
+        let Some(out) = out else {
+            return Err(DockerError::OutputTooLarge {
+                command,
+                cap: EXEC_OUTPUT_CAP,
+            });
+        };
         let code = self
             .docker
             .inspect_exec(&exec.id)
@@ -748,7 +1196,7 @@ impl DockerSandbox {
             script.push(' ');
             script.push_str(&shell_quote(a));
         }
-        match self.exec_capture(&["bash", "-c", &script]).await {
+        match self.exec_capture(&["bash", "-c", &script], GIT_LIMIT).await {
             Ok((0, out)) => Some(out),
             Ok((code, _)) => {
                 tracing::debug!(container = %self.id, ?args, code, "sandbox git failed");
@@ -761,28 +1209,39 @@ impl DockerSandbox {
         }
     }
 
-    /// The submission: every change against the base commit, new files included,
-    /// without touching the agent's own index. Empty if git fails.
+    /// The submission (see [`Sandbox::submission`]), made by one bash script in an exec
+    /// of its own ([`SUBMISSION_SCRIPT`]): untracked files over
+    /// [`MAX_UNTRACKED_FILE_BYTES`] never added to the private index, binary changes reset
+    /// in it to the base, and at most [`MAX_SUBMISSION_BYTES`] + 1 bytes of the diff kept
+    /// (through `head -c`, inside the container). An empty patch if git fails (logged).
+    pub async fn submission(&self) -> Submission {
+        let script = SUBMISSION_SCRIPT
+            .replace("@GIT@", &book_git())
+            .replace("@BASE@", &shell_quote(&self.base))
+            .replace("@CAP@", &MAX_SUBMISSION_BYTES.to_string())
+            .replace("@CAP1@", &(MAX_SUBMISSION_BYTES + 1).to_string())
+            .replace("@FILE_CAP@", &MAX_UNTRACKED_FILE_BYTES.to_string())
+            .replace("@LISTED@", &LEFT_OUT_LISTED.to_string());
+        match self.exec_capture(&["bash", "-c", &script], SUBMISSION_LIMIT).await {
+            Ok((0, out)) => parse_submission(&out).unwrap_or_else(|e| {
+                tracing::warn!(container = %self.id, error = %e, "sandbox submission: unreadable answer; no patch");
+                Submission::default()
+            }),
+            Ok((code, out)) => {
+                let out = String::from_utf8_lossy(&out[..out.len().min(4096)]).into_owned();
+                tracing::warn!(container = %self.id, code, output = %out, "sandbox submission: git failed; no patch");
+                Submission::default()
+            }
+            Err(e) => {
+                tracing::warn!(container = %self.id, error = %e, "sandbox submission failed; no patch");
+                Submission::default()
+            }
+        }
+    }
+
+    /// [`Self::submission`]'s patch (empty when too large).
     pub async fn diff(&self) -> String {
-        self.git(
-            &[
-                "diff",
-                "--cached",
-                "--binary",
-                "--no-color",
-                "--no-ext-diff",
-                "--no-textconv",
-                "--no-renames",
-                "--src-prefix=a/",
-                "--dst-prefix=b/",
-                &self.base,
-                "--",
-            ],
-            Some("diff-index"),
-        )
-        .await
-        .map(|b| String::from_utf8_lossy(&b).into_owned())
-        .unwrap_or_default()
+        self.submission().await.patch
     }
 
     /// Paths changed relative to the base commit.
@@ -825,9 +1284,13 @@ impl DockerSandbox {
     pub async fn read_file(&self, rel: &str) -> Option<String> {
         let rel = crate::sandbox::safe_rel(rel)?;
         let path = format!("{WORKDIR}/{}", rel.display());
-        match self.exec_capture(&["cat", "--", &path]).await {
+        match self.exec_capture(&["cat", "--", &path], FILE_LIMIT).await {
             Ok((0, out)) => Some(String::from_utf8_lossy(&out).into_owned()),
-            _ => None,
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!(container = %self.id, file = %path, error = %e, "sandbox: reading a file failed");
+                None
+            }
         }
     }
 
@@ -869,7 +1332,7 @@ impl DockerSandbox {
             self.base,
             git = book_git()
         );
-        match self.exec_capture(&["bash", "-c", &script]).await {
+        match self.exec_capture(&["bash", "-c", &script], GIT_LIMIT).await {
             Ok((0, _)) => {}
             Ok((_, out)) => {
                 return Err(SandboxError::Git(
@@ -885,9 +1348,13 @@ impl DockerSandbox {
                 book_git(),
                 shell_quote(&format!(":{f}"))
             );
-            let content = match self.exec_capture(&["bash", "-c", &script]).await {
+            let content = match self.exec_capture(&["bash", "-c", &script], GIT_LIMIT).await {
                 Ok((0, out)) => Some(String::from_utf8_lossy(&out).into_owned()),
-                _ => None,
+                Ok(_) => None,
+                Err(e) => {
+                    tracing::warn!(container = %self.id, file = %f, error = %e, "sandbox: reading a patched file failed");
+                    None
+                }
             };
             files.insert(f, content);
         }
@@ -991,8 +1458,8 @@ impl Sandbox for BlockingDocker {
     fn base_file(&self, rel: &str) -> Option<String> {
         self.rt.block_on(self.sb().base_file(rel))
     }
-    fn diff(&self) -> String {
-        self.rt.block_on(self.sb().diff())
+    fn submission(&self) -> Submission {
+        self.rt.block_on(self.sb().submission())
     }
     fn changed_files(&self) -> Vec<String> {
         self.rt.block_on(self.sb().changed_files())

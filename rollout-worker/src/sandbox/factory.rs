@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use bollard::Docker;
 use tokio::runtime::Handle;
 
+use crate::sandbox::confine::{ConfineError, ConfineSettings, Confinement};
 use crate::sandbox::docker::{ContainerSpec, DockerError, DockerSandbox};
 use crate::sandbox::local::LocalSandboxError;
 use crate::sandbox::pool::WarmPool;
@@ -118,16 +119,52 @@ pub enum CreateError {
 #[derive(Clone)]
 pub enum SandboxFactory {
     /// Temporary directories under `root` (default: the system temp dir), named after
-    /// `owner` when given (see `LocalSandbox::create_owned`).
+    /// `owner` when given (see `LocalSandbox::create_owned`), confined as
+    /// [`Confinement::detected`] finds possible (unconfined, with a warning, where bwrap
+    /// does not work): for tests and tools. A worker makes [`Self::LocalWith`] with
+    /// [`Self::local`], which refuses where the commands cannot be confined.
     Local {
         root: Option<PathBuf>,
         owner: Option<String>,
+    },
+    /// As `Local`, with commands run as `confinement` says.
+    LocalWith {
+        root: Option<PathBuf>,
+        owner: Option<String>,
+        confinement: Confinement,
     },
     /// Boxed: the settings are much larger than the local variant.
     Docker(Box<DockerSettings>),
 }
 
 impl SandboxFactory {
+    /// Local sandboxes (see `Local`) confined as `settings` ask: checked here, by building
+    /// one with bubblewrap. Where that fails, [`ConfineError`] (naming what is missing and
+    /// `[worker] allow_unconfined`) unless `settings.allow_unconfined`, which makes an
+    /// unconfined factory and says so in a warning.
+    pub fn local(
+        root: Option<PathBuf>,
+        owner: Option<String>,
+        settings: &ConfineSettings,
+    ) -> Result<Self, ConfineError> {
+        let confinement = Confinement::new(settings)?;
+        if confinement.is_confined() {
+            tracing::info!(confinement = %confinement.describe(), "local sandboxes are confined");
+        } else {
+            tracing::warn!(
+                confinement = %confinement.describe(),
+                "local sandboxes run the model's commands UNCONFINED, as this process's user \
+                 ([worker] allow_unconfined = true): nothing stands between them and the run's \
+                 token, the Python venv and the host"
+            );
+        }
+        Ok(SandboxFactory::LocalWith {
+            root,
+            owner,
+            confinement,
+        })
+    }
+
     /// A fresh sandbox for `task`, labelled with `episode` (Docker). Blocking.
     pub fn create(
         &self,
@@ -137,6 +174,19 @@ impl SandboxFactory {
         match self {
             SandboxFactory::Local { root, owner } => {
                 let sb = LocalSandbox::create_owned(task, root.as_deref(), owner.as_deref())?;
+                Ok(Box::new(sb))
+            }
+            SandboxFactory::LocalWith {
+                root,
+                owner,
+                confinement,
+            } => {
+                let sb = LocalSandbox::create_confined(
+                    task,
+                    root.as_deref(),
+                    owner.as_deref(),
+                    confinement,
+                )?;
                 Ok(Box::new(sb))
             }
             SandboxFactory::Docker(d) => {
@@ -187,7 +237,7 @@ impl SandboxFactory {
 
     pub fn kind(&self) -> &'static str {
         match self {
-            SandboxFactory::Local { .. } => "local",
+            SandboxFactory::Local { .. } | SandboxFactory::LocalWith { .. } => "local",
             SandboxFactory::Docker(_) => "docker",
         }
     }

@@ -1,35 +1,49 @@
 //! The local sandbox: one temporary git repository per episode, commands run by `bash`.
 //!
 //! Commands run in their own process group with a timeout, an output cap and a persistent
-//! directory. Long because a quarter of it is tests that drive real processes; the raw process
-//! control itself is in `process`.
+//! directory, confined where the machine allows (`confine`: bubblewrap namespaces, a
+//! read-only view of the system, resource limits; docs/security.md, "Local sandbox"). Long
+//! because a quarter of it is tests that drive real processes; the raw process control
+//! itself is in `process`.
 //!
-//! Layout of a sandbox (`T` = a fresh temporary directory):
-//! - `T/repo`   — the task's repository, committed once as the base commit;
-//! - `T/.tutor` — bookkeeping outside the repo (command file, cwd file, shims, indexes);
-//! - `T/tmp`    — `TMPDIR` for commands.
+//! Layout of a sandbox (`O` = a fresh temporary directory; what a confined command sees of
+//! it in brackets, at the same paths):
+//! - `O/home` (`T`, `HOME`; writable) — `T/repo`, the task's repository, committed once as
+//!   the base commit; `T/tmp`, `TMPDIR` and the command's `/tmp`; `T/.gitconfig`;
+//! - `O/bin` (read-only) — the tools and the `python`/`pytest` shims;
+//! - `O/ctl` (read-only) — the command file and scratch files ([`Sandbox::write_scratch`]);
+//! - `O/state` (writable) — the tools' viewer state and the file the command's final
+//!   directory is written to;
+//! - `O/book` (not shown) — the bookkeeping git directory, its config and indexes: what the
+//!   worker's own git runs with, so nothing a command writes configures it.
 //!
 //! `HOME` is `T`, so the repository root is `~/repo` inside commands, and that is how
 //! [`LocalSandbox::cwd`] displays it (`~/repo`, `~/repo/tests`, …; paths outside `T` are
 //! shown absolute). The same spelling works in commands (`cd ~/repo`), which keeps
 //! teacher labels free of random temp-dir names. `$REPO` also holds the absolute root.
 //!
-//! Each command runs in a fresh `bash` (`--noprofile --norc`); only the working directory
-//! carries over (recorded by an EXIT trap). Environment changes and background jobs do
-//! not: when a command's shell exits, its whole process group is killed, so `sleep 1000 &`
-//! never outlives its command (and cannot keep the output pipe open). A process that
-//! leaves the group on purpose (`setsid`) escapes this; output collection then stops after
-//! a short grace period.
+//! Each command runs in a fresh `bash` (`--noprofile --norc`) with an environment of its
+//! own (nothing of the worker's); only the working directory carries over (recorded by an
+//! EXIT trap). Environment changes and background jobs do not: when a command's shell
+//! exits, its whole process group is killed, so `sleep 1000 &` never outlives its command
+//! (and cannot keep the output pipe open). Confined, nothing does: the command's pid
+//! namespace ends with its shell. Unconfined, a process that leaves the group on purpose
+//! (`setsid`) escapes until the sandbox is dropped; output collection then stops after a
+//! short grace period.
 
 use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufRead, BufReader, BufWriter, Read, Write};
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use crate::sandbox::confine::{Bind, Confinement, SYSTEM_PATH};
 use crate::sandbox::process::{kill_tagged, run_in_own_group};
 use crate::sandbox::{
-    safe_rel, shell_quote, CommandOutput, Sandbox, SandboxError, BOOKKEEPING_CONFIG,
-    SUBMISSION_EXCLUDE,
+    safe_rel, shell_quote, CommandOutput, LeftOutReason, Sandbox, SandboxError, Submission,
+    BOOKKEEPING_CONFIG, MAX_SUBMISSION_BYTES, MAX_UNTRACKED_FILE_BYTES, SUBMISSION_EXCLUDE,
 };
 use crate::tasks::TaskRecord;
 
@@ -110,19 +124,35 @@ pub struct GitOutput {
 /// A repository in a temporary directory, removed on drop.
 pub struct LocalSandbox {
     dir: Option<tempfile::TempDir>,
-    /// Canonical `T`.
+    /// Canonical `O` (see the module docs), which tags the sandbox's processes.
+    outer: PathBuf,
+    /// `T` = `O/home`.
     home: PathBuf,
     repo: PathBuf,
+    /// `O/state`: the tools' state, the final-directory file (commands write it).
     state: PathBuf,
+    /// `O/ctl`: the command file, scratch files (commands read them only).
+    ctl: PathBuf,
+    /// `O/bin`: tools and shims.
+    bin: PathBuf,
+    /// `O/book`: bookkeeping git directory, config and indexes (never shown to commands).
+    book: PathBuf,
     cwd: PathBuf,
     base: String,
+    /// The whole environment of commands.
     env: Vec<(String, String)>,
+    /// The whole environment of the worker's own git (config in `book`).
+    git_env: Vec<(String, String)>,
     output_cap: usize,
+    confinement: Confinement,
+    /// What a confined command sees of the Python interpreter (read-only).
+    python_view: Vec<PathBuf>,
 }
 
 impl LocalSandbox {
     /// Creates the sandbox under `root` (default: the system temp dir), writes the task's
-    /// files and commits them as the base commit.
+    /// files and commits them as the base commit. Confined as [`Confinement::detected`]
+    /// finds possible; a worker chooses with [`Self::create_confined`].
     pub fn create(task: &TaskRecord, root: Option<&Path>) -> Result<Self, LocalSandboxError> {
         Self::create_owned(task, root, None)
     }
@@ -133,6 +163,16 @@ impl LocalSandbox {
         task: &TaskRecord,
         root: Option<&Path>,
         owner: Option<&str>,
+    ) -> Result<Self, LocalSandboxError> {
+        Self::create_confined(task, root, owner, &Confinement::detected())
+    }
+
+    /// As `create_owned`, with commands run as `confinement` says.
+    pub fn create_confined(
+        task: &TaskRecord,
+        root: Option<&Path>,
+        owner: Option<&str>,
+        confinement: &Confinement,
     ) -> Result<Self, LocalSandboxError> {
         if task.files.is_empty() {
             return Err(LocalSandboxError::NoFiles(task.instance_id.clone()));
@@ -154,14 +194,17 @@ impl LocalSandbox {
         }
         .map_err(io_err("creating the sandbox directory"))?;
         // Canonical, because bash reports the physical cwd and we compare against it.
-        let home = dir
+        let outer = dir
             .path()
             .canonicalize()
             .map_err(io_err("resolving the sandbox directory"))?;
+        let home = outer.join("home");
         let repo = home.join("repo");
-        let state = home.join(".tutor");
-        let bin = state.join("bin");
-        for d in [&repo, &bin, &home.join("tmp")] {
+        let state = outer.join("state");
+        let ctl = outer.join("ctl");
+        let bin = outer.join("bin");
+        let book = outer.join("book");
+        for d in [&repo, &home.join("tmp"), &state, &ctl, &bin, &book] {
             std::fs::create_dir_all(d).map_err(io_err(format!("creating {}", d.display())))?;
         }
 
@@ -173,21 +216,25 @@ impl LocalSandbox {
             path_var.push(':');
             path_var.push_str(&pdir.display().to_string());
         }
-        let inherited =
-            std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into());
         path_var.push(':');
-        path_var.push_str(&inherited);
+        if confinement.is_confined() {
+            path_var.push_str(SYSTEM_PATH);
+        } else {
+            let inherited = std::env::var("PATH").unwrap_or_else(|_| SYSTEM_PATH.into());
+            path_var.push_str(&inherited);
+        }
 
-        let gitconfig = home.join(".gitconfig");
-        std::fs::write(
-            &gitconfig,
-            format!(
-                "[user]\n\tname = {GIT_NAME}\n\temail = {GIT_EMAIL}\n[commit]\n\tgpgsign = false\n\
-                 [tag]\n\tgpgsign = false\n[core]\n\thooksPath = /dev/null\n\tpager = cat\n\
-                 [init]\n\tdefaultBranch = main\n[advice]\n\tdetachedHead = false\n"
-            ),
-        )
-        .map_err(io_err("writing .gitconfig"))?;
+        let gitconfig = format!(
+            "[user]\n\tname = {GIT_NAME}\n\temail = {GIT_EMAIL}\n[commit]\n\tgpgsign = false\n\
+             [tag]\n\tgpgsign = false\n[core]\n\thooksPath = /dev/null\n\tpager = cat\n\
+             [init]\n\tdefaultBranch = main\n[advice]\n\tdetachedHead = false\n"
+        );
+        // The commands' own (theirs to change) and the worker's (out of their reach).
+        let home_gitconfig = home.join(".gitconfig");
+        let book_gitconfig = book.join("gitconfig");
+        for p in [&home_gitconfig, &book_gitconfig] {
+            std::fs::write(p, &gitconfig).map_err(io_err(format!("writing {}", p.display())))?;
+        }
 
         let s = |v: &Path| v.display().to_string();
         let env: Vec<(String, String)> = vec![
@@ -205,7 +252,7 @@ impl LocalSandbox {
             ("PYTHONUNBUFFERED".into(), "1".into()),
             ("PIP_DISABLE_PIP_VERSION_CHECK".into(), "1".into()),
             ("GIT_CONFIG_NOSYSTEM".into(), "1".into()),
-            ("GIT_CONFIG_GLOBAL".into(), s(&gitconfig)),
+            ("GIT_CONFIG_GLOBAL".into(), s(&home_gitconfig)),
             ("GIT_TERMINAL_PROMPT".into(), "0".into()),
             ("GIT_AUTHOR_NAME".into(), GIT_NAME.into()),
             ("GIT_AUTHOR_EMAIL".into(), GIT_EMAIL.into()),
@@ -215,13 +262,24 @@ impl LocalSandbox {
             ("GIT_COMMITTER_DATE".into(), GIT_DATE.into()),
             // Tags every process of this sandbox, so Drop can find ones that left the
             // process group (setsid, daemons).
-            (SANDBOX_TAG.into(), s(&home)),
+            (SANDBOX_TAG.into(), s(&outer)),
             // The tools (crate::tools) keep the viewer state here and show repository
             // paths as `~/repo/...`.
             ("TUTOR_STATE_DIR".into(), s(&state)),
             ("TUTOR_REPO".into(), s(&repo)),
             ("TUTOR_REPO_DISPLAY".into(), REPO_DISPLAY.into()),
         ];
+        // The worker's git: the same, but its home and global config are in `book`, which
+        // no command can write (a filter or an fsmonitor there would run on the host).
+        let git_env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| match k.as_str() {
+                "HOME" | "TMPDIR" => (k.clone(), s(&book)),
+                "GIT_CONFIG_GLOBAL" => (k.clone(), s(&book_gitconfig)),
+                _ => (k.clone(), v.clone()),
+            })
+            .chain([("XDG_CONFIG_HOME".to_string(), s(&book.join(".config")))])
+            .collect();
 
         for f in &task.files {
             let rel =
@@ -234,15 +292,31 @@ impl LocalSandbox {
             std::fs::write(&dest, &f.content).map_err(io_err(format!("writing {}", f.path)))?;
         }
 
+        let python_view = if confinement.is_confined() {
+            crate::sandbox::confine::python_view(&python)
+                .iter()
+                .filter(|p| !outer.starts_with(p))
+                .cloned()
+                .collect()
+        } else {
+            Vec::new()
+        };
         let mut sb = LocalSandbox {
             dir: Some(dir),
+            outer,
             home,
             repo: repo.clone(),
             state,
+            ctl,
+            bin,
+            book,
             cwd: repo,
             base: String::new(),
             env,
+            git_env,
             output_cap: DEFAULT_OUTPUT_CAP,
+            confinement: confinement.clone(),
+            python_view,
         };
         sb.git_ok(&["init", "-q"])?;
         for (k, v) in [
@@ -266,7 +340,19 @@ impl LocalSandbox {
         let head = sb.git_ok(&["rev-parse", "HEAD"])?;
         sb.base = String::from_utf8_lossy(&head).trim().to_string();
         sb.init_bookkeeping()?;
+        // A root worker's commands run as another user: what they write is theirs.
+        if let Some((uid, gid)) = confinement.sandbox_owner() {
+            for d in [&sb.home, &sb.state] {
+                chown_tree(d, uid, gid)
+                    .map_err(io_err(format!("handing {} to uid {uid}", d.display())))?;
+            }
+        }
         Ok(sb)
+    }
+
+    /// How this sandbox's commands are confined.
+    pub fn confinement(&self) -> &Confinement {
+        &self.confinement
     }
 
     /// The bookkeeping git directory (see [`BOOKKEEPING_CONFIG`]): our config only, the
@@ -291,7 +377,7 @@ impl LocalSandbox {
     }
 
     fn bookkeeping_dir(&self) -> PathBuf {
-        self.state.join("bookkeeping.git")
+        self.book.join("bookkeeping.git")
     }
 
     /// Git against [`Self::init_bookkeeping`]'s directory, with the repository as its work
@@ -302,18 +388,61 @@ impl LocalSandbox {
         stdin: Option<&[u8]>,
         extra_env: &[(&str, &str)],
     ) -> std::io::Result<GitOutput> {
-        let book = self.bookkeeping_dir().display().to_string();
-        let repo = self.repo.display().to_string();
-        let config: Vec<String> = BOOKKEEPING_CONFIG
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect();
-        let mut all = vec!["--git-dir", &book, "--work-tree", &repo];
-        for c in &config {
-            all.extend(["-c", c.as_str()]);
-        }
-        all.extend_from_slice(args);
+        let all = self.book_args(args);
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
         self.git_env(&all, stdin, extra_env)
+    }
+
+    /// `args` preceded by what points git at the bookkeeping directory.
+    fn book_args(&self, args: &[&str]) -> Vec<String> {
+        let mut all = vec![
+            "--git-dir".to_string(),
+            self.bookkeeping_dir().display().to_string(),
+            "--work-tree".to_string(),
+            self.repo.display().to_string(),
+        ];
+        for (k, v) in BOOKKEEPING_CONFIG {
+            all.push("-c".into());
+            all.push(format!("{k}={v}"));
+        }
+        all.extend(args.iter().map(|a| a.to_string()));
+        all
+    }
+
+    /// [`Self::git_book`], `Err` with git's message unless it succeeds.
+    fn git_book_checked(&self, args: &[&str], extra_env: &[(&str, &str)]) -> std::io::Result<()> {
+        let out = self.git_book(args, None, extra_env)?;
+        if out.success {
+            Ok(())
+        } else {
+            Err(std::io::Error::other(format!(
+                "git {}: {}",
+                args.join(" "),
+                out.stderr.trim()
+            )))
+        }
+    }
+
+    /// Bookkeeping git with its stdout read as it comes (see [`GitStream`]).
+    fn git_book_stream(
+        &self,
+        args: &[&str],
+        extra_env: &[(&str, &str)],
+    ) -> std::io::Result<GitStream> {
+        let stderr_path = self.book.join("git-stderr");
+        let stderr = File::create(&stderr_path)?;
+        let mut cmd = self.git_command(&self.book_args(args), extra_env);
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(stderr));
+        let mut child = cmd.spawn()?;
+        let out = BufReader::new(child.stdout.take().expect("stdout is piped"));
+        Ok(GitStream {
+            child,
+            out,
+            stderr_path,
+            what: args.iter().take(2).copied().collect::<Vec<_>>().join(" "),
+        })
     }
 
     /// Sets the cap (bytes) on captured output per command.
@@ -331,9 +460,10 @@ impl LocalSandbox {
         &self.home
     }
 
-    /// A scratch directory outside the repository (never part of a diff).
+    /// A scratch directory outside the repository (never part of a diff) that commands
+    /// can read but not write (when confined). Write to it between commands.
     pub fn scratch_dir(&self) -> &Path {
-        &self.state
+        &self.ctl
     }
 
     /// Hash of the base commit every diff is taken against.
@@ -360,7 +490,8 @@ impl LocalSandbox {
 
     /// The file the tools have open, as shown in the footer (`~/repo/...`), if any.
     pub fn current_file(&self) -> Option<String> {
-        let f = std::fs::read_to_string(self.state.join("current_file")).ok()?;
+        // Written by the tools, so by the commands: never through a link they planted.
+        let f = read_written_by_commands(&self.state.join("current_file"), 4096)?;
         let f = f.trim();
         (!f.is_empty()).then(|| f.to_string())
     }
@@ -370,10 +501,14 @@ impl LocalSandbox {
         self.cwd == self.repo
     }
 
-    /// Reads a file relative to the repository root (`None` if missing, a directory, or
-    /// the path escapes the repo). Invalid UTF-8 is replaced.
+    /// Reads a file relative to the repository root (`None` if missing, not a regular
+    /// file, or the path escapes the repo, also through a link). Invalid UTF-8 is replaced.
     pub fn read_file(&self, rel: &str) -> Option<String> {
-        let p = self.repo.join(safe_rel(rel)?);
+        let p = self.repo.join(safe_rel(rel)?).canonicalize().ok()?;
+        // A link the agent made to the run's token, or a FIFO that would block forever.
+        if !p.starts_with(&self.repo) || !std::fs::metadata(&p).ok()?.is_file() {
+            return None;
+        }
         let bytes = std::fs::read(p).ok()?;
         Some(String::from_utf8_lossy(&bytes).into_owned())
     }
@@ -398,22 +533,121 @@ impl LocalSandbox {
             .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
     }
 
-    /// The submission: every change relative to the base commit, new files included, as a
-    /// git-apply-able patch. Uses a private index so the agent's staging area is untouched.
-    /// Empty if git fails (e.g. the agent deleted `.git`).
-    pub fn diff(&self) -> String {
-        match self.diff_cached(&[
-            "--binary",
-            "--no-color",
-            "--no-ext-diff",
-            "--no-textconv",
-            "--no-renames",
-            "--src-prefix=a/",
-            "--dst-prefix=b/",
-        ]) {
-            Some(b) => String::from_utf8_lossy(&b).into_owned(),
-            None => String::new(),
+    /// The submission (see [`Sandbox::submission`]): every text change relative to the
+    /// base commit, new files included, as a git-apply-able patch, on a private index so
+    /// the agent's staging area is untouched. Untracked files over
+    /// [`MAX_UNTRACKED_FILE_BYTES`] are never added to that index; binary changes are reset
+    /// in it to the base; the diff is read up to [`MAX_SUBMISSION_BYTES`] + 1 bytes and git
+    /// is killed past that ("too large"). Every git output is streamed, never held whole.
+    /// An empty patch if git fails (e.g. the agent deleted `.git`; logged).
+    pub fn submission(&self) -> Submission {
+        match self.submission_inner() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "sandbox submission: git failed; no patch");
+                Submission::default()
+            }
         }
+    }
+
+    /// [`Self::submission`]'s patch (empty when too large).
+    pub fn diff(&self) -> String {
+        self.submission().patch
+    }
+
+    fn submission_inner(&self) -> std::io::Result<Submission> {
+        let mut sub = Submission::default();
+        let index = self.book.join("diff-index");
+        let _ = std::fs::remove_file(&index);
+        let index_s = index.display().to_string();
+        let env = [("GIT_INDEX_FILE", index_s.as_str())];
+        self.git_book_checked(&["read-tree", &self.base], &env)?;
+
+        // 1. Untracked files over the cap: named, and excluded from `add` (pathspecs from
+        // a NUL-separated file, so any file name is taken literally).
+        let spec = self.book.join("submission-add.pathspecs");
+        let mut specs = BufWriter::new(File::create(&spec)?);
+        specs.write_all(b".\0")?;
+        let mut git =
+            self.git_book_stream(&["ls-files", "-o", "--exclude-standard", "-z"], &env)?;
+        let mut rec = Vec::new();
+        while next_record(&mut git.out, &mut rec)? {
+            let rel = Path::new(std::ffi::OsStr::from_bytes(&rec));
+            let Ok(meta) = std::fs::symlink_metadata(self.repo.join(rel)) else {
+                continue; // gone meanwhile: `add` will not see it either
+            };
+            if meta.is_file() && meta.len() > MAX_UNTRACKED_FILE_BYTES {
+                specs.write_all(b":(exclude,literal)")?;
+                specs.write_all(&rec)?;
+                specs.write_all(b"\0")?;
+                sub.leave_out(lossy(&rec), LeftOutReason::Large(meta.len()));
+            }
+        }
+        git.finish()?;
+        specs.into_inner().map_err(|e| e.into_error())?;
+        let from = format!("--pathspec-from-file={}", spec.display());
+        self.git_book_checked(&["add", "-A", &from, "--pathspec-file-nul"], &env)?;
+
+        // 2. Binary changes (numstat shows `-\t-\t` for them): reset to the base.
+        let binaries = self.book.join("submission-binary.pathspecs");
+        let mut paths = BufWriter::new(File::create(&binaries)?);
+        let mut any = false;
+        let numstat = [
+            "diff",
+            "--cached",
+            "--numstat",
+            "-z",
+            "--no-renames",
+            &self.base,
+            "--",
+        ];
+        let mut git = self.git_book_stream(&numstat, &env)?;
+        while next_record(&mut git.out, &mut rec)? {
+            if let Some(path) = rec.strip_prefix(b"-\t-\t") {
+                paths.write_all(path)?;
+                paths.write_all(b"\0")?;
+                sub.leave_out(lossy(path), LeftOutReason::Binary);
+                any = true;
+            }
+        }
+        git.finish()?;
+        paths.into_inner().map_err(|e| e.into_error())?;
+        if any {
+            let from = format!("--pathspec-from-file={}", binaries.display());
+            let env = [env[0], ("GIT_LITERAL_PATHSPECS", "1")];
+            let args = ["reset", "-q", &self.base, &from, "--pathspec-file-nul"];
+            self.git_book_checked(&args, &env)?;
+        }
+
+        // 3. The diff, never more of it than the cap + 1 bytes.
+        let mut git = self.git_book_stream(
+            &[
+                "diff",
+                "--cached",
+                "--binary",
+                "--no-color",
+                "--no-ext-diff",
+                "--no-textconv",
+                "--no-renames",
+                "--src-prefix=a/",
+                "--dst-prefix=b/",
+                &self.base,
+                "--",
+            ],
+            &env,
+        )?;
+        let mut patch = Vec::new();
+        (&mut git.out)
+            .take(MAX_SUBMISSION_BYTES as u64 + 1)
+            .read_to_end(&mut patch)?;
+        if patch.len() > MAX_SUBMISSION_BYTES {
+            drop(git); // killed: the rest is not wanted
+            sub.too_large = Some(patch.len() as u64);
+            return Ok(sub);
+        }
+        git.finish()?;
+        sub.patch = String::from_utf8_lossy(&patch).into_owned();
+        Ok(sub)
     }
 
     /// Paths changed relative to the base commit (added, modified or deleted).
@@ -429,8 +663,7 @@ impl LocalSandbox {
     }
 
     fn diff_cached(&self, extra: &[&str]) -> Option<Vec<u8>> {
-        let index = self.state.join("diff-index");
-        let _ = std::fs::create_dir_all(&self.state);
+        let index = self.book.join("diff-index");
         let _ = std::fs::remove_file(&index);
         let index_s = index.display().to_string();
         let env = [("GIT_INDEX_FILE", index_s.as_str())];
@@ -461,8 +694,7 @@ impl LocalSandbox {
         &self,
         patch: &str,
     ) -> Result<BTreeMap<String, Option<String>>, SandboxError> {
-        let index = self.state.join("apply-index");
-        let _ = std::fs::create_dir_all(&self.state);
+        let index = self.book.join("apply-index");
         let _ = std::fs::remove_file(&index);
         let index_s = index.display().to_string();
         let env = [("GIT_INDEX_FILE", index_s.as_str())];
@@ -502,13 +734,12 @@ impl LocalSandbox {
         self.git_env(args, stdin, &[])
     }
 
-    fn git_env(
+    /// `git` with the sandbox's environment and our `-c` flags, in the repository.
+    fn git_command<S: AsRef<std::ffi::OsStr>>(
         &self,
-        args: &[&str],
-        stdin: Option<&[u8]>,
+        args: &[S],
         extra_env: &[(&str, &str)],
-    ) -> std::io::Result<GitOutput> {
-        use std::io::Write;
+    ) -> Command {
         let mut cmd = Command::new("git");
         cmd.args([
             "-c",
@@ -517,13 +748,26 @@ impl LocalSandbox {
             "diff.noprefix=false",
             "-c",
             "core.hooksPath=/dev/null",
+            // A root worker's sandbox belongs to the sandbox's user.
+            "-c",
+            "safe.directory=*",
         ])
         .args(args)
         .current_dir(&self.repo)
         .env_clear()
-        .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .envs(extra_env.iter().copied())
-        .stdin(if stdin.is_some() {
+        .envs(self.git_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .envs(extra_env.iter().copied());
+        cmd
+    }
+
+    fn git_env(
+        &self,
+        args: &[&str],
+        stdin: Option<&[u8]>,
+        extra_env: &[(&str, &str)],
+    ) -> std::io::Result<GitOutput> {
+        let mut cmd = self.git_command(args, extra_env);
+        cmd.stdin(if stdin.is_some() {
             Stdio::piped()
         } else {
             Stdio::null()
@@ -572,34 +816,56 @@ impl LocalSandbox {
     }
 
     fn run_inner(&mut self, command: &str, timeout: Duration) -> std::io::Result<CommandOutput> {
-        std::fs::create_dir_all(&self.state)?;
-        let cmd_file = self.state.join("command.sh");
+        let cmd_file = self.ctl.join("command.sh");
         let cwd_file = self.state.join("cwd");
-        std::fs::write(&cmd_file, command)?;
+        write_fresh(&cmd_file, command.as_bytes())?;
         let _ = std::fs::remove_file(&cwd_file);
-        let start_dir = [&self.cwd, &self.repo, &self.home]
-            .into_iter()
-            .find(|d| d.is_dir())
-            .cloned()
-            .unwrap_or_else(|| PathBuf::from("/"));
-
-        let mut cmd = Command::new("bash");
-        cmd.args([
-            "--noprofile",
-            "--norc",
-            "-c",
-            // The trap records the final directory even when the command calls `exit`.
-            "trap 'pwd >\"$TUTOR_CWD_FILE\" 2>/dev/null' EXIT\n. \"$TUTOR_CMD_FILE\"",
-        ])
-        .current_dir(&start_dir)
-        .env_clear()
-        .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .env("TUTOR_CWD_FILE", &cwd_file)
-        .env("TUTOR_CMD_FILE", &cmd_file);
+        let confined = self.confinement.is_confined();
+        let mut binds = Vec::new();
+        if confined {
+            // `T/tmp` is the command's `/tmp`; a command may have replaced it (with a link
+            // to anywhere) through `T`.
+            let tmp = self.home.join("tmp");
+            if !std::fs::symlink_metadata(&tmp).is_ok_and(|m| m.is_dir()) {
+                let _ = std::fs::remove_file(&tmp);
+                std::fs::create_dir(&tmp)?;
+                if let Some((uid, gid)) = self.confinement.sandbox_owner() {
+                    std::os::unix::fs::lchown(&tmp, Some(uid), Some(gid))?;
+                }
+            }
+            binds.push(Bind {
+                src: tmp,
+                dest: PathBuf::from("/tmp"),
+                writable: true,
+            });
+            binds.extend(self.python_view.iter().map(|p| Bind::read_only(p)));
+            binds.extend([
+                Bind::writable(&self.home),
+                Bind::read_only(&self.bin),
+                Bind::read_only(&self.ctl),
+                Bind::writable(&self.state),
+            ]);
+        }
+        let mut env = self.env.clone();
+        let s = |p: &Path| p.display().to_string();
+        env.extend([
+            ("TUTOR_CWD_FILE".to_string(), s(&cwd_file)),
+            ("TUTOR_CMD_FILE".to_string(), s(&cmd_file)),
+            ("TUTOR_START_DIR".to_string(), s(&self.cwd)),
+        ]);
+        // The trap records the final directory even when the command calls `exit`. A
+        // start directory that is gone falls back to the repository, then home.
+        let script = "trap 'pwd >\"$TUTOR_CWD_FILE\" 2>/dev/null' EXIT\n\
+            cd -- \"$TUTOR_START_DIR\" 2>/dev/null || cd -- \"$REPO\" 2>/dev/null || cd\n\
+            . \"$TUTOR_CMD_FILE\"";
+        let cmd = self
+            .confinement
+            .command(&binds, &self.home, script, &env, timeout)?;
         let out = run_in_own_group(cmd, timeout, self.output_cap)?;
-        if let Ok(p) = std::fs::read_to_string(&cwd_file) {
+        if let Some(p) = read_written_by_commands(&cwd_file, 8192) {
             let p = PathBuf::from(p.trim_end_matches('\n'));
-            if p.is_absolute() && p.is_dir() {
+            // Confined, the directory is in the command's view, not necessarily the host's.
+            if p.is_absolute() && (confined || p.is_dir()) {
                 self.cwd = p;
             }
         }
@@ -635,8 +901,8 @@ impl Sandbox for LocalSandbox {
     fn base_file(&self, rel: &str) -> Option<String> {
         LocalSandbox::base_file(self, rel)
     }
-    fn diff(&self) -> String {
-        LocalSandbox::diff(self)
+    fn submission(&self) -> Submission {
+        LocalSandbox::submission(self)
     }
     fn changed_files(&self) -> Vec<String> {
         LocalSandbox::changed_files(self)
@@ -646,7 +912,7 @@ impl Sandbox for LocalSandbox {
     }
     fn write_scratch(&mut self, name: &str, content: &str) -> Result<String, SandboxError> {
         let p = self.scratch_dir().join(name);
-        std::fs::write(&p, content)
+        write_fresh(&p, content.as_bytes())
             .map(|_| shell_quote(&p.display().to_string()))
             .map_err(|source| SandboxError::Write {
                 name: name.to_string(),
@@ -656,6 +922,69 @@ impl Sandbox for LocalSandbox {
     fn kind(&self) -> &'static str {
         "local"
     }
+}
+
+/// A running git whose stdout is read as it comes, so no output of it is ever held
+/// whole; its stderr goes to a file. Dropped before [`GitStream::finish`], git is killed
+/// (what it has not written yet is not wanted).
+struct GitStream {
+    child: std::process::Child,
+    out: BufReader<std::process::ChildStdout>,
+    stderr_path: PathBuf,
+    /// The subcommand, for messages.
+    what: String,
+}
+
+impl GitStream {
+    /// Reads what is left of the output (dropping it) and waits for git; `Err` with its
+    /// message unless it succeeded.
+    fn finish(mut self) -> std::io::Result<()> {
+        std::io::copy(&mut self.out, &mut std::io::sink())?;
+        let status = self.child.wait()?;
+        if status.success() {
+            return Ok(());
+        }
+        let mut stderr = String::new();
+        if let Ok(f) = File::open(&self.stderr_path) {
+            let mut bytes = Vec::new();
+            let _ = f.take(4096).read_to_end(&mut bytes);
+            stderr = String::from_utf8_lossy(&bytes).trim().to_string();
+        }
+        Err(std::io::Error::other(format!(
+            "git {} ({status}): {stderr}",
+            self.what
+        )))
+    }
+}
+
+impl Drop for GitStream {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// Reads the next NUL-terminated record of `out` into `rec` (without the NUL); false at
+/// the end. Empty records are skipped.
+fn next_record(out: &mut impl BufRead, rec: &mut Vec<u8>) -> std::io::Result<bool> {
+    loop {
+        rec.clear();
+        if out.read_until(0, rec)? == 0 {
+            return Ok(false);
+        }
+        if rec.last() == Some(&0) {
+            rec.pop();
+        }
+        if !rec.is_empty() {
+            return Ok(true);
+        }
+    }
+}
+
+fn lossy(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
 }
 
 /// Source paths of renames/copies in a git patch (`rename from X`), which
@@ -714,6 +1043,51 @@ fn make_writable(p: &Path) {
     }
 }
 
+/// Writes `path` as a new file: whatever is there (a link a command planted, pointing
+/// anywhere) is removed first, and the file is created exclusively, never through a link.
+fn write_fresh(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)?;
+    f.write_all(data)
+}
+
+/// The first `cap` bytes of a file commands write (the tools' current file, the final
+/// directory), as text; `None` unless it is a regular file reached without a link (a
+/// command could point it at the run's token).
+fn read_written_by_commands(path: &Path, cap: u64) -> Option<String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    if !f.metadata().ok()?.is_file() {
+        return None;
+    }
+    let mut bytes = Vec::new();
+    f.take(cap).read_to_end(&mut bytes).ok()?;
+    Some(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// Gives `root` and everything under it (links themselves, never what they point to) to
+/// `uid:gid`.
+fn chown_tree(root: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
+    std::os::unix::fs::lchown(root, Some(uid), Some(gid))?;
+    let meta = std::fs::symlink_metadata(root)?;
+    if meta.is_dir() {
+        for e in std::fs::read_dir(root)? {
+            chown_tree(&e?.path(), uid, gid)?;
+        }
+    }
+    Ok(())
+}
+
 /// The directory-name prefix of `owner`'s sandboxes. The owner is reduced to
 /// `[A-Za-z0-9_-]` and closed by a dot, so no owner's prefix is another's.
 fn owned_prefix(owner: &str) -> String {
@@ -762,7 +1136,7 @@ pub fn remove_local_orphans(root: Option<&Path>, owner: &str) -> usize {
 
 impl Drop for LocalSandbox {
     fn drop(&mut self) {
-        kill_tagged(&format!("{SANDBOX_TAG}={}", self.home.display()));
+        kill_tagged(&format!("{SANDBOX_TAG}={}", self.outer.display()));
         if let Some(dir) = self.dir.take() {
             let path = dir.path().to_path_buf();
             if dir.close().is_err() {
@@ -952,6 +1326,110 @@ pub(crate) mod tests {
         assert_eq!(sb.diff(), d);
     }
 
+    /// A compiled binary, an image and a large generated file beside a small fix: the
+    /// patch holds the fix alone (text only, applies to the base), and the left-out paths
+    /// are named, odd names included. Before, the patch carried every byte of them.
+    #[test]
+    fn binary_and_large_untracked_files_are_left_out_of_the_submission() {
+        let mut sb = LocalSandbox::create(&tiny_task(), None).unwrap();
+        let out = sb.run(
+            "echo bye > a.txt && echo new > new.txt && printf '\\177ELF\\0\\1\\2' > lib.so \
+             && printf 'b\\0\\0\\0' > sub/dir/b.txt \
+             && head -c 2000000 /dev/zero | tr '\\0' x > big.txt \
+             && mkdir -p 'odd dir' && printf 'x\\0y' > $'odd dir/-we\\nird :(x).png' \
+             && head -c 1100000 /dev/zero | tr '\\0' y > $'odd dir/big\\tone'",
+            T,
+        );
+        assert_eq!(out.exit_code, 0, "{}", out.output);
+        let sub = sb.submission();
+        assert_eq!(sub.too_large, None);
+        let patch = &sub.patch;
+        assert!(
+            patch.contains("+bye") && patch.contains("+++ b/new.txt"),
+            "{patch}"
+        );
+        for left in [
+            "lib.so",
+            "big.txt",
+            "sub/dir/b.txt",
+            "odd dir",
+            "GIT binary patch",
+        ] {
+            assert!(!patch.contains(left), "{left} is in the patch:\n{patch}");
+        }
+        assert!(patch.len() < 2000, "{} bytes", patch.len());
+        let files = sb.apply_to_base(patch).unwrap();
+        assert_eq!(
+            files.keys().collect::<Vec<_>>(),
+            vec!["a.txt", "new.txt"],
+            "{patch}"
+        );
+        assert_eq!(files["a.txt"].as_deref(), Some("bye\n"));
+        let mut left: Vec<(String, LeftOutReason)> = sub
+            .left_out
+            .iter()
+            .map(|l| (l.path.clone(), l.reason))
+            .collect();
+        left.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(
+            left,
+            vec![
+                ("big.txt".to_string(), LeftOutReason::Large(2_000_000)),
+                ("lib.so".to_string(), LeftOutReason::Binary),
+                (
+                    "odd dir/-we\nird :(x).png".to_string(),
+                    LeftOutReason::Binary
+                ),
+                (
+                    "odd dir/big\tone".to_string(),
+                    LeftOutReason::Large(1_100_000)
+                ),
+                ("sub/dir/b.txt".to_string(), LeftOutReason::Binary),
+            ]
+        );
+        assert_eq!(sub.left_out_total, 5);
+        let note = sub.left_out_note().unwrap();
+        assert!(note.contains("\"lib.so\" (binary)"), "{note}");
+        assert!(
+            note.contains("\"big.txt\" (untracked, 2000000 bytes"),
+            "{note}"
+        );
+        // The trait's `diff` is the same patch; the agent's own index is untouched.
+        assert_eq!(Sandbox::diff(&sb), sub.patch);
+        let st = sb.run("git status --porcelain", T);
+        assert!(st.output.contains("?? lib.so"), "{}", st.output);
+    }
+
+    /// A diff over MAX_SUBMISSION_BYTES (300 generated text files of 20 KiB, none large on
+    /// its own) is reported as too large with the bytes read, and no patch; git's output
+    /// is read no further than the cap + 1. Before, the whole diff came back as the patch.
+    #[test]
+    fn a_diff_over_the_cap_is_too_large_not_a_patch() {
+        let mut sb = LocalSandbox::create(&tiny_task(), None).unwrap();
+        let out = sb.run(GENERATE_6_MB, T);
+        assert_eq!(out.exit_code, 0, "{}", out.output);
+        let sub = sb.submission();
+        assert_eq!(sub.too_large, Some(MAX_SUBMISSION_BYTES as u64 + 1));
+        assert_eq!(sub.patch, "");
+        assert_eq!(sub.left_out_total, 0);
+        assert_eq!(Sandbox::diff(&sb), "");
+        let note = sub.too_large_note().unwrap();
+        assert!(
+            note.contains(&MAX_SUBMISSION_BYTES.to_string())
+                && note.contains("MAX_SUBMISSION_BYTES"),
+            "{note}"
+        );
+        // Once the generated files are gone, the fix is submitted as usual.
+        sb.run("rm -rf gen && echo bye > a.txt", T);
+        let sub = sb.submission();
+        assert_eq!(sub.too_large, None);
+        assert!(sub.patch.contains("+bye"), "{}", sub.patch);
+    }
+
+    /// 300 text files of 20 KiB (205 lines of 100 bytes) under `gen/`: about 6 MB of diff.
+    pub(crate) const GENERATE_6_MB: &str = "mkdir -p gen && awk 'BEGIN { l = sprintf(\"%099d\", 0); \
+        for (i = 0; i < 300; i++) { f = \"gen/f\" i \".txt\"; for (j = 0; j < 205; j++) print l > f; close(f) } }'";
+
     #[test]
     fn timeout_kills_the_whole_process_group() {
         let mut sb = LocalSandbox::create(&tiny_task(), None).unwrap();
@@ -985,29 +1463,35 @@ pub(crate) mod tests {
 
     #[test]
     fn drop_kills_processes_that_left_the_group() {
+        // Found on the host by its arguments: a confined command's `$!` is a pid of its
+        // own namespace.
+        let secs = format!(
+            "1000.{}{:06}",
+            std::process::id(),
+            rand::random::<u32>() % 1_000_000
+        );
+        let needle = format!("sleep\0{secs}\0");
+        let alive = || {
+            std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+                let dir = e.path();
+                std::fs::read(dir.join("cmdline")).is_ok_and(|c| c.starts_with(needle.as_bytes()))
+                    && std::fs::read_to_string(dir.join("stat")).is_ok_and(|s| !s.contains(") Z"))
+            })
+        };
         let root = tempfile::tempdir().unwrap();
-        let pid_file = root.path().join("pid");
         {
             let mut sb = LocalSandbox::create(&tiny_task(), Some(root.path())).unwrap();
             let t0 = Instant::now();
             let out = sb.run(
-                &format!(
-                    "setsid sleep 1000 >/dev/null 2>&1 & echo $! > {}",
-                    pid_file.display()
-                ),
+                &format!("setsid sleep {secs} >/dev/null 2>&1 & echo started"),
                 T,
             );
             assert_eq!(out.exit_code, 0, "{}", out.output);
             assert!(t0.elapsed() < Duration::from_secs(3));
-            let pid = std::fs::read_to_string(&pid_file).unwrap();
-            assert!(Path::new(&format!("/proc/{}", pid.trim())).exists());
+            // Unconfined it escaped its command; confined, its pid namespace ended with
+            // the command's shell.
+            assert_eq!(alive(), !sb.confinement().is_confined());
         }
-        let pid = std::fs::read_to_string(&pid_file).unwrap();
-        let alive = || {
-            std::fs::read_to_string(format!("/proc/{}/stat", pid.trim()))
-                .map(|s| !s.contains(") Z"))
-                .unwrap_or(false)
-        };
         // SIGKILL is delivered asynchronously; on a loaded machine the state change can
         // take a while to show, so wait (bounded) before concluding it survived.
         for _ in 0..500 {

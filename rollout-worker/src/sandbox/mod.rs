@@ -2,17 +2,19 @@
 //!
 //! Episodes, teachers and the grader use [`Sandbox`] whatever runs the commands: a
 //! temporary local repository ([`LocalSandbox`], in `local`, with raw process control in
-//! `process`) or a Docker container ([`DockerSandbox`], in `docker`, with its warm pool in
-//! `pool`). [`SandboxFactory`] (in `factory`) makes one per episode. Episodes run on
-//! blocking threads; the Docker side drives its async client on the runtime handle it was
-//! created from.
+//! `process` and its confinement in `confine`) or a Docker container ([`DockerSandbox`],
+//! in `docker`, with its warm pool in `pool`). [`SandboxFactory`] (in `factory`) makes one
+//! per episode. Episodes run on blocking threads; the Docker side drives its async client
+//! on the runtime handle it was created from.
 
+pub mod confine;
 pub mod docker;
 pub mod factory;
 pub mod local;
 pub mod pool;
 mod process;
 
+pub use confine::{ConfineError, ConfineSettings, Confinement, Limits};
 pub use docker::{BlockingDocker, DockerError, DockerSandbox};
 pub use factory::{CreateError, DockerSettings, ImageRule, SandboxFactory};
 pub use local::{
@@ -45,8 +47,16 @@ pub trait Sandbox: Send {
     fn read_file(&self, rel: &str) -> Option<String>;
     /// A file at the base commit.
     fn base_file(&self, rel: &str) -> Option<String>;
-    /// The submission: every change against the base commit as a git patch.
-    fn diff(&self) -> String;
+    /// The submission: every text change against the base commit as a git patch, binary
+    /// changes and large untracked files left out, or "too large" (see [`Submission`]).
+    /// Never reads more of git's output than [`MAX_SUBMISSION_BYTES`] + 1.
+    fn submission(&self) -> Submission;
+    /// [`Self::submission`]'s patch alone: empty when the submission is too large. For
+    /// callers that only want the text; the episode uses `submission` so that a
+    /// too-large one is reported as such.
+    fn diff(&self) -> String {
+        self.submission().patch
+    }
     /// Paths changed against the base commit.
     fn changed_files(&self) -> Vec<String>;
     /// Contents of the files `patch` touches once applied to the base commit.
@@ -63,6 +73,109 @@ pub const TIMEOUT_EXIT_CODE: i32 = 124;
 /// What never belongs in a submission (byte-code and pytest caches): every sandbox's
 /// `.git/info/exclude`.
 pub(crate) const SUBMISSION_EXCLUDE: &str = "__pycache__/\n*.pyc\n.pytest_cache/\n*.egg-info/\n";
+
+/// The largest diff a sandbox submits, in bytes. A larger one is reported as too large
+/// (`OUTCOME_STATUS_PATCH_TOO_LARGE`), never truncated: a cut patch does not apply. Well
+/// under `tutor_proto::MAX_EVENT_BYTES` (the outcome event that carries the patch), and so
+/// under `MAX_ROLLOUT_REQUEST_BYTES`, with room for the rest of the event. A real fix is a
+/// few kilobytes; this much is a virtualenv, a build tree or generated data in the
+/// repository.
+pub const MAX_SUBMISSION_BYTES: usize = 4 * 1024 * 1024;
+const _: () = assert!(MAX_SUBMISSION_BYTES <= tutor_proto::MAX_EVENT_BYTES / 2);
+
+/// Untracked files larger than this (bytes) are left out of the submission, not even
+/// added to the private index (so never hashed): a data file, a downloaded archive, a
+/// compiled binary. Changes to files of the base commit are never left out for size; they
+/// count towards [`MAX_SUBMISSION_BYTES`].
+pub const MAX_UNTRACKED_FILE_BYTES: u64 = 1024 * 1024;
+
+/// How many left-out paths a [`Submission`] names; the rest are only counted.
+pub const LEFT_OUT_LISTED: usize = 20;
+
+/// What a sandbox submits at the end of an episode ([`Sandbox::submission`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Submission {
+    /// Every text change against the base commit as a git patch (`git apply`-able to the
+    /// base). Empty when [`Self::too_large`] is set, or when git failed (the agent
+    /// deleted `.git`; logged).
+    pub patch: String,
+    /// `Some(bytes)`: the diff was over [`MAX_SUBMISSION_BYTES`], so there is no patch.
+    /// `bytes` is how much of it was read before git was stopped (more than the cap; the
+    /// full size is not measured, which would cost the time and memory the cap saves).
+    pub too_large: Option<u64>,
+    /// The first [`LEFT_OUT_LISTED`] paths left out of the patch, with why.
+    pub left_out: Vec<LeftOut>,
+    /// How many paths were left out in all (`left_out` names the first of them).
+    pub left_out_total: usize,
+}
+
+/// A path left out of a [`Submission`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeftOut {
+    pub path: String,
+    pub reason: LeftOutReason,
+}
+
+/// Why a path was left out of a [`Submission`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeftOutReason {
+    /// git sees a binary change (a compiled `.so`, an image): the patch is text only, and
+    /// its change is reset to the base commit.
+    Binary,
+    /// An untracked file of this many bytes, over [`MAX_UNTRACKED_FILE_BYTES`].
+    Large(u64),
+}
+
+impl Submission {
+    /// Notes a left-out path (named if fewer than [`LEFT_OUT_LISTED`] are already).
+    pub(crate) fn leave_out(&mut self, path: String, reason: LeftOutReason) {
+        if self.left_out.len() < LEFT_OUT_LISTED {
+            self.left_out.push(LeftOut { path, reason });
+        }
+        self.left_out_total += 1;
+    }
+
+    /// What was left out of the patch, in words (`None` if nothing was).
+    pub fn left_out_note(&self) -> Option<String> {
+        if self.left_out_total == 0 {
+            return None;
+        }
+        let names: Vec<String> = self
+            .left_out
+            .iter()
+            .map(|l| match l.reason {
+                LeftOutReason::Binary => format!("{:?} (binary)", l.path),
+                LeftOutReason::Large(n) => format!(
+                    "{:?} (untracked, {n} bytes > {MAX_UNTRACKED_FILE_BYTES})",
+                    l.path
+                ),
+            })
+            .collect();
+        let more = self.left_out_total - self.left_out.len();
+        let more = if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        };
+        Some(format!(
+            "left out of the patch ({} paths): {}{more}",
+            self.left_out_total,
+            names.join(", ")
+        ))
+    }
+
+    /// Why there is no patch, in words (`None` unless [`Self::too_large`]).
+    pub fn too_large_note(&self) -> Option<String> {
+        self.too_large.map(|seen| {
+            format!(
+                "the submission's diff is over the {MAX_SUBMISSION_BYTES}-byte cap \
+                 (MAX_SUBMISSION_BYTES): git was stopped after {seen} bytes; no patch is \
+                 submitted (binary files and untracked files over {MAX_UNTRACKED_FILE_BYTES} \
+                 bytes were already left out)"
+            )
+        })
+    }
+}
 
 /// The config (`-c` on every call) of a sandbox's bookkeeping git directory, the one its
 /// own reads of the repository (the submission's diff, base files, patch checks) run

@@ -204,13 +204,7 @@ impl WarmPool {
     /// Whether the pool's containers are what `spec` asks for (apart from the image).
     fn fits(&self, spec: &ContainerSpec) -> bool {
         let t = &self.template;
-        spec.run == t.run
-            && spec.worker == t.worker
-            && spec.memory_bytes == t.memory_bytes
-            && spec.nano_cpus == t.nano_cpus
-            && spec.pids_limit == t.pids_limit
-            && spec.network == t.network
-            && spec.user == t.user
+        spec.run == t.run && spec.worker == t.worker && spec.same_limits(t)
     }
 }
 

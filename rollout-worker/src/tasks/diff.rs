@@ -188,6 +188,10 @@ pub fn parse_unified_diff(patch: &str) -> Result<Vec<FilePatch>, DiffError> {
                 });
             };
             pending_git = None;
+            // A patch converted to CRLF as a whole (its headers end in CR too) carries CRs
+            // that are not content. Otherwise a hunk line's CR is the file's own (a CRLF
+            // file, as `git diff` writes it) and is kept, as `git apply` keeps it.
+            let crlf_patch = lines[i].ends_with('\r');
             let mut fp = FilePatch {
                 old_path: header_path(rest),
                 new_path: header_path(new_rest),
@@ -220,10 +224,16 @@ pub fn parse_unified_diff(patch: &str) -> Result<Vec<FilePatch>, DiffError> {
                             message: "patch ends inside a hunk".into(),
                         });
                     };
-                    let raw = raw.strip_suffix('\r').unwrap_or(raw);
+                    let raw = if crlf_patch {
+                        raw.strip_suffix('\r').unwrap_or(raw)
+                    } else {
+                        raw
+                    };
                     // An empty line inside a hunk is an empty context line (some tools
-                    // strip the trailing space).
+                    // strip the trailing space); so is a lone CR (an empty line of a CRLF
+                    // file, its space stripped).
                     let (tag, text) = match raw.chars().next() {
+                        Some('\r') if raw.len() == 1 => (' ', raw),
                         Some(c) => (c, &raw[c.len_utf8()..]),
                         None => (' ', ""),
                     };
@@ -438,6 +448,21 @@ mod tests {
         let fp = &parse_unified_diff(delete).unwrap()[0];
         assert!(fp.is_deletion());
         assert_eq!(apply_file_patch("x\ny\n", fp).unwrap(), "");
+    }
+
+    #[test]
+    fn crlf_file_diff_keeps_its_carriage_returns() {
+        // `git diff` of a CRLF file: the CRs are in the hunk lines only.
+        let diff = "--- a/w.txt\n+++ b/w.txt\n@@ -1,2 +1,2 @@\n a\r\n-b\r\n+c\r\n";
+        let fp = &parse_unified_diff(diff).unwrap()[0];
+        assert_eq!(apply_file_patch("a\r\nb\r\n", fp).unwrap(), "a\r\nc\r\n");
+        let create = "--- /dev/null\n+++ b/w.txt\n@@ -0,0 +1 @@\n+a\r\n";
+        let fp = &parse_unified_diff(create).unwrap()[0];
+        assert_eq!(apply_file_patch("", fp).unwrap(), "a\r\n");
+        // A patch converted to CRLF as a whole (headers too) still applies to LF files.
+        let converted = "--- a/x\n+++ b/x\n@@ -1,3 +1,3 @@\n a\n-b\n+c\n\n".replace('\n', "\r\n");
+        let fp = &parse_unified_diff(&converted).unwrap()[0];
+        assert_eq!(apply_file_patch("a\nb\n\n", fp).unwrap(), "a\nc\n\n");
     }
 
     #[test]

@@ -455,7 +455,12 @@ fn edit_command(path: &str, regions: &[Region], current: &str) -> String {
     );
     // Bottom-up, so earlier line numbers stay valid.
     for r in regions.iter().rev() {
-        let new: Vec<String> = r.new.iter().map(|l| py_str(&format!("{l}{eol}"))).collect();
+        // Hunk lines of a CRLF file carry their CR (see `parse_unified_diff`).
+        let new: Vec<String> = r
+            .new
+            .iter()
+            .map(|l| py_str(&format!("{}{eol}", l.strip_suffix('\r').unwrap_or(l))))
+            .collect();
         script.push_str(&format!(
             "lines[{}:{}] = [{}]\n",
             r.start,

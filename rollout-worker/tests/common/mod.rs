@@ -74,3 +74,64 @@ pub fn drive(
     }
     (false, max_turns)
 }
+
+/// An episode's surroundings for tests: a tokenizer trained on the task's texts, a tiny
+/// random student, local sandboxes under a temporary directory, and `teacher`.
+pub struct EpisodeSetup {
+    pub dir: tempfile::TempDir,
+    pub env: tutor_rollout_worker::episode::EpisodeEnv,
+    pub events: tokio::sync::mpsc::Receiver<tutor_proto::EpisodeEvent>,
+    pub task: tutor_proto::Task,
+}
+
+pub fn episode_setup(
+    task: TaskRecord,
+    teacher: tutor_rollout_worker::episode::TeacherSource,
+) -> EpisodeSetup {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    use tutor_policy::{ChatTokenizer, ModelConfig};
+    use tutor_rollout_worker::episode::{EpisodeEnv, DEFAULT_SYSTEM_PROMPT};
+
+    init_python();
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = vec![
+        DEFAULT_SYSTEM_PROMPT.to_string(),
+        task.problem_statement.clone(),
+        task.patch.clone(),
+    ];
+    let tokenizer = ChatTokenizer::train(&corpus, 400).unwrap();
+    tokenizer.save(&dir.path().join("tokenizer.json")).unwrap();
+    ModelConfig::tiny(tokenizer.vocab_size())
+        .save(&dir.path().join("config.json"))
+        .unwrap();
+    let student = tutor_rollout_worker::student::StudentHost::start(
+        dir.path(),
+        dir.path(),
+        tokenizer.clone(),
+        tutor_rollout_worker::worker::WorkerConfig::default().student_engine(),
+        tutor_proto::auth::ClientAuth::default(),
+    )
+    .unwrap();
+    let (tx, events) = tokio::sync::mpsc::channel(1024);
+    let env = EpisodeEnv {
+        worker_id: "w-test".into(),
+        tokenizer: Arc::new(tokenizer),
+        student,
+        events: tx,
+        system_prompt: DEFAULT_SYSTEM_PROMPT.to_string(),
+        sandboxes: tutor_rollout_worker::sandbox::SandboxFactory::Local {
+            root: Some(dir.path().to_path_buf()),
+            owner: None,
+        },
+        grade_timeout: Duration::from_secs(120),
+        teacher,
+        cancel: Arc::new(AtomicBool::new(false)),
+    };
+    EpisodeSetup {
+        dir,
+        env,
+        events,
+        task: (&task).into(),
+    }
+}

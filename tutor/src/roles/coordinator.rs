@@ -33,9 +33,14 @@ pub struct CoordinatorArgs {
     #[arg(long)]
     addr_file: Option<PathBuf>,
     /// File holding the shared token every gRPC call must carry (else TUTOR_AUTH_TOKEN;
-    /// neither: no authentication).
+    /// neither: no authentication, allowed only on a loopback --listen or with --insecure).
     #[arg(long, value_name = "PATH")]
     auth_token_file: Option<PathBuf>,
+    /// Listen on a non-loopback address without a token or client certificates: anyone
+    /// who can reach the port may stream episodes and shut the run down. Refused without
+    /// this flag.
+    #[arg(long)]
+    insecure: bool,
     /// Serve Prometheus metrics at http://ADDR/metrics (off by default).
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<SocketAddr>,
@@ -58,6 +63,7 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         listen,
         addr_file,
         auth_token_file,
+        insecure,
         metrics_listen,
         metrics_addr_file,
         tls,
@@ -83,6 +89,7 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
             metrics_addr_file,
             store: Default::default(),
             tls: tls.files(),
+            insecure,
         },
         shutdown_signal(),
     )

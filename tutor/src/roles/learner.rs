@@ -69,9 +69,14 @@ pub struct LearnerArgs {
     #[arg(long, env = "TUTOR_LEARNER_GPU", default_value_t = 0)]
     gpu: usize,
     /// File holding the shared token every gRPC call must carry (else TUTOR_AUTH_TOKEN;
-    /// neither: no authentication).
+    /// neither: no authentication, allowed only on a loopback --listen or with --insecure).
     #[arg(long, value_name = "PATH")]
     auth_token_file: Option<PathBuf>,
+    /// Listen on a non-loopback address without a token or client certificates: anyone
+    /// who can reach the port may train the policy and download its weights. Refused
+    /// without this flag.
+    #[arg(long)]
+    insecure: bool,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -92,6 +97,7 @@ pub async fn run(args: LearnerArgs) -> Result<()> {
         collective_advertise,
         gpu,
         auth_token_file,
+        insecure,
         tls,
     } = args;
     let (mut cfg, _) = RunConfig::load(&config)?;
@@ -201,6 +207,7 @@ pub async fn run(args: LearnerArgs) -> Result<()> {
             tls,
             group,
             broadcast,
+            insecure,
         },
         shutdown_signal(),
     )

@@ -41,10 +41,14 @@ pub struct ServeArgs {
     device: String,
     /// File holding the API key clients must send as `Authorization: Bearer KEY` (what
     /// the `openai` client sends as `api_key`). The key can also come from the
-    /// TUTOR_SERVE_API_KEY environment variable. Without either, anyone who can reach the
-    /// port may use the model. `/health` never needs the key. The key is never logged.
+    /// TUTOR_SERVE_API_KEY environment variable. Without either, only a loopback --host is
+    /// allowed (or --insecure). `/health` never needs the key. The key is never logged.
     #[arg(long, value_name = "PATH")]
     api_key_file: Option<PathBuf>,
+    /// Serve on a non-loopback --host without an API key. Without this flag that is
+    /// refused: anyone who can reach the port could use the model.
+    #[arg(long)]
+    insecure: bool,
 }
 
 /// Environment variable holding `tutor serve`'s API key (alternative to --api-key-file).
@@ -85,6 +89,25 @@ pub async fn serve(
     if args.max_batch == 0 || args.max_cached_tokens == 0 {
         anyhow::bail!("--max-batch and --max-cached-tokens must be at least 1");
     }
+    let env_key = std::env::var(SERVE_API_KEY_ENV).ok();
+    let api_key = load_api_key(args.api_key_file.as_deref(), env_key.as_deref())?;
+    // Fail closed: reachable from other machines means a key, unless said otherwise.
+    if api_key.is_none() && !args.host.is_loopback() {
+        if !args.insecure {
+            anyhow::bail!(
+                "tutor serve would listen on {}:{}, reachable from other machines, with no API \
+                 key: give it one (--api-key-file or {SERVE_API_KEY_ENV}), listen on 127.0.0.1, \
+                 or pass --insecure to let anyone who can reach the port use the model",
+                args.host,
+                args.port
+            );
+        }
+        tracing::warn!(
+            host = %args.host,
+            "--insecure: serving on a non-loopback address without an API key; anyone who can \
+             reach the port may use the model"
+        );
+    }
     let device = match args.device.as_str() {
         "cpu" => Device::Cpu,
         "cuda" => Device::Cuda(0),
@@ -117,15 +140,6 @@ pub async fn serve(
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "tutor".into()),
     };
-    let env_key = std::env::var(SERVE_API_KEY_ENV).ok();
-    let api_key = load_api_key(args.api_key_file.as_deref(), env_key.as_deref())?;
-    if api_key.is_none() && !args.host.is_loopback() {
-        tracing::warn!(
-            host = %args.host,
-            "serving on a non-loopback address without an API key: anyone who can reach the port \
-             may use the model (--api-key-file or {SERVE_API_KEY_ENV})"
-        );
-    }
     let (engine, _thread) = spawn_engine(
         policy,
         tokenizer.clone(),

@@ -1,0 +1,132 @@
+//! Episodes end to end with a scripted teacher (an OpenAI-compatible endpoint the test
+//! serves on a loopback port): what becomes of a submission too large to send.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::sync::Arc;
+
+use tutor_proto::{episode_event, EpisodeLease, EpisodePurpose, OutcomeStatus};
+use tutor_rollout_worker::episode::{run_episode, TeacherSource};
+use tutor_rollout_worker::sandbox::MAX_SUBMISSION_BYTES;
+use tutor_rollout_worker::teacher::endpoint::{ChatEndpoint, TeacherConfig, TeacherKind};
+
+/// A chat-completions endpoint on a loopback port that answers a conversation holding
+/// `n` assistant messages with `replies[n]` (the last reply once past the end). Returns
+/// its base URL. Its thread serves until the test process ends.
+fn scripted_endpoint(replies: Vec<String>) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let mut reader = BufReader::new(conn.try_clone().unwrap());
+            let mut length = 0usize;
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                let line = line.to_ascii_lowercase();
+                if let Some(v) = line.strip_prefix("content-length:") {
+                    length = v.trim().parse().unwrap();
+                }
+            }
+            let mut body = vec![0u8; length];
+            reader.read_exact(&mut body).unwrap();
+            let request: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            let turn = request["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|m| m["role"] == "assistant")
+                .count();
+            let text = &replies[turn.min(replies.len() - 1)];
+            let answer = serde_json::json!({
+                "choices": [{"message": {"role": "assistant", "content": text}}]
+            })
+            .to_string();
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+                 Connection: close\r\n\r\n{answer}",
+                answer.len()
+            );
+        }
+    });
+    format!("http://{addr}/v1")
+}
+
+fn lease(task: &tutor_proto::Task) -> EpisodeLease {
+    EpisodeLease {
+        episode_id: "it000-train0000-g0a0".into(),
+        task: Some(task.clone()),
+        // The teacher acts on every turn.
+        beta: 1.0,
+        max_turns: 4,
+        command_timeout_ms: 60_000,
+        observation_max_chars: 1500,
+        purpose: EpisodePurpose::Train as i32,
+        seed: 9,
+        ..Default::default()
+    }
+}
+
+/// An agent that generates 6 MB of text files in the repository (300 of 20 KiB, a data
+/// set or a build tree) and submits: the outcome is PATCH_TOO_LARGE with no patch and an
+/// error naming the cap, and it is not graded (no test statuses). Before, the whole
+/// diff was graded and sent as the patch, over the coordinator's message limit.
+#[test]
+fn an_oversized_submission_is_patch_too_large_and_not_graded() {
+    let generate = "mkdir -p gen && awk 'BEGIN { l = sprintf(\"%099d\", 0); \
+        for (i = 0; i < 300; i++) { f = \"gen/f\" i \".txt\"; \
+        for (j = 0; j < 205; j++) print l > f; close(f) } }'";
+    let url = scripted_endpoint(vec![
+        format!("I will generate the data files.\n```command\n{generate}\n```"),
+        "Done.\n```command\nsubmit\n```".to_string(),
+    ]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let endpoint = ChatEndpoint::new(&TeacherConfig {
+        kind: TeacherKind::Endpoint,
+        base_url: url,
+        model: "scripted".into(),
+        max_retries: 0,
+        ..Default::default()
+    })
+    .unwrap();
+    let mut s = common::episode_setup(
+        tutor_rollout_worker::toy::generate(1, 11).remove(0),
+        TeacherSource::Endpoint(Arc::new(endpoint), rt.handle().clone()),
+    );
+    let outcome = run_episode(&s.env, &lease(&s.task));
+    // (No `{outcome:?}`: before the fix it holds a 6 MB patch.)
+    let status = OutcomeStatus::try_from(outcome.status).unwrap();
+    assert_eq!(
+        status,
+        OutcomeStatus::PatchTooLarge,
+        "{}; patch of {} bytes",
+        outcome.error,
+        outcome.patch.len()
+    );
+    assert!(outcome.submitted);
+    assert_eq!(outcome.num_turns, 2);
+    assert_eq!(outcome.patch, "");
+    assert!(outcome.test_statuses.is_empty(), "it was graded");
+    assert!(
+        outcome.error.contains("MAX_SUBMISSION_BYTES")
+            && outcome.error.contains(&MAX_SUBMISSION_BYTES.to_string()),
+        "{}",
+        outcome.error
+    );
+    // The outcome event sent is that outcome.
+    let mut sent = None;
+    while let Ok(ev) = s.events.try_recv() {
+        if let Some(episode_event::Event::Outcome(o)) = ev.event {
+            sent = Some(o);
+        }
+    }
+    let sent = sent.expect("an outcome event");
+    assert_eq!(sent.status, OutcomeStatus::PatchTooLarge as i32);
+    assert_eq!(sent.patch, "");
+}
