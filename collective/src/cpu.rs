@@ -1,6 +1,8 @@
 //! The CPU collective: every rank connects to rank 0 over TCP (a star), rank 0 reduces
 //! and sends the results back. Frames carry an op and a sequence number so ranks that fall
 //! out of step fail loudly instead of mixing tensors.
+//! (Past 800 lines with its tests: the accept loop's refusals — bad hellos, unknown ranks,
+//! oversized frames, silent peers — each have a test beside the code.)
 
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};

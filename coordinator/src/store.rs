@@ -1,4 +1,7 @@
 //! The append-only trajectory store: every event a worker streamed, durably, once.
+//! (Past 800 lines with its tests: the failure cases a disk can produce — torn tails,
+//! corrupt middles, failed writes, fsyncs and rollbacks — are pinned down beside the code
+//! that handles them.)
 //!
 //! Records are `[len u32 LE][crc32 u32 LE][EpisodeEvent protobuf]` appended to a
 //! segment file. A batch of records is fsynced before any of them is acknowledged

@@ -1,6 +1,9 @@
 //! The learner's gRPC face: the Learner service (train stream, status, checkpoint) and
 //! the Weights service, both on one socket. The trainer lives on its own thread and is
 //! reached through `LearnerHandle`, so no tensor is shared across tasks.
+//! (Over 800 lines: the restart rule below spans the Train stream, the trainer thread,
+//! refusals, skipped steps and the checkpoint, and reads best in one place; the tests
+//! are in `service/tests.rs`. Splitting the trainer thread's loop out is the next cut.)
 //!
 //! Restarts. The learner keeps its own checkpoint in `out_dir/checkpoint` and resumes
 //! from it when started again on the same `out_dir`. The rule:

@@ -2,6 +2,8 @@
 //! version and the DAgger dataset. Everything else talks to it through `SchedulerHandle`;
 //! this file holds the handle, the command loop and the rules that join the parts (the
 //! lease table, the worker registry, the iteration's plan, recovery, the datasets).
+//! (Over 800 lines: the command loop and the admission, expiry and completion rules
+//! each touch several parts; the parts themselves are in the child modules.)
 
 mod lease;
 mod plan;
