@@ -57,6 +57,15 @@ pub struct WorkerConfig {
     pub pids_limit: i64,
     /// Docker: give containers a network (off by default).
     pub network: bool,
+    /// Docker: a read-only root filesystem, the agent writing only to size-capped tmpfs
+    /// mounts (the working directory, /tmp). Turn off for an image that must write
+    /// elsewhere (a SWE-bench image whose tests install into its environment).
+    pub read_only_root: bool,
+    /// Docker: what the agent can write, in MiB (the working directory's tmpfs; with a
+    /// writable root, the writable layer where the storage driver supports a quota).
+    pub disk_mb: u64,
+    /// Docker: /tmp's tmpfs, in MiB (read-only root only).
+    pub tmp_mb: u64,
     /// Docker: uid:gid the agent's shell runs as (the task image's unprivileged user).
     pub container_user: String,
     /// Docker: containers per image (and per worker) created and started ahead of
@@ -118,6 +127,9 @@ impl Default for WorkerConfig {
             cpus: 1.0,
             pids_limit: 512,
             network: false,
+            read_only_root: true,
+            disk_mb: 1024,
+            tmp_mb: 256,
             container_user: "1000:1000".into(),
             warm_pool: 0,
             system_prompt: String::new(),
@@ -229,6 +241,9 @@ impl WorkerConfig {
                     nano_cpus: (self.cpus * 1e9) as i64,
                     pids_limit: self.pids_limit,
                     network: self.network,
+                    read_only_root: self.read_only_root,
+                    disk_bytes: (self.disk_mb as i64) << 20,
+                    tmp_bytes: (self.tmp_mb as i64) << 20,
                     user,
                     pool: None,
                 };

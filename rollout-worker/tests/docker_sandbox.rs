@@ -898,3 +898,49 @@ async fn a_writable_root_is_a_setting_and_works_without_a_driver_quota() {
     assert_eq!(host.memory_swap, host.memory);
     sb.remove().await;
 }
+
+/// The Docker limits are `[worker]` settings: a worker configured with a 64 MiB disk
+/// gets containers whose working directory fills at 64 MiB, and one configured with a
+/// writable root (what a SWE-bench image that installs into its environment needs) gets
+/// containers where the agent can write outside it. Before, both were fixed in code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn docker_limits_come_from_the_worker_settings() {
+    if engine().await.is_none() {
+        return;
+    }
+    let defaults = tutor_rollout_worker::worker::WorkerConfig::default();
+    assert!(defaults.read_only_root);
+    assert_eq!((defaults.disk_mb, defaults.tmp_mb), (1024, 256));
+    let run = format!("test-settings-{}", std::process::id());
+    for (read_only_root, command, want) in [
+        (
+            true,
+            "dd if=/dev/zero of=/testbed/fill bs=1M count=100 2>&1 | head -3",
+            "No space left on device",
+        ),
+        (false, "echo x > /home/agent/x && cat /home/agent/x", "x\n"),
+    ] {
+        let config: tutor_rollout_worker::worker::WorkerConfig =
+            serde_json::from_value(serde_json::json!({
+                "sandbox": "docker",
+                "image": IMAGE,
+                "read_only_root": read_only_root,
+                "disk_mb": 64,
+                "tmp_mb": 32,
+            }))
+            .unwrap();
+        let factory = config.sandboxes(&run, "w-settings").await.unwrap();
+        let f = factory.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            let mut sb = f.create(&task(), "e1").unwrap();
+            sb.run(command, Duration::from_secs(30))
+        })
+        .await
+        .unwrap();
+        assert!(
+            out.output.contains(want),
+            "read_only_root = {read_only_root}: {out:?}"
+        );
+        factory.remove_leftovers().await;
+    }
+}

@@ -75,6 +75,10 @@ pub struct DockerSettings {
     pub nano_cpus: i64,
     pub pids_limit: i64,
     pub network: bool,
+    /// See [`ContainerSpec::read_only_root`], `disk_bytes`, `tmp_bytes`.
+    pub read_only_root: bool,
+    pub disk_bytes: i64,
+    pub tmp_bytes: i64,
     pub user: (u32, u32),
     /// Started containers kept ready per image (`[worker] warm_pool`); `None`: every
     /// sandbox is created on demand.
@@ -94,6 +98,9 @@ impl DockerSettings {
         spec.nano_cpus = self.nano_cpus;
         spec.pids_limit = self.pids_limit;
         spec.network = self.network;
+        spec.read_only_root = self.read_only_root;
+        spec.disk_bytes = self.disk_bytes;
+        spec.tmp_bytes = self.tmp_bytes;
         spec.user = self.user;
         spec
     }
