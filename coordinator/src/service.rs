@@ -47,6 +47,17 @@ struct InStore {
     stored: oneshot::Receiver<StoreReply>,
 }
 
+/// The ack of an event the coordinator will never store, saying why.
+fn refused_ack(episode_id: String, turn_index: u32, reason: String) -> EventAck {
+    EventAck {
+        is_outcome: turn_index == tutor_proto::TURN_INDEX_OUTCOME,
+        episode_id,
+        turn_index,
+        duplicate: false,
+        refused: reason,
+    }
+}
+
 /// Why the coordinator will never store `ev` (it is acknowledged as refused, so the
 /// worker drops it instead of replaying it on every reconnect), or `None` if it may.
 pub(crate) fn refusal(ev: &EpisodeEvent) -> Option<String> {
@@ -146,13 +157,7 @@ impl Rollout for RolloutService {
                     let (episode_id, turn_index) =
                         event_key(&ev).unwrap_or_else(|| (ev.episode_id.clone(), 0));
                     tracing::warn!(episode = %episode_id, turn = turn_index, worker = %ev.worker_id, %reason, "event refused");
-                    let ack = EventAck {
-                        is_outcome: turn_index == tutor_proto::TURN_INDEX_OUTCOME,
-                        episode_id,
-                        turn_index,
-                        duplicate: false,
-                        refused: reason,
-                    };
+                    let ack = refused_ack(episode_id, turn_index, reason);
                     if waiting_tx.send(Waiting::Refused(ack)).await.is_err() {
                         return;
                     }
@@ -163,13 +168,7 @@ impl Rollout for RolloutService {
                 match claims.admit(&ev, worker.clone()).await {
                     Admission::Refused(reason) => {
                         tracing::warn!(episode = %episode_id, turn = turn_index, %reason, "event refused");
-                        let ack = EventAck {
-                            episode_id,
-                            turn_index,
-                            is_outcome: turn_index == tutor_proto::TURN_INDEX_OUTCOME,
-                            duplicate: false,
-                            refused: reason,
-                        };
+                        let ack = refused_ack(episode_id, turn_index, reason);
                         if waiting_tx.send(Waiting::Refused(ack)).await.is_err() {
                             return;
                         }
