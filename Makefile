@@ -19,7 +19,7 @@ export CARGO_TERM_COLOR ?= never
 help:
 	@echo "make quickstart   set up, build (release) and run configs/quickstart.toml"
 	@echo "make test         set up, build and run the whole test suite (check-layout first)"
-	@echo "make sandbox-tools install bubblewrap, which confines local sandboxes (part of setup)"
+	@echo "make sandbox-tools install bubblewrap (confines local sandboxes) and the plots' font (part of setup)"
 	@echo "make check-layout no unused dependencies, no files of a crate importing each other"
 	@echo "make bench-ingest coordinator ingest throughput (release; BENCH_ARGS=... to change)"
 	@echo "make bench-policy generation and training step against transformers/PyTorch (CPU)"
@@ -28,7 +28,10 @@ setup: $(VENV)/.ready sandbox-tools
 
 # bubblewrap confines the local sandbox's commands (docs/security.md, "Local sandbox"):
 # without it a worker refuses local sandboxes unless `[worker] allow_unconfined = true`,
-# and the confinement tests say SKIPPED. Installed with apt-get where this runs as root.
+# and the confinement tests say SKIPPED. `tutor report` draws its plots' text with DejaVu
+# Sans (fonts-dejavu-core), read at run time. Both installed with apt-get where this runs
+# as root.
+PLOT_FONT := /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf
 sandbox-tools:
 	@command -v bwrap >/dev/null 2>&1 || { \
 		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
@@ -43,6 +46,18 @@ sandbox-tools:
 		fi; \
 	}
 	@command -v bwrap >/dev/null 2>&1 && echo "sandbox tools ready: $$(bwrap --version)" || true
+	@test -f $(PLOT_FONT) || { \
+		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+			echo "installing fonts-dejavu-core (the text of \`tutor report\`'s plots)"; \
+			{ apt-get install -y -qq fonts-dejavu-core >/dev/null 2>&1 || \
+			  { apt-get update -qq >/dev/null && apt-get install -y -qq fonts-dejavu-core >/dev/null; }; } || \
+			{ echo "apt-get could not install fonts-dejavu-core: install it and run make again"; exit 1; }; \
+		else \
+			echo "NOTE: $(PLOT_FONT) is missing and apt-get (as root) is not available to install it:"; \
+			echo "      install the package fonts-dejavu-core, or set TUTOR_PLOT_FONT to a .ttf file;"; \
+			echo "      until then \`tutor report\` cannot draw its plots"; \
+		fi; \
+	}
 
 # The stamp depends on the requirements file, so adding or re-pinning a package there
 # re-runs the install on machines that already have a venv.

@@ -149,6 +149,10 @@ pub struct CoordinatorConfig {
     pub mask_format_errors: bool,
     /// Student-only (β = 0) episodes per iteration on held-out tasks; never trained on.
     pub heldout_episodes: u32,
+    /// Student-only episodes of the final evaluation, run on the held-out tasks after the
+    /// last iteration's training (the last trained policy). Unset: `heldout_episodes`;
+    /// 0: no final evaluation.
+    pub final_heldout_episodes: Option<u32>,
     pub beta: BetaSchedule,
     /// dagger: turn-level mixing with `beta` (the default) or trajectory-level mixing
     /// with κ (`kappa_start`, `kappa_step`).
@@ -207,6 +211,19 @@ pub struct CoordinatorConfig {
     pub metrics_require_token: bool,
 }
 
+impl CoordinatorConfig {
+    /// Episodes of the final evaluation (`final_heldout_episodes`, else `heldout_episodes`).
+    pub fn final_eval_episodes(&self) -> u32 {
+        self.final_heldout_episodes.unwrap_or(self.heldout_episodes)
+    }
+
+    /// The iteration number the final evaluation runs as: one past the last iteration.
+    /// Its plan has held-out slots only.
+    pub fn is_final_eval(&self, iteration: u32) -> bool {
+        iteration >= self.iterations
+    }
+}
+
 impl Default for CoordinatorConfig {
     fn default() -> Self {
         Self {
@@ -222,6 +239,7 @@ impl Default for CoordinatorConfig {
             advantage_eps: 1e-6,
             mask_format_errors: true,
             heldout_episodes: 8,
+            final_heldout_episodes: None,
             beta: BetaSchedule::default(),
             mixing: Mixing::Turn,
             kappa_start: 0,

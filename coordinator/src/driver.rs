@@ -21,6 +21,7 @@ use tutor_proto::{
 
 use crate::config::{CoordinatorConfig, ScheduleMode};
 use crate::dataset::{make_batches, make_episode_batches, split_oversized};
+use crate::rollouts::submit_rate_and_mean_turns;
 use crate::run_events::EventLog;
 use crate::scheduler::{IterationRollouts, SchedulerHandle};
 use crate::state::{state_path, Phase, RunState};
@@ -237,16 +238,7 @@ impl Driver {
             }
             let sync_seconds = t2.elapsed().as_secs_f64();
 
-            let solved = |o: &[tutor_proto::EpisodeOutcome]| {
-                if o.is_empty() {
-                    0.0
-                } else {
-                    o.iter()
-                        .filter(|x| x.status == OutcomeStatus::Resolved as i32)
-                        .count() as f64
-                        / o.len() as f64
-                }
-            };
+            let solved = solve_rate;
             let summary = IterationSummary {
                 iteration,
                 beta,
@@ -274,6 +266,7 @@ impl Driver {
                     rollouts.student_turns,
                 ),
                 stale_episodes,
+                ..behaviour(&rollouts)
             };
             tracing::info!(?summary, "iteration done");
             // A restart between the row and the next state save must not add it twice.
@@ -289,6 +282,39 @@ impl Driver {
                 event: Some(run_event::Event::Iteration(summary)),
             });
         }
+
+        // The final evaluation: the last trained policy on the held-out tasks, as the
+        // iteration after the last (held-out slots only). After a restart in it, the
+        // episodes already stored count and the rest run.
+        let final_eval_path = self.run_dir.join("final_eval.json");
+        if self.state.phase != Phase::Finished && self.config.final_eval_episodes() > 0 {
+            let t0 = Instant::now();
+            let ticker = self.spawn_rollout_ticker(n);
+            let rollouts = self
+                .scheduler
+                .run_iteration(n, 0.0)
+                .await
+                .context("the scheduler stopped during the final evaluation")?;
+            ticker.abort();
+            if !rollouts.eval.is_empty() {
+                let summary = IterationSummary {
+                    iteration: n,
+                    heldout_solve_rate: solve_rate(&rollouts.eval),
+                    heldout_episodes: rollouts.eval.len() as u32,
+                    rollout_seconds: t0.elapsed().as_secs_f64(),
+                    policy_version: policy.version,
+                    teacher_labels_total: self.scheduler.teacher_labels_through(n).await,
+                    student_format_error_rate: ratio(
+                        rollouts.student_format_errors,
+                        rollouts.student_turns,
+                    ),
+                    ..behaviour(&rollouts)
+                };
+                tracing::info!(?summary, "final evaluation done");
+                write_final_eval(&final_eval_path, &summary)?;
+            }
+        }
+        let final_eval = read_final_eval(&final_eval_path);
 
         let checkpoint_dir = self.run_dir.join("checkpoint");
         if self.state.phase != Phase::Finished {
@@ -311,6 +337,7 @@ impl Driver {
                 checkpoint_dir: checkpoint_dir.display().to_string(),
                 error: String::new(),
                 worker_versions: worker_versions.into_iter().collect(),
+                final_eval,
             })),
         });
         tracing::info!(version = policy.version, "run finished");
@@ -464,6 +491,53 @@ impl Driver {
     }
 }
 
+/// Share of `outcomes` resolved (0 for none).
+fn solve_rate(outcomes: &[tutor_proto::EpisodeOutcome]) -> f64 {
+    if outcomes.is_empty() {
+        return 0.0;
+    }
+    outcomes
+        .iter()
+        .filter(|x| x.status == OutcomeStatus::Resolved as i32)
+        .count() as f64
+        / outcomes.len() as f64
+}
+
+/// Writes the final evaluation's summary (`final_eval.json`, the metrics row's fields),
+/// atomically.
+fn write_final_eval(path: &std::path::Path, s: &IterationSummary) -> Result<()> {
+    let text = format!("{:#}\n", summary_row(s, &[]));
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
+}
+
+/// The final evaluation a run directory records (`final_eval.json`), if any.
+pub fn read_final_eval(path: &std::path::Path) -> Option<IterationSummary> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    Some(summary_from_row(&v))
+}
+
+/// The student's behaviour in an iteration's rollouts (the summary's behaviour fields).
+fn behaviour(r: &IterationRollouts) -> IterationSummary {
+    let (heldout_submit_rate, heldout_mean_turns) = submit_rate_and_mean_turns(&r.eval);
+    let (train_submit_rate, train_mean_turns) = submit_rate_and_mean_turns(&r.train);
+    IterationSummary {
+        heldout_submit_rate,
+        heldout_mean_turns,
+        train_submit_rate,
+        train_mean_turns,
+        student_turn_share: ratio(r.train_student_executed, r.train_turns),
+        disagreement_rate: if r.student_turns == 0 {
+            0.0
+        } else {
+            1.0 - ratio(r.agreements, r.student_turns)
+        },
+        ..Default::default()
+    }
+}
+
 fn ratio(a: u64, b: u64) -> f64 {
     if b == 0 {
         0.0
@@ -499,6 +573,12 @@ pub fn summary_from_row(v: &serde_json::Value) -> IterationSummary {
         agreement_rate: f("agreement_rate"),
         student_format_error_rate: f("student_format_error_rate"),
         stale_episodes: n("stale_episodes"),
+        heldout_submit_rate: f("heldout_submit_rate"),
+        heldout_mean_turns: f("heldout_mean_turns"),
+        train_submit_rate: f("train_submit_rate"),
+        train_mean_turns: f("train_mean_turns"),
+        student_turn_share: f("student_turn_share"),
+        disagreement_rate: f("disagreement_rate"),
     }
 }
 
@@ -546,7 +626,23 @@ fn append_metrics(
     losses: &[f64],
     algorithm_fields: serde_json::Map<String, serde_json::Value>,
 ) -> Result<()> {
-    let mut row = serde_json::json!({
+    let mut row = summary_row(s, losses);
+    if let Some(obj) = row.as_object_mut() {
+        obj.extend(algorithm_fields);
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    writeln!(f, "{row}").with_context(|| format!("writing {}", path.display()))?;
+    f.sync_data()?;
+    Ok(())
+}
+
+/// A summary as a metrics row (the inverse of `summary_from_row`).
+fn summary_row(s: &IterationSummary, losses: &[f64]) -> serde_json::Value {
+    serde_json::json!({
         "iteration": s.iteration,
         "beta": s.beta,
         "episodes": s.episodes,
@@ -564,16 +660,11 @@ fn append_metrics(
         "sync_seconds": s.sync_seconds,
         "policy_version": s.policy_version,
         "stale_episodes": s.stale_episodes,
-    });
-    if let Some(obj) = row.as_object_mut() {
-        obj.extend(algorithm_fields);
-    }
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .with_context(|| format!("opening {}", path.display()))?;
-    writeln!(f, "{row}").with_context(|| format!("writing {}", path.display()))?;
-    f.sync_data()?;
-    Ok(())
+        "heldout_submit_rate": s.heldout_submit_rate,
+        "heldout_mean_turns": s.heldout_mean_turns,
+        "train_submit_rate": s.train_submit_rate,
+        "train_mean_turns": s.train_mean_turns,
+        "student_turn_share": s.student_turn_share,
+        "disagreement_rate": s.disagreement_rate,
+    })
 }

@@ -22,11 +22,34 @@ pub struct IterationRollouts {
     pub groups: GroupStats,
     pub refill_rounds: u32,
     pub mean_reward: f64,
+    /// Turns of the training episodes, and those whose executed action was the student's.
+    pub train_turns: u64,
+    pub train_student_executed: u64,
+}
+
+/// Share of `outcomes` that submitted and their mean number of turns (0 and 0 for none).
+pub fn submit_rate_and_mean_turns(outcomes: &[EpisodeOutcome]) -> (f64, f64) {
+    if outcomes.is_empty() {
+        return (0.0, 0.0);
+    }
+    let n = outcomes.len() as f64;
+    let submitted = outcomes.iter().filter(|o| o.submitted).count() as f64;
+    let turns: u64 = outcomes.iter().map(|o| u64::from(o.num_turns)).sum();
+    (submitted / n, turns as f64 / n)
 }
 
 impl IterationRollouts {
     /// Counts the turns of a finished episode where the student generated an action:
     /// agreements with the teacher and format errors.
+    /// Counts a training episode's turns and those the student's action was executed in.
+    pub fn count_train_turns(&mut self, turns: &[TurnRecord]) {
+        self.train_turns += turns.len() as u64;
+        self.train_student_executed += turns
+            .iter()
+            .filter(|t| t.executed == tutor_proto::Actor::Student as i32)
+            .count() as u64;
+    }
+
     pub fn count_student_turns(&mut self, turns: &[TurnRecord]) {
         for t in turns.iter().filter(|t| t.student_generated) {
             self.student_turns += 1;

@@ -97,7 +97,8 @@ async fn restart_mid_iteration_runs_and_counts_every_episode_once() {
     assert!(ran_slots.contains(&slot_of(&silent.episode_id)), "{ran:?}");
 
     // Every stored episode is complete, and every slot of the schedule has exactly one
-    // outcome: 2 iterations × (4 training + 2 held-out).
+    // outcome: 2 iterations × (4 training + 2 held-out), then the final evaluation's 2
+    // held-out episodes.
     let outcomes = stored_outcomes(&run_dir);
     let episodes = stored_episodes(&run_dir);
     assert_eq!(
@@ -110,7 +111,15 @@ async fn restart_mid_iteration_runs_and_counts_every_episode_once() {
         assert_eq!(*n, 1, "{id}");
         *per_slot.entry(slot_of(id)).or_insert(0) += 1;
     }
-    assert_eq!(per_slot.len(), 12, "{per_slot:?}");
+    assert_eq!(per_slot.len(), 14, "{per_slot:?}");
+    assert_eq!(
+        per_slot
+            .keys()
+            .filter(|s| s.starts_with("it002-eval"))
+            .count(),
+        2,
+        "the final evaluation: {per_slot:?}"
+    );
     assert!(per_slot.values().all(|n| *n == 1), "{per_slot:?}");
     assert_eq!(
         per_slot.keys().filter(|s| s.contains("train")).count(),
@@ -178,8 +187,14 @@ async fn restart_after_publishing_does_not_train_the_iteration_again() {
     let ran = work_until_finished(&mut w2, Duration::from_secs(60)).await;
     b.stop.send(()).unwrap();
     b.task.await.unwrap().unwrap();
-    assert!(ran.iter().all(|id| id.starts_with("it001-")), "{ran:?}");
-    assert_eq!(ran.len(), 6);
+    // Iteration 1, then the final evaluation (held-out only, as iteration 2).
+    assert!(
+        ran.iter()
+            .all(|id| id.starts_with("it001-") || id.starts_with("it002-eval")),
+        "{ran:?}"
+    );
+    assert_eq!(ran.len(), 8, "{ran:?}");
+    assert!(run_dir.join("final_eval.json").exists());
     let log = learner.log.lock().unwrap();
     let trained: Vec<(u32, usize)> = log.trained.iter().map(|(i, e)| (*i, e.len())).collect();
     assert_eq!(trained, vec![(0, 4), (1, 8)]);

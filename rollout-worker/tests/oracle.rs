@@ -49,9 +49,11 @@ fn oracle_alone_resolves_every_toy_task_within_six_turns() {
             commands(&history)
         );
         assert!(turns <= 6);
-        // Read, fix, test, submit.
+        // Open, fix with the viewer's replace (a toy fix is one unique line), test, submit.
         let cmds = commands(&history);
-        assert!(cmds[0].starts_with("cat -n "), "{cmds:?}");
+        assert!(cmds[0].starts_with("open "), "{cmds:?}");
+        assert!(cmds[1].starts_with("replace '"), "{cmds:?}");
+        assert_eq!(cmds.len(), 3, "open, replace, test: {cmds:?}");
         assert!(cmds.iter().any(|c| c.contains("pytest")), "{cmds:?}");
         assert!(history.iter().all(|s| s.exit_code == 0), "{:#?}", history);
         assert_resolved(&task, &sb, &history);

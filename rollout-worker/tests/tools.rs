@@ -138,6 +138,14 @@ fn script(sb: &mut dyn Sandbox) -> Vec<Step> {
     // replace: unique, ambiguous, --replace-all, absent.
     let s = go(sb, "replace 'x10 = 10' 'x10 = 1000'");
     assert_eq!(s.exit_code, 0, "{s:?}");
+    // A snippet around the change, not the whole window.
+    assert!(
+        s.output
+            .contains("lines 8-16 after the change]\n8:x6 = 6\n"),
+        "{s:?}"
+    );
+    assert!(s.output.contains("\n12:x10 = 1000\n"), "{s:?}");
+    assert!(s.output.trim_end().ends_with("16:x14 = 14"), "{s:?}");
     assert!(sb
         .read_file("notes/demo.py")
         .unwrap()

@@ -131,8 +131,26 @@ fn dagger_iteration_across_processes() {
     }
     assert_eq!(
         outcomes.len(),
-        8,
-        "6 training + 2 held-out episodes: {outcomes:?}"
+        10,
+        "6 training + 2 held-out episodes, then 2 of the final evaluation: {outcomes:?}"
+    );
+    // The final evaluation runs the trained policy (version 1) on the held-out tasks only,
+    // as the iteration after the last.
+    let finals: Vec<&String> = outcomes
+        .keys()
+        .filter(|k| k.starts_with("it001-"))
+        .collect();
+    assert_eq!(finals.len(), 2, "{outcomes:?}");
+    assert!(finals.iter().all(|k| k.contains("-eval")), "{finals:?}");
+    let final_eval: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("final_eval.json")).unwrap())
+            .unwrap();
+    assert_eq!(final_eval["iteration"], 1, "{final_eval}");
+    assert_eq!(final_eval["heldout_episodes"], 2, "{final_eval}");
+    assert_eq!(final_eval["policy_version"], 1, "{final_eval}");
+    assert!(
+        stdout.contains("\nfinal ") || stdout.contains(" final "),
+        "{stdout}"
     );
     for (ep, n) in &outcomes {
         let mut got = turns.get(ep).cloned().unwrap_or_default();
@@ -221,6 +239,8 @@ fn dagger_iteration_across_processes() {
     let versions = summary["worker_versions"].as_object().unwrap();
     assert_eq!(versions.len(), 2, "{summary}");
     assert!(versions.values().all(|v| v == 1), "{summary}");
+    assert_eq!(summary["final_eval"]["heldout_episodes"], 2, "{summary}");
+    assert_eq!(summary["final_eval"]["policy_version"], 1, "{summary}");
     // `tutor report` reads the run back: the table and one line per stored episode.
     let report = common::tutor(&["report", run.to_str().unwrap(), "--episodes"]);
     let text = String::from_utf8_lossy(&report.stdout);
@@ -230,6 +250,10 @@ fn dagger_iteration_across_processes() {
         String::from_utf8_lossy(&report.stderr)
     );
     assert!(text.contains("heldout_solve"), "{text}");
+    assert!(
+        text.lines().any(|l| l.trim_start().starts_with("final ")),
+        "the final evaluation's row: {text}"
+    );
     assert_eq!(
         text.lines().filter(|l| l.starts_with("it000-")).count(),
         8,

@@ -90,6 +90,13 @@ pub struct TasksSection {
     /// Toy tasks: how many to generate for training and for held-out evaluation.
     pub toy_train: usize,
     pub toy_heldout: usize,
+    /// Toy tasks: plant bugs in this many of the bank's templates only (spread over the
+    /// themes; unset: all of them). A short run from scratch learns a few kinds of fix
+    /// well rather than many badly (docs/toy-world.md).
+    pub toy_templates: Option<usize>,
+    /// Toy tasks: name packages from this many names of the pool only (unset: all 40,
+    /// some with a digit suffix).
+    pub toy_packages: Option<usize>,
     pub seed: u64,
     pub train_path: Option<PathBuf>,
     pub heldout_path: Option<PathBuf>,
@@ -101,6 +108,8 @@ impl Default for TasksSection {
             source: TaskSource::Toy,
             toy_train: 32,
             toy_heldout: 8,
+            toy_templates: None,
+            toy_packages: None,
             seed: 0,
             train_path: None,
             heldout_path: None,
@@ -120,6 +129,10 @@ pub struct ModelSection {
     pub num_key_value_heads: usize,
     pub head_dim: usize,
     pub max_position_embeddings: usize,
+    /// Share the input embedding with the output layer (as small Qwen3 models do): a
+    /// token the student copies from its context (a file path in the issue) needs no
+    /// output row of its own to be learned, so copying generalises to rare names.
+    pub tie_word_embeddings: bool,
     /// Start from trained weights instead of a random student with a tokenizer trained on
     /// the tasks: a run directory (its latest version; BC → RFT → DAPO chains this way)
     /// or a Hugging Face model directory (config.json, tokenizer.json with the ChatML
@@ -138,6 +151,7 @@ impl Default for ModelSection {
             num_key_value_heads: 2,
             head_dim: 32,
             max_position_embeddings: 4096,
+            tie_word_embeddings: false,
             init_from: None,
         }
     }
@@ -153,6 +167,7 @@ impl ModelSection {
         c.num_key_value_heads = self.num_key_value_heads;
         c.head_dim = self.head_dim;
         c.max_position_embeddings = self.max_position_embeddings;
+        c.tie_word_embeddings = self.tie_word_embeddings;
         c
     }
 }
@@ -208,6 +223,21 @@ impl RunConfig {
             );
         }
         self.learner.validate()?;
+        if let Some(k) = self.tasks.toy_templates {
+            let n = tutor_rollout_worker::toy::template_count();
+            if k == 0 || k > n {
+                bail!(
+                    "tasks.toy_templates must be between 1 and {n} (the toy bank's templates), \
+                     got {k}"
+                );
+            }
+        }
+        if let Some(k) = self.tasks.toy_packages {
+            let n = tutor_rollout_worker::toy::package_count();
+            if k == 0 || k > n {
+                bail!("tasks.toy_packages must be between 1 and {n} (the toy name pool), got {k}");
+            }
+        }
         if self.run.workers == 0 {
             bail!("run.workers must be at least 1");
         }

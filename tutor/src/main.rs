@@ -3,8 +3,10 @@
 //! long-running services).
 
 mod config;
+mod experiment;
 mod export;
 mod logging;
+mod plots;
 mod prepare;
 mod report;
 mod roles;
@@ -78,13 +80,30 @@ enum Cmd {
     /// /v1/chat/completions with streaming, logprobs, stop strings, seeds), batching
     /// concurrent requests in one engine.
     Serve(roles::serve::ServeArgs),
-    /// Summarise a run directory: the iteration table, and per-episode outcomes.
+    /// Summarise a run or experiment directory: the iteration table (an experiment's:
+    /// final held-out solve rate, teacher labels and wall time per arm), and PNG plots in
+    /// DIR/plots/ (held-out solve rate, training loss, student-teacher disagreement; an
+    /// experiment's with one curve per arm, mean and spread over seeds). The plots' text
+    /// needs a TrueType font: DejaVu Sans (package fonts-dejavu-core, which `make setup`
+    /// installs), or the file TUTOR_PLOT_FONT names.
     Report {
-        /// A run directory written by `tutor run` (or a coordinator's --run-dir).
+        /// A run directory written by `tutor run` (or a coordinator's --run-dir), or an
+        /// experiment directory written by `tutor experiment` (it holds results.json).
         run_dir: PathBuf,
         /// Also list every stored episode.
         #[arg(long)]
         episodes: bool,
+        /// Print one episode's conversation as the model saw it (decoded with the run's
+        /// tokenizer): every context message, the executed action, and the other side's
+        /// proposal where student and teacher disagreed. Episode ids as `--episodes`
+        /// lists them (e.g. `it003-eval0002-g0a0`).
+        #[arg(long, value_name = "EPISODE_ID")]
+        transcript: Option<String>,
+        /// Write the DAgger examples of every stored episode (training and held-out: the
+        /// teacher labels every visited state) as JSON lines `{episode_id, turn_index,
+        /// tokens, loss_mask}` to this file, for training or probing a model elsewhere.
+        #[arg(long, value_name = "FILE")]
+        dump_examples: Option<PathBuf>,
     },
     /// Write a policy version of a run as a Hugging Face model directory (config.json,
     /// model.safetensors, tokenizer.json, tokenizer_config.json with the chat template):
@@ -100,6 +119,10 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Run an experiment: every [[arm]] of an experiment file under every seed, one
+    /// `tutor run` after the other, then the results table (results.json, RESULTS.md).
+    /// See docs/experiments.md and configs/experiments/.
+    Experiment(experiment::ExperimentArgs),
     /// Task files.
     Tasks {
         #[command(subcommand)]
@@ -149,13 +172,22 @@ async fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
         Cmd::Run { config } => run::run(&config, cli.log_format).await,
         Cmd::Prepare { config } => prepare::prepare_and_print(&config),
-        Cmd::Report { run_dir, episodes } => {
+        Cmd::Report {
+            run_dir,
+            episodes,
+            transcript,
+            dump_examples,
+        } => {
             // A report piped into `head` should end quietly, as other Unix tools do.
             // SAFETY: restoring the default disposition of SIGPIPE before any output.
             unsafe {
                 libc::signal(libc::SIGPIPE, libc::SIG_DFL);
             }
-            report::report(&run_dir, episodes)
+            match (transcript, dump_examples) {
+                (Some(id), _) => report::transcript(&run_dir, &id),
+                (None, Some(out)) => report::dump_examples(&run_dir, &out),
+                (None, None) => report::report(&run_dir, episodes),
+            }
         }
         Cmd::Export {
             run_dir,
@@ -183,6 +215,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
             println!("{}", token.derive(tutor_proto::auth::Role::Worker).expose());
             Ok(())
         }
+        Cmd::Experiment(args) => experiment::run(args, cli.log_format).await,
         Cmd::Coordinator(args) => roles::coordinator::run(args).await,
         Cmd::Learner(args) => roles::learner::run(args).await,
         Cmd::Worker(args) => roles::worker::run(args).await,

@@ -28,7 +28,14 @@ pub fn tasks_for(config: &RunConfig) -> Result<(Vec<TaskRecord>, Vec<TaskRecord>
     let t = &config.tasks;
     match t.source {
         TaskSource::Toy => {
-            let all = tutor_rollout_worker::toy::generate(t.toy_train + t.toy_heldout, t.seed);
+            let all = tutor_rollout_worker::toy::generate_with(
+                t.toy_train + t.toy_heldout,
+                t.seed,
+                tutor_rollout_worker::toy::ToyOptions {
+                    templates: t.toy_templates,
+                    packages: t.toy_packages,
+                },
+            );
             let frac = t.toy_heldout as f64 / (t.toy_train + t.toy_heldout).max(1) as f64;
             Ok(tutor_rollout_worker::toy::split(all, frac))
         }
@@ -65,13 +72,13 @@ fn corpus(tasks: &[TaskRecord]) -> Vec<String> {
         for f in &t.files {
             c.push(f.content.clone());
             c.push(format!(
-                "Let me read {p}.\n\n```command\ncat -n {p}\n```\n    1\t{}\n(Current directory: /repo, current file: none) bash-$",
+                "In {p}: I will open the file the issue names.\n\n```command\nopen {p}\n```\n[File: ~/repo/{p} (9 lines total)]\n1:{}\n(Current directory: ~/repo, current file: ~/repo/{p}) bash-$\nI will fix the wrong line.",
                 f.content.lines().next().unwrap_or(""),
                 p = f.path
             ));
         }
     }
-    c.push("```command\npython -m pytest -q tests\n```\n```command\nsubmit\n```\nsed -i 's/.*/x/' git checkout -- .".into());
+    c.push("```command\npython -m pytest -q tests\n```\n```command\nsubmit\n```\nreplace 'x' 'y'\nReplaced 1 occurrence(s).\nsed -i 's/.*/x/' git checkout -- .".into());
     c
 }
 

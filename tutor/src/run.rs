@@ -161,39 +161,59 @@ async fn stop_all(procs: &mut [Proc], grace: Duration) {
 
 pub fn header() -> String {
     format!(
-        "{:>4} {:>6} {:>8} {:>8} {:>10} {:>14} {:>10} {:>9} {:>8} {:>7}",
+        "{:>5} {:>6} {:>8} {:>7} {:>10} {:>14} {:>7} {:>6} {:>9} {:>8} {:>9} {:>8} {:>7}",
         "iter",
         "beta",
         "episodes",
         "labels",
         "train_loss",
         "heldout_solve",
+        "submit",
+        "turns",
         "valid_cmd",
+        "student",
         "rollout_s",
         "train_s",
         "sync_s"
     )
 }
 
-/// One table row. `valid_cmd`: share of the student's replies with exactly one command
-/// block (the first thing a student learns).
+/// One table row. The held-out columns (`heldout_solve`, `submit`: share submitted,
+/// `turns`: mean turns) are the policy the iteration started with, alone and greedy;
+/// `valid_cmd`: share of the student's replies with exactly one command block (the first
+/// thing a student learns); `student`: share of the training episodes' turns the
+/// student's action was executed in.
 pub fn row(s: &IterationSummary) -> String {
+    row_labelled(&s.iteration.to_string(), s)
+}
+
+/// The final evaluation's row: the last trained policy on the held-out tasks.
+pub fn final_row(s: &IterationSummary) -> String {
+    row_labelled("final", s)
+}
+
+fn row_labelled(label: &str, s: &IterationSummary) -> String {
     let solved = (s.heldout_solve_rate * s.heldout_episodes as f64).round() as u32;
+    let final_eval = label == "final";
+    let dash = |v: String| if final_eval { "-".to_string() } else { v };
     format!(
-        "{:>4} {:>6.3} {:>8} {:>8} {:>10.4} {:>14} {:>10.2} {:>9.1} {:>8.1} {:>7.2}",
-        s.iteration,
-        s.beta,
-        s.episodes,
+        "{:>5} {:>6} {:>8} {:>7} {:>10} {:>14} {:>7.2} {:>6.2} {:>9.2} {:>8} {:>9.1} {:>8} {:>7}",
+        label,
+        dash(format!("{:.3}", s.beta)),
+        dash(s.episodes.to_string()),
         s.teacher_labels_total,
-        s.train_loss,
+        dash(format!("{:.4}", s.train_loss)),
         format!(
             "{:.2} ({}/{})",
             s.heldout_solve_rate, solved, s.heldout_episodes
         ),
+        s.heldout_submit_rate,
+        s.heldout_mean_turns,
         1.0 - s.student_format_error_rate,
+        dash(format!("{:.2}", s.student_turn_share)),
         s.rollout_seconds,
-        s.train_seconds,
-        s.sync_seconds
+        dash(format!("{:.1}", s.train_seconds)),
+        dash(format!("{:.2}", s.sync_seconds))
     )
 }
 
@@ -431,10 +451,21 @@ async fn orchestrate(
             Err(_) => eprintln!("{} did not exit after the run finished", p.role),
         }
     }
+    let final_eval = finished.final_eval.as_ref().map(|f| {
+        serde_json::json!({
+            "policy_version": f.policy_version,
+            "heldout_solve_rate": f.heldout_solve_rate,
+            "heldout_episodes": f.heldout_episodes,
+            "heldout_submit_rate": f.heldout_submit_rate,
+            "heldout_mean_turns": f.heldout_mean_turns,
+            "student_format_error_rate": f.student_format_error_rate,
+        })
+    });
     let summary = serde_json::json!({
         "final_version": finished.final_version,
         "worker_versions": finished.worker_versions,
         "checkpoint_dir": finished.checkpoint_dir,
+        "final_eval": final_eval,
     });
     let path = run.dir.join("summary.json");
     std::fs::write(&path, format!("{summary:#}\n"))
@@ -503,6 +534,9 @@ async fn watch(coordinator: &str, config: &RunConfig, auth: &ClientAuth) -> Resu
             Some(run_event::Event::Finished(f)) => {
                 rollout.finish_and_clear();
                 train.finish_and_clear();
+                if let Some(fe) = &f.final_eval {
+                    out(final_row(fe));
+                }
                 return Ok(f);
             }
             None => {}

@@ -836,6 +836,7 @@ impl Scheduler {
         self.rollouts.count_student_turns(&turns);
         match self.plan.slots[slot].purpose {
             Purpose::Train => {
+                self.rollouts.count_train_turns(&turns);
                 let examples = self
                     .config
                     .episode_examples(&id.to_string(), &turns, &outcome);

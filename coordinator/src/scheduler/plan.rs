@@ -116,9 +116,15 @@ impl Plan {
             samples_per_group: config.samples_per_group(),
             planned: true,
         };
-        plan.add_train_groups(config.first_round_groups());
+        // The final evaluation (one past the last iteration) has held-out slots only.
+        let heldout_episodes = if config.is_final_eval(iteration) {
+            config.final_eval_episodes()
+        } else {
+            plan.add_train_groups(config.first_round_groups());
+            config.heldout_episodes
+        };
         // The same held-out tasks every iteration, so solve rates compare across iterations.
-        for k in 0..config.heldout_episodes as usize {
+        for k in 0..heldout_episodes as usize {
             if heldout_tasks == 0 {
                 break;
             }

@@ -62,8 +62,35 @@ const GIT_EMAIL: &str = "tutor@localhost";
 const GIT_DATE: &str = "2000-01-01T00:00:00Z";
 
 /// The Python interpreter commands and the grader use: `$TUTOR_PYTHON`, else `python3`.
-/// `python`, `python3` and `pytest` resolve to it inside the sandbox.
+/// `python`, `python3` and `pytest` resolve to it inside the sandbox. A launcher found on
+/// PATH (a pyenv shim: a script that needs the user's pyenv tree, which a confined sandbox
+/// does not show) is replaced by the interpreter it starts (`sys.executable`, a venv's
+/// python left unresolved), asked once per process.
 pub fn python_interpreter() -> PathBuf {
+    static RESOLVED: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    RESOLVED
+        .get_or_init(|| {
+            let found = find_python();
+            real_interpreter(&found).unwrap_or(found)
+        })
+        .clone()
+}
+
+/// What `python -c 'import sys; print(sys.executable)'` names, if it is an absolute path
+/// to a file.
+fn real_interpreter(python: &Path) -> Option<PathBuf> {
+    let out = std::process::Command::new(python)
+        .args(["-c", "import sys; print(sys.executable)"])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    let text = String::from_utf8(out.stdout).ok()?;
+    let p = PathBuf::from(text.trim());
+    (out.status.success() && p.is_absolute() && p.is_file()).then_some(p)
+}
+
+fn find_python() -> PathBuf {
     let name = std::env::var_os("TUTOR_PYTHON")
         .filter(|v| !v.is_empty())
         .map(PathBuf::from)
@@ -861,7 +888,14 @@ impl LocalSandbox {
         let cmd = self
             .confinement
             .command(&binds, &self.home, script, &env, timeout)?;
-        let out = run_in_own_group(cmd, timeout, self.output_cap)?;
+        let mut out = run_in_own_group(cmd, timeout, self.output_cap)?;
+        // bash names the script it sources in its messages (`…/ctl/command.sh: line 1:
+        // submit: command not found`): the agent sees `bash:` as in a terminal, not the
+        // sandbox's host path.
+        let script_name = format!("{}: line ", cmd_file.display());
+        if out.output.contains(&script_name) {
+            out.output = out.output.replace(&script_name, "bash: line ");
+        }
         if let Some(p) = read_written_by_commands(&cwd_file, 8192) {
             let p = PathBuf::from(p.trim_end_matches('\n'));
             // Confined, the directory is in the command's view, not necessarily the host's.
@@ -1526,6 +1560,35 @@ pub(crate) mod tests {
         assert_eq!(out.exit_code, 0);
         assert!(out.output.ends_with("ok"));
         assert!(out.output.contains('\u{FFFD}'));
+    }
+
+    #[test]
+    fn shell_errors_name_bash_not_the_sandbox_path() {
+        let mut sb = LocalSandbox::create(&tiny_task(), None).unwrap();
+        let out = sb.run("submit_this_now", T);
+        assert_eq!(out.exit_code, 127);
+        assert!(
+            out.output
+                .starts_with("bash: line 1: submit_this_now: command not found"),
+            "{}",
+            out.output
+        );
+        assert!(!out.output.contains("command.sh"), "{}", out.output);
+    }
+
+    #[test]
+    fn python_interpreter_is_a_real_interpreter_not_a_launcher() {
+        // A launcher script (a pyenv shim) would not run where its own tree is hidden.
+        let py = python_interpreter();
+        assert!(py.is_absolute(), "{}", py.display());
+        let out = std::process::Command::new(&py)
+            .args(["-c", "import sys; print(sys.executable)"])
+            .output()
+            .unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            py.display().to_string()
+        );
     }
 
     #[test]

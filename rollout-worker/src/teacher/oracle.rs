@@ -399,6 +399,34 @@ fn list_names(paths: &[String]) -> String {
         .join(", ")
 }
 
+/// The `open` tool's window (tutor_tools.py `WINDOW`): longer files are opened at a line.
+const VIEWER_WINDOW: usize = 100;
+
+/// The `replace` tool's arguments for a one-line fix: the old line's text (without its
+/// indentation) and the new one's, if the old text occurs exactly once in `current` and
+/// replacing it gives exactly `gold`.
+fn replace_edit(regions: &[Region], current: &str, gold: Option<&str>) -> Option<(String, String)> {
+    let [r] = regions else { return None };
+    if r.count != 1 || r.new.len() != 1 || current.contains('\r') {
+        return None;
+    }
+    let (lines, _) = split_lines(current);
+    let old_line = lines.get(r.start)?;
+    let indent = old_line.len() - old_line.trim_start().len();
+    let new_line = &r.new[0];
+    if new_line.get(..indent)? != old_line.get(..indent)? {
+        return None;
+    }
+    let (old, new) = (
+        old_line.trim().to_string(),
+        new_line.get(indent..)?.trim_end().to_string(),
+    );
+    if old.is_empty() || current.matches(old.as_str()).count() != 1 {
+        return None;
+    }
+    (current.replacen(&old, &new, 1) == gold?).then_some((old, new))
+}
+
 /// A heredoc delimiter that does not occur as a line of `body`.
 fn delimiter(body: &str, base: &str) -> String {
     let mut d = base.to_string();
@@ -602,6 +630,28 @@ fn decide(plan: &Plan, st: &TeacherState<'_>) -> (String, String) {
             }
             FileState::Edit(regions) => {
                 let cur = cur.as_deref().unwrap_or("");
+                // A one-line fix whose line is unique in the file: open the file in the
+                // viewer and replace that line's text (the SWE-agent way, no line numbers
+                // to copy; the viewer shows the result).
+                if let Some((old, new)) = replace_edit(regions, cur, g.gold.as_deref()) {
+                    let open = sb.current_file().is_some_and(|f| names_file(&f, path));
+                    if !open {
+                        let at = regions.first().map_or(1, |r| r.start + 1);
+                        let line = if cur.lines().count() > VIEWER_WINDOW {
+                            format!(" {at}")
+                        } else {
+                            String::new()
+                        };
+                        return (
+                            "I will open the file the issue names.".to_string(),
+                            format!("{cd}open {}{line}", shell_quote(path)),
+                        );
+                    }
+                    return (
+                        "I will fix the wrong line.".to_string(),
+                        format!("{cd}replace {} {}", shell_quote(&old), shell_quote(&new)),
+                    );
+                }
                 if !viewed(st.history, path) {
                     return (
                         format!("The problem points at `{path}`; let me read it before changing anything."),
@@ -640,13 +690,13 @@ fn decide(plan: &Plan, st: &TeacherState<'_>) -> (String, String) {
         .collect();
     if remaining > 1 && !tests.is_empty() && !tested_since_change(st.history) {
         return (
-            "The fix is in place; let me run the tests to check it.".into(),
+            "Let me run the tests.".into(),
             format!("{cd}python -m pytest -q {}", join_paths(&tests)),
         );
     }
     // (5) Done.
     (
-        "The fix is complete and tested, so I will submit.".into(),
+        "The fix is complete, so I will submit.".into(),
         "submit".into(),
     )
 }

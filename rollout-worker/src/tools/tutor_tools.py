@@ -141,6 +141,23 @@ def show(path, first, full=True):
     print("\n".join(out))
 
 
+SNIPPET = 4
+
+
+def show_snippet(path, line, count):
+    """After a replacement: the changed lines with SNIPPET lines either side (as
+    SWE-agent's editor shows a snippet, not the whole window); the window moves there."""
+    lines, _ = split(read_text(path))
+    total = len(lines)
+    save_state(path, clamp_first(centered(line), total, True))
+    lo = max(1, line - SNIPPET)
+    hi = min(total, line + max(1, count) - 1 + SNIPPET)
+    out = [f"[File: {display(path)} ({total} lines total), lines {lo}-{hi} after the change]"]
+    for i in range(lo, hi + 1):
+        out.append(f"{i}:{lines[i - 1].rstrip(chr(13))}")
+    print("\n".join(out))
+
+
 def centered(line):
     return line - WINDOW // 2
 
@@ -293,7 +310,10 @@ def cmd_replace(args):
     new = old.replace(search, repl) if replace_all else old.replace(search, repl, 1)
     guarded_write(path, old, new, first_line)
     print(f"Replaced {count if replace_all else 1} occurrence(s).")
-    show(path, centered(first_line))
+    if replace_all and count > 1:
+        show(path, centered(first_line))
+    else:
+        show_snippet(path, first_line, repl.count("\n") + 1)
 
 
 def cmd_search_file(args):

@@ -146,19 +146,69 @@ fn mix(seed: u64, a: u64, b: u64) -> u64 {
 /// Generates `n` distinct toy tasks, deterministically from `seed`. The first `k` tasks
 /// of `generate(n, s)` are the tasks of `generate(k, s)`.
 pub fn generate(n: usize, seed: u64) -> Vec<TaskRecord> {
-    generate_detailed(n, seed)
+    generate_with(n, seed, ToyOptions::default())
+}
+
+/// Limits on the toy world, for a student that must learn it from scratch in minutes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ToyOptions {
+    /// Plant bugs in the first `templates` templates of [`template_order`] only (every
+    /// template still appears as an intact neighbour): fewer kinds of bug, more examples
+    /// of each in a short run.
+    pub templates: Option<usize>,
+    /// Name packages from the first `packages` names of the pool only, without the
+    /// digit suffix some get otherwise: names a short run sees often enough to copy.
+    pub packages: Option<usize>,
+}
+
+/// [`generate`] within the limits of `opts`.
+pub fn generate_with(n: usize, seed: u64, opts: ToyOptions) -> Vec<TaskRecord> {
+    generate_detailed_with(n, seed, opts)
         .into_iter()
         .map(|t| t.record)
         .collect()
 }
 
+/// The order in which `templates` limits the bank: round-robin over the themes, so any
+/// prefix spans as many themes (kinds of module) as it can.
+pub fn template_order() -> Vec<usize> {
+    let mut by_theme: Vec<Vec<usize>> = vec![Vec::new(); THEMES.len()];
+    for (t, tpl) in BANK.iter().enumerate() {
+        by_theme[tpl.theme].push(t);
+    }
+    let deepest = by_theme.iter().map(Vec::len).max().unwrap_or(0);
+    (0..deepest)
+        .flat_map(|k| by_theme.iter().filter_map(move |v| v.get(k).copied()))
+        .collect()
+}
+
+/// Number of templates in the bank (the largest useful `templates` limit).
+pub fn template_count() -> usize {
+    BANK.len()
+}
+
+/// Number of package names in the pool (the largest useful `packages` limit).
+pub fn package_count() -> usize {
+    PACKAGES.len()
+}
+
 /// [`generate`] with the generator's knowledge of each task.
 pub fn generate_detailed(n: usize, seed: u64) -> Vec<ToyTask> {
+    generate_detailed_with(n, seed, ToyOptions::default())
+}
+
+/// [`generate_with`] with the generator's knowledge of each task.
+pub fn generate_detailed_with(n: usize, seed: u64, opts: ToyOptions) -> Vec<ToyTask> {
+    let allowed: Vec<usize> = match opts.templates {
+        Some(k) => template_order().into_iter().take(k.max(1)).collect(),
+        None => (0..BANK.len()).collect(),
+    };
     // Every (template, mutation) pair, shuffled by the seed, then cycled: families and
     // templates are spread evenly over any prefix.
     let mut combos: Vec<(usize, usize)> = BANK
         .iter()
         .enumerate()
+        .filter(|(t, _)| allowed.contains(t))
         .flat_map(|(t, tpl)| (0..tpl.mutations.len()).map(move |m| (t, m)))
         .collect();
     combos.shuffle(&mut R::seed_from_u64(mix(seed, u64::MAX, 0)));
@@ -169,7 +219,7 @@ pub fn generate_detailed(n: usize, seed: u64) -> Vec<ToyTask> {
         let (t, m) = combos[(i as usize) % combos.len()];
         for attempt in 0..20u64 {
             let mut rng = R::seed_from_u64(mix(seed, i, attempt));
-            if let Some(task) = build_task(&mut rng, out.len(), t, m) {
+            if let Some(task) = build_task(&mut rng, out.len(), t, m, opts.packages) {
                 if seen.insert(task.record.problem_statement.clone()) {
                     out.push(task);
                     break;
@@ -216,18 +266,23 @@ fn assert_line(f: &Func, module: &str, args: &[Py]) -> String {
     format!("assert {} == {}", f.call_text(module, args), want.repr())
 }
 
-fn build_task(rng: &mut R, index: usize, t: usize, m: usize) -> Option<ToyTask> {
+fn build_task(
+    rng: &mut R,
+    index: usize,
+    t: usize,
+    m: usize,
+    packages: Option<usize>,
+) -> Option<ToyTask> {
     let tpl = &BANK[t];
     let mutation = &tpl.mutations[m];
-    let package = format!(
-        "{}{}",
-        PACKAGES[rng.gen_range(0..PACKAGES.len())],
-        if rng.gen_bool(0.3) {
-            rng.gen_range(2..10).to_string()
-        } else {
-            String::new()
-        }
-    );
+    let pool = packages.map_or(PACKAGES.len(), |k| k.clamp(1, PACKAGES.len()));
+    let name = PACKAGES[rng.gen_range(0..pool)];
+    let suffix = rng.gen_bool(0.3);
+    let package = if suffix && packages.is_none() {
+        format!("{name}{}", rng.gen_range(2..10))
+    } else {
+        name.to_string()
+    };
 
     // Modules: the buggy theme plus two or three others.
     let mut themes: Vec<usize> = (0..THEMES.len()).filter(|&x| x != tpl.theme).collect();
@@ -412,10 +467,12 @@ fn build_task(rng: &mut R, index: usize, t: usize, m: usize) -> Option<ToyTask> 
     let symptom = subst(mutation.symptom, fname, &func.consts);
     let got = res_text(&buggy_res);
     let want = expected.repr();
+    // Every title starts by naming the file to fix (the student's first job is to find
+    // it there), spelled as a command would spell it (the same tokens).
     let title = match rng.gen_range(0..3) {
-        0 => format!("`{package}.{module}.{fname}` returns the wrong result"),
-        1 => format!("Wrong output from `{fname}` in `{module_path}`"),
-        _ => format!("Bug in `{module}.{fname}`"),
+        0 => format!("In {module_path}, `{fname}` returns the wrong result"),
+        1 => format!("In {module_path}: wrong output from `{fname}`"),
+        _ => format!("In {module_path}: a bug in `{fname}`"),
     };
     let body = match rng.gen_range(0..3) {
         0 => format!("Calling `{call}` {got}, but it should return `{want}`."),
@@ -429,7 +486,7 @@ fn build_task(rng: &mut R, index: usize, t: usize, m: usize) -> Option<ToyTask> 
     }
     let _ = write!(
         statement,
-        "\n\nTo reproduce:\n\n```python\nfrom {package} import {module}\n\nprint({module}.{call})  # expected {want}\n```\n"
+        "\n\nTo reproduce:\n\n```python\nfrom {package} import {module}\n\nprint({module}.{call})  # expected {want}\n```\n\nThe code is in {module_path}.\n"
     );
 
     let family = mutation.family;
@@ -628,6 +685,19 @@ mod tests {
                     assert!(id.starts_with(&format!("{test_file}::test_")), "{id}");
                 }
                 assert!(r.problem_statement.contains(&t.function));
+                // ...and ends with it, next to where the student's reply starts.
+                let tail = format!("The code is in {}/{}.py.\n", t.package, t.module);
+                assert!(
+                    r.problem_statement.ends_with(&tail),
+                    "{}",
+                    r.problem_statement
+                );
+                let path = format!("In {}/{}.py", t.package, t.module);
+                assert!(
+                    r.problem_statement.starts_with(&path),
+                    "{}",
+                    r.problem_statement
+                );
                 assert!(r.problem_statement.contains(&t.expected));
                 assert_ne!(t.expected, t.buggy);
                 // The gold patch applies to the buggy file (checked in Rust here; the
@@ -643,6 +713,38 @@ mod tests {
                 assert_ne!(&new, old);
             }
         }
+    }
+
+    #[test]
+    fn a_template_limit_plants_only_those_bugs_and_spans_the_themes() {
+        let order = template_order();
+        assert_eq!(order.len(), BANK.len());
+        let mut sorted = order.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..BANK.len()).collect::<Vec<_>>());
+        let first: HashSet<usize> = order[..THEMES.len()]
+            .iter()
+            .map(|&t| BANK[t].theme)
+            .collect();
+        assert_eq!(first.len(), THEMES.len(), "a prefix spans the themes");
+        let opts = ToyOptions {
+            templates: Some(6),
+            packages: Some(5),
+        };
+        let tasks = generate_detailed_with(60, 1, opts);
+        let allowed: Vec<&str> = order[..6]
+            .iter()
+            .flat_map(|&t| BANK[t].names.iter().copied())
+            .collect();
+        for t in &tasks {
+            assert!(allowed.contains(&t.function.as_str()), "{}", t.function);
+        }
+        let stmts: HashSet<_> = tasks.iter().map(|t| &t.record.problem_statement).collect();
+        assert_eq!(stmts.len(), 60, "still distinct tasks");
+        for t in &tasks {
+            assert!(PACKAGES[..5].contains(&t.package.as_str()), "{}", t.package);
+        }
+        assert_eq!(generate_with(10, 1, ToyOptions::default()), generate(10, 1));
     }
 
     #[test]
