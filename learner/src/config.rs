@@ -46,6 +46,14 @@ pub struct LearnerConfig {
     /// trajectory's labels branch off it) and several examples share a row (attention
     /// kept inside each, positions restarting). Same loss and gradients, fewer tokens.
     pub packing: Packing,
+    /// Weight of an auxiliary next-token loss on the context tokens (the prompt and the
+    /// observations, which are otherwise attended to but not trained on), added to the
+    /// label loss as `w × mean context NLL`. 0 (the default) trains on labels only, as
+    /// DAgger, BC and RFT are defined. A student trained from scratch learns to copy (a
+    /// file path from the issue into its command) several times sooner with it, since
+    /// the context repeats names it can learn to copy (docs/toy-world.md). The reported
+    /// training loss then includes the term. Plain packing only (`packing = "none"`).
+    pub context_loss_weight: f64,
     /// `"tree"`: the most slots in one packed row (a prefix tree larger than this gets a
     /// row of its own). Attention in a row is dense [L, L].
     pub pack_row_tokens: usize,
@@ -120,6 +128,7 @@ impl Default for LearnerConfig {
             clip_eps_low: 0.2,
             clip_eps_high: 0.28,
             packing: Packing::None,
+            context_loss_weight: 0.0,
             pack_row_tokens: 4096,
             world_size: 1,
             collective: CollectiveChoice::Cpu,
@@ -189,6 +198,10 @@ impl LearnerConfig {
         if self.world_size == 0 {
             return Err(ConfigError::WorldSize);
         }
+        let w = self.context_loss_weight;
+        if !(0.0..=10.0).contains(&w) || (w > 0.0 && self.packing != Packing::None) {
+            return Err(ConfigError::ContextLoss { got: w });
+        }
         if !(self.rendezvous_timeout_s > 0.0 && self.collective_timeout_s > 0.0) {
             return Err(ConfigError::Timeouts {
                 rendezvous: self.rendezvous_timeout_s,
@@ -219,6 +232,11 @@ pub enum ConfigError {
     ClipEps { low: f64, high: f64 },
     #[error("learner.world_size must be at least 1")]
     WorldSize,
+    #[error(
+        "learner.context_loss_weight must be in [0, 10] and, when above 0, used with \
+         learner.packing = \"none\"; got {got}"
+    )]
+    ContextLoss { got: f64 },
     #[error(
         "learner.rendezvous_timeout_s and learner.collective_timeout_s must be above 0, got \
          {rendezvous} and {collective}"
@@ -272,6 +290,22 @@ mod tests {
         };
         assert!(bad_floor.validate().is_err());
         assert!(serde_json::from_str::<LearnerConfig>(r#"{"schedule": "linear"}"#).is_err());
+    }
+
+    #[test]
+    fn context_loss_weight_is_validated() {
+        let mut c = LearnerConfig::default();
+        assert_eq!(c.context_loss_weight, 0.0, "labels only by default");
+        c.context_loss_weight = 1.0;
+        assert!(c.validate().is_ok());
+        for bad in [-0.1, 11.0, f64::NAN] {
+            c.context_loss_weight = bad;
+            assert!(c.validate().is_err(), "{bad}");
+        }
+        c.context_loss_weight = 1.0;
+        c.packing = Packing::Tree;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("learner.packing"), "{err}");
     }
 
     #[test]

@@ -86,6 +86,16 @@ fn masked_nll(logits: &Tensor, input_ids: &Tensor, loss_mask: &Tensor) -> (Tenso
     ((nll * &mask).sum(Kind::Float), mask.sum(Kind::Float))
 }
 
+/// The auxiliary context term of a micro-batch, on the label-sum scale: `w × mean NLL of
+/// its context tokens × its label count`, so that after the step's division by the label
+/// count it adds `w ×` the context's mean NLL (`[learner] context_loss_weight`).
+pub fn context_nll_term(logits: &Tensor, batch: &PaddedBatch, weight: f64) -> Tensor {
+    // Context: real tokens (attention mask) that are not labels.
+    let context = batch.attention_mask.to_kind(Kind::Float) - &batch.loss_mask;
+    let (sum, count) = masked_nll(logits, &batch.input_ids, &context);
+    sum / count.clamp_min(1.0) * (weight * batch.label_tokens as f64)
+}
+
 /// Sum of label-token negative log-likelihoods of a packed batch; `logits` `[B, L, V]`
 /// from `Policy::forward_tree` on it.
 pub fn packed_nll_sum(logits: &Tensor, batch: &PackedBatch) -> Tensor {
@@ -119,6 +129,7 @@ impl Trainer {
             return self.packed_step(start, examples);
         }
         let device = self.policy().device();
+        let context_weight = self.config().context_loss_weight;
         let batches = micro_batches(examples, self.config().micro_batch_tokens)
             .into_iter()
             .map(|micro| PaddedBatch::new(micro, device));
@@ -127,7 +138,10 @@ impl Trainer {
                 return None;
             }
             let logits = policy.forward(&batch.input_ids, &batch.attention_mask);
-            let nll = masked_nll_sum(&logits, &batch.input_ids, &batch.loss_mask);
+            let mut nll = masked_nll_sum(&logits, &batch.input_ids, &batch.loss_mask);
+            if context_weight > 0.0 {
+                nll += context_nll_term(&logits, batch, context_weight);
+            }
             Some((nll, batch.label_tokens))
         })
     }
@@ -173,6 +187,31 @@ impl Trainer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_context_term_is_the_weighted_mean_context_nll_on_the_label_scale() {
+        // Three tokens, uniform logits over 4: every NLL is ln 4. Token 2 is the label;
+        // token 1 is the one context token with a prediction (token 0 has no prefix).
+        let logits = Tensor::zeros([1, 3, 4], (Kind::Float, tch::Device::Cpu));
+        let batch = PaddedBatch::new(
+            &[(vec![1, 2, 3], vec![false, false, true])],
+            tch::Device::Cpu,
+        );
+        assert_eq!(batch.label_tokens, 1);
+        let term = context_nll_term(&logits, &batch, 0.5).double_value(&[]);
+        assert!((term - 0.5 * 4f64.ln()).abs() < 1e-5, "{term}");
+        // Padding is not context.
+        let padded = PaddedBatch::new(
+            &[
+                (vec![1, 2, 3], vec![false, false, true]),
+                (vec![1, 2], vec![false, true]),
+            ],
+            tch::Device::Cpu,
+        );
+        let logits = Tensor::zeros([2, 3, 4], (Kind::Float, tch::Device::Cpu));
+        let term = context_nll_term(&logits, &padded, 1.0).double_value(&[]);
+        assert!((term - 2.0 * 4f64.ln()).abs() < 1e-5, "{term}");
+    }
 
     #[test]
     fn only_label_tokens_count() {
