@@ -238,7 +238,6 @@ impl Driver {
             }
             let sync_seconds = t2.elapsed().as_secs_f64();
 
-            let solved = solve_rate;
             let summary = IterationSummary {
                 iteration,
                 beta,
@@ -250,13 +249,13 @@ impl Driver {
                 } else {
                     losses.iter().sum::<f64>() / losses.len() as f64
                 },
-                heldout_solve_rate: solved(&rollouts.eval),
+                heldout_solve_rate: solve_rate(&rollouts.eval),
                 heldout_episodes: rollouts.eval.len() as u32,
                 rollout_seconds,
                 train_seconds,
                 sync_seconds,
                 policy_version: policy.version,
-                train_solve_rate: solved(&rollouts.train),
+                train_solve_rate: solve_rate(&rollouts.train),
                 first_step_loss: losses.first().copied().unwrap_or(0.0),
                 last_step_loss: losses.last().copied().unwrap_or(0.0),
                 train_examples,

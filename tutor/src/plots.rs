@@ -58,6 +58,18 @@ pub fn is_experiment(dir: &Path) -> bool {
     dir.join(EXPERIMENT_RESULTS).is_file()
 }
 
+/// The held-out solve-rate panel (run and experiment plots alike): y fixed to 0..1.
+fn solve_rate_panel(name: &str) -> Panel {
+    let mut solve = Panel::new(
+        format!("Held-out solve rate: {name}"),
+        "iteration",
+        "held-out solve rate",
+    );
+    solve.y_range = Some(0.0..1.0);
+    solve.legend = SeriesLabelPosition::UpperLeft;
+    solve
+}
+
 /// Writes one run's plots into `run_dir/plots/`; returns their paths.
 pub fn write_run_plots(run_dir: &Path) -> Result<Vec<PathBuf>> {
     let run = read_run(run_dir)?;
@@ -67,13 +79,7 @@ pub fn write_run_plots(run_dir: &Path) -> Result<Vec<PathBuf>> {
     };
     let color = PALETTE[0];
 
-    let mut solve = Panel::new(
-        format!("Held-out solve rate: {name}"),
-        "iteration",
-        "held-out solve rate",
-    );
-    solve.y_range = Some(0.0..1.0);
-    solve.legend = SeriesLabelPosition::UpperLeft;
+    let mut solve = solve_rate_panel(&name);
     let points = run.series(|p| p.solve_rate);
     if let Some(f) = run
         .final_eval
@@ -195,13 +201,7 @@ fn write_experiment_plots(dir: &Path, results: &ExperimentResults) -> Result<Vec
     } else {
         results.experiment.clone()
     };
-    let mut solve = Panel::new(
-        format!("Held-out solve rate: {name}"),
-        "iteration",
-        "held-out solve rate",
-    );
-    solve.y_range = Some(0.0..1.0);
-    solve.legend = SeriesLabelPosition::UpperLeft;
+    let mut solve = solve_rate_panel(&name);
     let mut loss = Panel::new(
         format!("Training loss: {name}"),
         "iteration",
