@@ -14,12 +14,16 @@ export PATH := $(VENV)/bin:$(PATH)
 export TUTOR_PYTHON := $(VENV)/bin/python
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: setup sandbox-tools build release images quickstart test check-layout bench-ingest bench-policy clean-runs help
+.PHONY: setup sandbox-tools build release images image image-gpu compose-test compose-up compose-down compose-clean quickstart test check-layout bench-ingest bench-policy clean-runs help
 
 help:
 	@echo "make quickstart   set up, build (release) and run configs/quickstart.toml"
 	@echo "make test         set up, build and run the whole test suite (check-layout first)"
 	@echo "make sandbox-tools install bubblewrap (confines local sandboxes) and the plots' font (part of setup)"
+	@echo "make image        the tutor image (every role, CPU libtorch) from the release binary: $(IMAGE)"
+	@echo "make image-gpu    the same with CUDA libtorch and NCCL: $(IMAGE_GPU) (about 5 GB)"
+	@echo "make compose-test images, then the docker-compose stack's DAgger run with a killed and an added worker"
+	@echo "make compose-up   start the docker-compose stack (deploy/compose), 3 workers; make compose-down stops it (the run's volume stays; compose-clean removes it)"
 	@echo "make check-layout no unused dependencies, no files of a crate importing each other"
 	@echo "make bench-ingest coordinator ingest throughput (release; BENCH_ARGS=... to change)"
 	@echo "make bench-policy generation and training step against transformers/PyTorch (CPU)"
@@ -33,31 +37,11 @@ setup: $(VENV)/.ready sandbox-tools
 # as root.
 PLOT_FONT := /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf
 sandbox-tools:
-	@command -v bwrap >/dev/null 2>&1 || { \
-		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-			echo "installing bubblewrap (bwrap) for the local sandbox"; \
-			{ apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
-			  { apt-get update -qq >/dev/null && apt-get install -y -qq bubblewrap >/dev/null; }; } || \
-			{ echo "apt-get could not install bubblewrap: install it (package bubblewrap) and run make again"; exit 1; }; \
-		else \
-			echo "NOTE: bubblewrap (bwrap) is missing and apt-get (as root) is not available to install it:"; \
-			echo "      install the package bubblewrap yourself; until then local sandboxes are refused"; \
-			echo "      (or run unconfined with [worker] allow_unconfined = true: docs/security.md)"; \
-		fi; \
-	}
+	@build/need-package.sh --soft bubblewrap "command -v bwrap" \
+		"confines local sandboxes; without it they are refused unless [worker] allow_unconfined = true (docs/security.md)"
 	@command -v bwrap >/dev/null 2>&1 && echo "sandbox tools ready: $$(bwrap --version)" || true
-	@test -f $(PLOT_FONT) || { \
-		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-			echo "installing fonts-dejavu-core (the text of \`tutor report\`'s plots)"; \
-			{ apt-get install -y -qq fonts-dejavu-core >/dev/null 2>&1 || \
-			  { apt-get update -qq >/dev/null && apt-get install -y -qq fonts-dejavu-core >/dev/null; }; } || \
-			{ echo "apt-get could not install fonts-dejavu-core: install it and run make again"; exit 1; }; \
-		else \
-			echo "NOTE: $(PLOT_FONT) is missing and apt-get (as root) is not available to install it:"; \
-			echo "      install the package fonts-dejavu-core, or set TUTOR_PLOT_FONT to a .ttf file;"; \
-			echo "      until then \`tutor report\` cannot draw its plots"; \
-		fi; \
-	}
+	@build/need-package.sh --soft fonts-dejavu-core "test -f $(PLOT_FONT)" \
+		"the text of tutor report's plots; or set TUTOR_PLOT_FONT to a .ttf file"
 
 # The stamp depends on the requirements file, so adding or re-pinning a package there
 # re-runs the install on machines that already have a venv.
@@ -90,6 +74,58 @@ images:
 		echo "no Docker engine reachable: sandbox images not built"; \
 	fi
 
+# The tutor image (deploy/docker): the release binary and the libtorch it needs on the
+# sandbox images' Debian base. CPU: the binary without its CUDA libraries (about 0.5 GB of
+# libtorch_cpu); GPU: built with NCCL, with every CUDA library of the torch wheel. The GPU
+# binary has its own target folder, so the two builds do not undo each other.
+IMAGE ?= tutor/tutor:latest
+IMAGE_GPU ?= tutor/tutor:gpu
+image: release images
+	@if docker info >/dev/null 2>&1; then \
+		build/need-package.sh patchelf "command -v patchelf" "points the image's binary at its libraries" && \
+		PYTHON=$(VENV)/bin/python deploy/docker/build-image.sh cpu $(IMAGE) target/release/tutor; \
+	else \
+		echo "no Docker engine reachable: $(IMAGE) not built"; \
+	fi
+
+image-gpu: setup images
+	cargo build --release --bin tutor --features nccl --target-dir target/gpu
+	@build/need-package.sh patchelf "command -v patchelf" "points the image's binary at its libraries"
+	PYTHON=$(VENV)/bin/python deploy/docker/build-image.sh gpu $(IMAGE_GPU) target/gpu/release/tutor
+
+# docker-compose: Debian's docker-compose 1.x or the `docker compose` plugin, whichever is
+# installed. The stack's token is made once and kept in .tutor/compose-token.
+COMPOSE := $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+COMPOSE_FILE := deploy/compose/docker-compose.yml
+COMPOSE_PROJECT ?= tutor
+WORKERS ?= 3
+compose-env = TUTOR_AUTH_TOKEN="$$(cat .tutor/compose-token)" DOCKER_GID="$$(stat -c %g /var/run/docker.sock)" \
+	TUTOR_RUN=$(COMPOSE_PROJECT) TUTOR_IMAGE=$(IMAGE)
+
+.tutor/compose-token:
+	@mkdir -p .tutor && umask 077 && head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > $@
+
+compose-up: image .tutor/compose-token
+	$(compose-env) $(COMPOSE) -f $(COMPOSE_FILE) -p $(COMPOSE_PROJECT) up -d --scale worker=$(WORKERS)
+	@echo "metrics: http://$$($(compose-env) $(COMPOSE) -f $(COMPOSE_FILE) -p $(COMPOSE_PROJECT) port coordinator 9300)/metrics"
+	@echo "logs:    $(COMPOSE) -f $(COMPOSE_FILE) -p $(COMPOSE_PROJECT) logs -f"
+
+# Down keeps the run's volume (the store, checkpoints, published versions); compose-clean
+# removes it too.
+compose-down: .tutor/compose-token
+	$(compose-env) $(COMPOSE) -f $(COMPOSE_FILE) -p $(COMPOSE_PROJECT) down --remove-orphans
+
+compose-clean: .tutor/compose-token
+	$(compose-env) $(COMPOSE) -f $(COMPOSE_FILE) -p $(COMPOSE_PROJECT) down -v --remove-orphans
+
+# The stack end to end (tests/tests/compose.rs): built from scratch where no image exists.
+compose-test: check-layout build image
+	@if cargo nextest --version >/dev/null 2>&1; then \
+		cargo nextest run -p tutor-tests --test compose --no-fail-fast; \
+	else \
+		cargo test -p tutor-tests --test compose; \
+	fi
+
 # The layout's rules (docs/architecture.md): no dependency a crate never uses, no two
 # files of a crate that import each other, and the page's crate graph and paths true to
 # the code. Python alone, so they fail in seconds.
@@ -98,7 +134,7 @@ check-layout:
 	@$(PYTHON) build/check-module-cycles.py
 	@$(PYTHON) build/check-architecture-doc.py
 
-test: check-layout build images
+test: check-layout build image
 	@if cargo nextest --version >/dev/null 2>&1; then \
 		cargo nextest run --workspace --no-fail-fast; \
 	else \

@@ -56,6 +56,12 @@ enum Cmd {
         /// Run config (TOML); see configs/quickstart.toml.
         #[arg(long, env = "TUTOR_CONFIG")]
         config: PathBuf,
+        /// Prepare at exactly this directory instead of a new `NAME-TIMESTAMP` under
+        /// `[run] out_dir` (containers and pods, whose roles find the run at a fixed path).
+        /// Idempotent: a directory already prepared from the same config is reused as it
+        /// is; one prepared from another config is refused.
+        #[arg(long, env = "TUTOR_RUN_DIR")]
+        run_dir: Option<PathBuf>,
     },
     /// Start the coordinator: leases episodes, stores trajectories, drives the learner.
     Coordinator(roles::coordinator::CoordinatorArgs),
@@ -171,7 +177,7 @@ async fn main() {
 async fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
         Cmd::Run { config } => run::run(&config, cli.log_format).await,
-        Cmd::Prepare { config } => prepare::prepare_and_print(&config),
+        Cmd::Prepare { config, run_dir } => prepare::prepare_and_print(&config, run_dir.as_deref()),
         Cmd::Report {
             run_dir,
             episodes,

@@ -12,6 +12,7 @@ use tutor_rollout_worker::tasks::{load_tasks, write_tasks, TaskRecord};
 
 use crate::config::{RunConfig, TaskSource};
 
+#[derive(Debug)]
 pub struct PreparedRun {
     pub dir: PathBuf,
     pub model_dir: PathBuf,
@@ -110,6 +111,109 @@ pub fn prepare(config: &RunConfig, config_text: &str) -> Result<PreparedRun> {
     result
 }
 
+/// The file a finished preparation leaves in its run directory: the config it was made
+/// from. Written last, so a directory without it is a preparation that was cut off.
+const PREPARED_MARK: &str = "prepared.toml";
+
+/// Prepares the run of `config` at exactly `dir` (containers and pods, where every role
+/// must find the run at a path fixed in advance). Idempotent: when `dir` already holds a
+/// finished preparation from the same config text it is used as it is (a restarted init
+/// container changes nothing); from a different config, it is an error that names both
+/// files. The preparation is built beside `dir` and renamed into place, so a cut-off one
+/// leaves no half-filled run directory behind. Preparing is deterministic (tasks from the
+/// seed, the tokenizer from the tasks), so pods that each prepare their own copy from the
+/// same config agree on every file.
+pub fn prepare_at(config: &RunConfig, config_text: &str, dir: &Path) -> Result<PreparedRun> {
+    let mark = dir.join(PREPARED_MARK);
+    if mark.exists() {
+        let before = std::fs::read_to_string(&mark)
+            .with_context(|| format!("reading {}", mark.display()))?;
+        if before != config_text {
+            anyhow::bail!(
+                "{} was prepared from a different config (its copy is {}): use another \
+                 --run-dir, or delete that directory to start the run over",
+                dir.display(),
+                mark.display()
+            );
+        }
+        return reopen(dir);
+    }
+    if dir.exists() && std::fs::read_dir(dir)?.next().is_some() {
+        anyhow::bail!(
+            "{} exists, is not empty and holds no finished preparation ({PREPARED_MARK} is \
+             missing): refusing to write into it",
+            dir.display()
+        );
+    }
+    let (train, heldout) = tasks_for(config)?;
+    if train.is_empty() {
+        anyhow::bail!("the run has no training tasks");
+    }
+    let name = dir
+        .file_name()
+        .with_context(|| format!("--run-dir {} has no final component", dir.display()))?;
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent).with_context(|| format!("creating {}", parent.display()))?;
+    let staging = parent.join(format!(
+        ".{}.preparing-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&staging);
+    let filled = fill(config, config_text, &staging, &train, &heldout).and_then(|_| {
+        std::fs::write(staging.join(PREPARED_MARK), config_text)
+            .context("writing the preparation mark")?;
+        if dir.exists() {
+            // An empty directory (a volume's mount point, say): move the contents in.
+            for entry in std::fs::read_dir(&staging)? {
+                let entry = entry?;
+                std::fs::rename(entry.path(), dir.join(entry.file_name()))?;
+            }
+            std::fs::remove_dir(&staging)?;
+        } else {
+            std::fs::rename(&staging, dir)
+                .with_context(|| format!("moving the preparation to {}", dir.display()))?;
+        }
+        Ok(())
+    });
+    if let Err(e) = filled {
+        let _ = std::fs::remove_dir_all(&staging);
+        return Err(e);
+    }
+    reopen(dir)
+}
+
+/// The paths of a finished preparation at `dir`.
+fn reopen(dir: &Path) -> Result<PreparedRun> {
+    let dir = dir
+        .canonicalize()
+        .with_context(|| format!("opening {}", dir.display()))?;
+    let train_tasks = dir.join("tasks/train.jsonl");
+    let heldout_tasks = dir.join("tasks/heldout.jsonl");
+    let model_dir = dir.join("model");
+    let count = |p: &Path| -> Result<usize> { Ok(load_tasks(p)?.len()) };
+    let parameters = match ModelConfig::load(&model_dir.join("config.json")) {
+        Ok(mc) => mc.num_parameters(),
+        Err(e) => anyhow::bail!(
+            "{}: the prepared model is unreadable: {e}",
+            model_dir.join("config.json").display()
+        ),
+    };
+    Ok(PreparedRun {
+        parameters,
+        n_train: count(&train_tasks)?,
+        n_heldout: count(&heldout_tasks)?,
+        config_path: dir.join("config.toml"),
+        train_tasks,
+        heldout_tasks,
+        model_dir,
+        dir,
+    })
+}
+
 fn fill(
     config: &RunConfig,
     config_text: &str,
@@ -161,11 +265,14 @@ fn fill(
     })
 }
 
-/// `tutor prepare`: prepares the run of `config` and prints the paths the roles take as
+/// `tutor prepare`: prepares the run of `config` (under `[run] out_dir`, or at `run_dir`) and prints the paths the roles take as
 /// one JSON object.
-pub fn prepare_and_print(config: &Path) -> Result<()> {
+pub fn prepare_and_print(config: &Path, run_dir: Option<&Path>) -> Result<()> {
     let (cfg, text) = RunConfig::load(config)?;
-    let p = prepare(&cfg, &text)?;
+    let p = match run_dir {
+        Some(dir) => prepare_at(&cfg, &text, dir)?,
+        None => prepare(&cfg, &text)?,
+    };
     let s = |p: &std::path::Path| p.display().to_string();
     let out = serde_json::json!({
         "run_dir": s(&p.dir),
@@ -180,4 +287,99 @@ pub fn prepare_and_print(config: &Path) -> Result<()> {
     });
     println!("{out}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CONFIG: &str = r#"
+[run]
+name = "prep"
+
+[tasks]
+source = "toy"
+toy_train = 12
+toy_heldout = 3
+seed = 4
+
+[model]
+vocab_size = 400
+"#;
+
+    fn load(dir: &Path, text: &str) -> (RunConfig, String) {
+        let path = dir.join("config.toml");
+        std::fs::write(&path, text).unwrap();
+        RunConfig::load(&path).unwrap()
+    }
+
+    /// Pods each prepare their own copy of the run (deploy/k8s): the copies must agree on
+    /// every byte, or workers would tokenize with another vocabulary than the learner's.
+    #[test]
+    fn preparing_twice_from_one_config_gives_identical_files() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (cfg, text) = load(tmp.path(), CONFIG);
+        let a = prepare_at(&cfg, &text, &tmp.path().join("a/run")).unwrap();
+        let b = prepare_at(&cfg, &text, &tmp.path().join("b/run")).unwrap();
+        assert_eq!((a.n_train, a.n_heldout), (12, 3));
+        for f in [
+            "model/tokenizer.json",
+            "model/config.json",
+            "tasks/train.jsonl",
+            "tasks/heldout.jsonl",
+            "config.toml",
+            PREPARED_MARK,
+        ] {
+            let x = std::fs::read(a.dir.join(f)).unwrap();
+            let y = std::fs::read(b.dir.join(f)).unwrap();
+            assert!(x == y, "{f} differs between two preparations of one config");
+        }
+        // Nothing but the run directory is left beside it (no staging folder).
+        let beside: Vec<_> = std::fs::read_dir(tmp.path().join("a"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(beside, vec![std::ffi::OsString::from("run")]);
+    }
+
+    /// A restarted init container finds its run and changes nothing; another config at
+    /// the same path is refused with both files named; a non-empty foreign directory is
+    /// not written into; an empty one (a volume's mount point) is filled.
+    #[test]
+    fn prepare_at_reuses_refuses_and_fills_mount_points() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (cfg, text) = load(tmp.path(), CONFIG);
+        let dir = tmp.path().join("run");
+        prepare_at(&cfg, &text, &dir).unwrap();
+        let tok = dir.join("model/tokenizer.json");
+        let before = std::fs::metadata(&tok).unwrap().modified().unwrap();
+        let again = prepare_at(&cfg, &text, &dir).unwrap();
+        assert_eq!(again.n_train, 12);
+        assert_eq!(
+            std::fs::metadata(&tok).unwrap().modified().unwrap(),
+            before,
+            "a second preparation rewrote the tokenizer"
+        );
+
+        let other = CONFIG.replace("seed = 4", "seed = 5");
+        let (cfg2, text2) = load(tmp.path(), &other);
+        let e = prepare_at(&cfg2, &text2, &dir).unwrap_err().to_string();
+        assert!(
+            e.contains("different config") && e.contains(PREPARED_MARK),
+            "{e}"
+        );
+
+        let foreign = tmp.path().join("foreign");
+        std::fs::create_dir_all(&foreign).unwrap();
+        std::fs::write(foreign.join("notes.txt"), "mine").unwrap();
+        let e = prepare_at(&cfg, &text, &foreign).unwrap_err().to_string();
+        assert!(e.contains("not empty"), "{e}");
+        assert_eq!(std::fs::read_dir(&foreign).unwrap().count(), 1);
+
+        let mount = tmp.path().join("mount");
+        std::fs::create_dir_all(&mount).unwrap();
+        let p = prepare_at(&cfg, &text, &mount).unwrap();
+        assert!(p.model_dir.join("tokenizer.json").exists());
+        assert!(mount.join(PREPARED_MARK).exists());
+    }
 }

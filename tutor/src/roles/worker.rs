@@ -22,9 +22,11 @@ pub struct WorkerArgs {
     #[arg(long)]
     model_dir: PathBuf,
     /// The worker's name; stable across restarts (containers are labelled with it, and
-    /// a restarted worker removes what its predecessor left).
-    #[arg(long, default_value = "worker")]
-    name: String,
+    /// a restarted worker removes what its predecessor left). Default: the host name,
+    /// which is the pod's name in a Kubernetes StatefulSet and the container's ID under
+    /// docker-compose, both kept across restarts. Two workers on one host need two names.
+    #[arg(long, env = "TUTOR_WORKER_NAME")]
+    name: Option<String>,
     /// The run this worker belongs to (a container label).
     #[arg(long, env = "TUTOR_RUN", default_value = "tutor")]
     run: String,
@@ -65,6 +67,7 @@ pub async fn run(args: WorkerArgs) -> Result<()> {
         auth_token_file,
         tls,
     } = args;
+    let name = name.unwrap_or_else(host_name);
     let (mut cfg, _) = RunConfig::load(&config)?;
     if let Some(n) = warm_pool {
         cfg.worker.warm_pool = n;
@@ -138,4 +141,13 @@ pub async fn run(args: WorkerArgs) -> Result<()> {
         shutdown_signal(),
     )
     .await
+}
+
+/// This host's name (Linux), else "worker".
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "worker".into())
 }

@@ -1,0 +1,501 @@
+//! The docker-compose stack (deploy/compose/docker-compose.yml) on the real Docker engine:
+//! a coordinator, a learner and three rollout workers, each its own container of the
+//! `tutor/tutor` image on a private network, running the stack's short DAgger run on toy
+//! tasks with every episode in a Docker sandbox started through the host's socket. Mid-run
+//! the test `docker kill`s one worker container and starts it again, and adds a fourth
+//! worker. Then it checks what an operator relies on: the run finishes; the store holds
+//! every planned episode exactly once, complete; the learner published a version per
+//! iteration and the workers rolled out with them; and after `down -v` no container
+//! (sandboxes included), network or volume of the run is left.
+//!
+//! Needs the images: `make image` (the tutor image, from the release binary) and
+//! `make images` (the sandbox image); `make compose-test` and `make test` build both first.
+//! Where no Docker engine answers, it says SKIPPED, like the other Docker tests.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use tutor_proto::episode_event::Event;
+
+const IMAGE: &str = "tutor/tutor:latest";
+const SANDBOX_IMAGE: &str = "tutor/python-task:latest";
+
+fn compose_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/compose")
+        .canonicalize()
+        .expect("deploy/compose")
+}
+
+/// A `[coordinator]` number of deploy/compose/config.toml (`key = N` on its own line),
+/// so the checks follow the stack's config.
+fn config_number(key: &str) -> u64 {
+    let path = compose_dir().join("config.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    text.lines()
+        .filter_map(|l| l.split_once('='))
+        .find(|(k, _)| k.trim() == key)
+        .and_then(|(_, v)| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{}: no `{key} = N` line", path.display()))
+}
+
+fn run(cmd: &mut Command) -> Output {
+    let shown = format!("{cmd:?}");
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("starting {shown}: {e}"));
+    out
+}
+
+fn docker(args: &[&str]) -> Output {
+    run(Command::new("docker").args(args))
+}
+
+fn ok(out: &Output, what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn lines(s: &str) -> Vec<String> {
+    s.lines()
+        .map(|l| l.trim().to_string())
+        .filter(|l| !l.is_empty())
+        .collect()
+}
+
+/// The compose tool installed: `docker compose` (the plugin) or `docker-compose` (1.x),
+/// as the Makefile picks it.
+fn compose_tool() -> Vec<String> {
+    let plugin = Command::new("docker").args(["compose", "version"]).output();
+    if plugin.is_ok_and(|o| o.status.success()) {
+        return vec!["docker".into(), "compose".into()];
+    }
+    let v1 = Command::new("docker-compose").arg("version").output();
+    assert!(
+        v1.is_ok_and(|o| o.status.success()),
+        "neither `docker compose` nor `docker-compose` is installed"
+    );
+    vec!["docker-compose".into()]
+}
+
+/// One run of the stack under its own compose project; `down` on drop (a failing test
+/// leaves nothing behind either).
+struct Stack {
+    tool: Vec<String>,
+    project: String,
+    env: Vec<(String, String)>,
+    down: bool,
+}
+
+impl Stack {
+    fn compose(&self, args: &[&str]) -> Output {
+        let dir = compose_dir();
+        let mut cmd = Command::new(&self.tool[0]);
+        cmd.args(&self.tool[1..])
+            .arg("-f")
+            .arg(dir.join("docker-compose.yml"))
+            .args(["-p", &self.project])
+            .args(args)
+            .current_dir(&dir);
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        run(&mut cmd)
+    }
+
+    fn containers(&self, service: &str) -> Vec<String> {
+        let out = docker(&[
+            "ps",
+            "-aq",
+            "--filter",
+            &format!("label=com.docker.compose.project={}", self.project),
+            "--filter",
+            &format!("label=com.docker.compose.service={service}"),
+        ]);
+        let mut ids = lines(&ok(&out, "docker ps"));
+        ids.sort();
+        ids
+    }
+
+    fn logs(&self) -> String {
+        let out = self.compose(&["logs", "--no-color", "--tail", "40"]);
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        if !self.down {
+            let _ = self.compose(&["down", "-v", "--remove-orphans", "-t", "5"]);
+        }
+        // Sandboxes of a failed run: the workers that would have removed them are gone.
+        let out = docker(&[
+            "ps",
+            "-aq",
+            "--filter",
+            &format!("label=tutor.run={}", self.project),
+        ]);
+        for id in lines(&String::from_utf8_lossy(&out.stdout)) {
+            let _ = docker(&["rm", "-f", &id]);
+        }
+    }
+}
+
+/// The coordinator's Prometheus metrics as name → value (a family's labelled series summed).
+fn metrics(addr: &str) -> Option<BTreeMap<String, f64>> {
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "GET /metrics HTTP/1.0\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).ok()?;
+    let mut m = BTreeMap::new();
+    for l in body.lines().filter(|l| !l.starts_with('#')) {
+        // Labelled series (`name{purpose="train"} 12`) add up under their name.
+        if let Some((k, v)) = l.rsplit_once(' ') {
+            if let Ok(v) = v.trim().parse::<f64>() {
+                let name = k.split('{').next().unwrap_or(k).to_string();
+                *m.entry(name).or_insert(0.0) += v;
+            }
+        }
+    }
+    (!m.is_empty()).then_some(m)
+}
+
+fn wait_for(what: &str, limit: Duration, stack: &Stack, mut f: impl FnMut() -> bool) -> Duration {
+    let t = Instant::now();
+    while !f() {
+        if t.elapsed() > limit {
+            panic!(
+                "timed out after {limit:?} waiting for {what}\n--- the stack's logs ---\n{}",
+                stack.logs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    t.elapsed()
+}
+
+fn metric(addr: &str, name: &str) -> f64 {
+    metrics(addr)
+        .and_then(|m| m.get(name).copied())
+        .unwrap_or(0.0)
+}
+
+#[test]
+fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
+    let started = Instant::now();
+    if !docker(&["info"]).status.success() {
+        eprintln!("SKIPPED: no Docker engine reachable (`docker info` failed)");
+        return;
+    }
+    for image in [IMAGE, SANDBOX_IMAGE] {
+        assert!(
+            docker(&["image", "inspect", image]).status.success(),
+            "the image {image} is missing: `make image images` builds it"
+        );
+    }
+    let socket = "/var/run/docker.sock";
+    let gid = {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(socket)
+            .unwrap_or_else(|e| panic!("{socket}: {e}"))
+            .gid()
+    };
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    let project = format!("tutorct{}x{nanos}", std::process::id());
+    let token: String = {
+        let mut b = [0u8; 24];
+        std::fs::File::open("/dev/urandom")
+            .unwrap()
+            .read_exact(&mut b)
+            .unwrap();
+        b.iter().map(|x| format!("{x:02x}")).collect()
+    };
+    let mut stack = Stack {
+        tool: compose_tool(),
+        env: vec![
+            ("TUTOR_AUTH_TOKEN".into(), token),
+            ("DOCKER_GID".into(), gid.to_string()),
+            ("TUTOR_RUN".into(), project.clone()),
+            ("TUTOR_IMAGE".into(), IMAGE.into()),
+        ],
+        project: project.clone(),
+        down: false,
+    };
+    let log = |what: &str| println!("[{:>6.1}s] {what}", started.elapsed().as_secs_f64());
+
+    ok(
+        &stack.compose(&["up", "-d", "--scale", "worker=3"]),
+        "compose up",
+    );
+    log("stack up: coordinator, learner, 3 workers");
+    let port = ok(
+        &stack.compose(&["port", "coordinator", "9300"]),
+        "compose port",
+    );
+    let addr = port.trim().to_string();
+    assert!(
+        addr.starts_with("127.0.0.1:"),
+        "metrics published at {addr}"
+    );
+
+    // One worker dies while the first iteration's episodes stream in, and comes back.
+    wait_for(
+        "the first stored episodes",
+        Duration::from_secs(300),
+        &stack,
+        || metric(&addr, "tutor_coordinator_episodes_completed_total") >= 2.0,
+    );
+    let workers = stack.containers("worker");
+    assert_eq!(workers.len(), 3, "three worker containers: {workers:?}");
+    let victim = workers[0].clone();
+    ok(&docker(&["kill", &victim]), "docker kill");
+    log(&format!("docker kill worker {victim}"));
+    ok(&docker(&["start", &victim]), "docker start");
+    log("started it again");
+
+    // A fourth worker joins during a later iteration.
+    wait_for("iteration 1", Duration::from_secs(400), &stack, || {
+        metric(&addr, "tutor_coordinator_iteration") >= 1.0
+    });
+    ok(
+        &stack.compose(&[
+            "up",
+            "-d",
+            "--no-deps",
+            "--no-recreate",
+            "--scale",
+            "worker=4",
+            "worker",
+        ]),
+        "compose up --scale worker=4",
+    );
+    let workers = stack.containers("worker");
+    assert_eq!(workers.len(), 4, "four worker containers: {workers:?}");
+    log("scaled to 4 workers");
+
+    let took = wait_for(
+        "the run to finish",
+        Duration::from_secs(600),
+        &stack,
+        || metric(&addr, "tutor_coordinator_run_finished") >= 1.0,
+    );
+    log(&format!(
+        "run finished ({:.0}s after the scale-up)",
+        took.as_secs_f64()
+    ));
+    let final_version = metric(&addr, "tutor_coordinator_policy_version");
+    let iterations = config_number("iterations");
+    assert!(
+        final_version >= iterations as f64,
+        "the learner published {final_version} versions for {iterations} iterations"
+    );
+
+    // Workers leave on their own when the run is over, successfully.
+    wait_for(
+        "the workers to exit",
+        Duration::from_secs(120),
+        &stack,
+        || {
+            workers.iter().all(|w| {
+                let out = docker(&["inspect", "-f", "{{.State.Running}}", w]);
+                String::from_utf8_lossy(&out.stdout).trim() == "false"
+            })
+        },
+    );
+    for w in &workers {
+        let code = ok(
+            &docker(&["inspect", "-f", "{{.State.ExitCode}}", w]),
+            "docker inspect",
+        );
+        assert_eq!(code.trim(), "0", "worker {w} exit code\n{}", stack.logs());
+    }
+    // Every worker loaded a published version (its last words say which), and the one
+    // added mid-run registered and ran episodes.
+    let container_log = |id: &str| {
+        let out = docker(&["logs", id]);
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    for w in &workers {
+        let text = container_log(w);
+        let stopped = text
+            .lines()
+            .rfind(|l| l.contains("worker stopped"))
+            .unwrap_or_else(|| panic!("worker {w} never logged `worker stopped`:\n{text}"));
+        let version: u64 = stopped
+            .split("version=")
+            .nth(1)
+            .and_then(|v| v.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no version in `{stopped}`"));
+        assert!(
+            version >= 1,
+            "worker {w} ended on version {version}: it never loaded published weights\n{text}"
+        );
+    }
+    let added = workers_added(&workers, &victim);
+    let added_log = container_log(added);
+    assert!(
+        added_log.contains("registered") && added_log.contains("episode done"),
+        "the worker added mid-run did not register and run an episode:\n{added_log}"
+    );
+    let victim_log = container_log(&victim);
+    assert_eq!(
+        victim_log.matches("registered").count(),
+        2,
+        "the killed worker registered once per start:\n{victim_log}"
+    );
+
+    // The store, read from the coordinator's volume.
+    let coordinator = stack.containers("coordinator");
+    let copy = tempfile::tempdir().unwrap();
+    ok(
+        &docker(&[
+            "cp",
+            &format!("{}:/var/lib/tutor/run", coordinator[0]),
+            &copy.path().display().to_string(),
+        ]),
+        "docker cp of the run directory",
+    );
+    let run_dir = copy.path().join("run");
+    let abandoned = check_store(&run_dir);
+    log(&format!(
+        "store checked: every planned episode once, complete; {abandoned} abandoned attempt(s), {} lease expiries",
+        metric(&addr, "tutor_coordinator_lease_expiries_total")
+    ));
+
+    // Down: nothing of the run is left, sandboxes included.
+    ok(
+        &stack.compose(&["down", "-v", "--remove-orphans", "-t", "30"]),
+        "compose down",
+    );
+    stack.down = true;
+    let left = |args: &[&str]| lines(&ok(&docker(args), "docker ls"));
+    let label = format!("label=com.docker.compose.project={project}");
+    assert_eq!(
+        left(&["ps", "-aq", "--filter", &label]),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        left(&[
+            "ps",
+            "-aq",
+            "--filter",
+            &format!("label=tutor.run={project}")
+        ]),
+        Vec::<String>::new(),
+        "sandbox containers of the run are left after down"
+    );
+    assert_eq!(
+        left(&["network", "ls", "-q", "--filter", &label]),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        left(&["volume", "ls", "-q", "--filter", &label]),
+        Vec::<String>::new()
+    );
+    log("down: no container, sandbox, network or volume left");
+}
+
+/// The container of the worker added by the scale-up: the one that is neither of the
+/// first three (the victim is among those).
+fn workers_added<'a>(workers: &'a [String], victim: &str) -> &'a str {
+    let created = |id: &str| {
+        let out = docker(&["inspect", "-f", "{{.Created}}", id]);
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let newest = workers.iter().max_by_key(|w| created(w)).expect("workers");
+    assert_ne!(newest, victim);
+    newest
+}
+
+/// Every (episode, turn) stored once; every outcome once and with all its turns; each
+/// planned training slot completed exactly once; the episodes of iteration i rolled out
+/// with version i. Returns the number of abandoned attempts (a killed worker's).
+fn check_store(run_dir: &Path) -> usize {
+    let (events, _) =
+        tutor_coordinator::store::scan(&run_dir.join("trajectories/events.log")).unwrap();
+    let mut turns: BTreeMap<String, BTreeSet<u32>> = BTreeMap::new();
+    let mut outcomes: BTreeMap<String, (u32, u64)> = BTreeMap::new();
+    for ev in &events {
+        match ev.event.as_ref().unwrap() {
+            Event::Turn(t) => assert!(
+                turns
+                    .entry(ev.episode_id.clone())
+                    .or_default()
+                    .insert(t.turn_index),
+                "turn stored twice: {} {}",
+                ev.episode_id,
+                t.turn_index
+            ),
+            Event::Outcome(o) => assert!(
+                outcomes
+                    .insert(ev.episode_id.clone(), (o.num_turns, o.policy_version))
+                    .is_none(),
+                "outcome stored twice: {}",
+                ev.episode_id
+            ),
+        }
+    }
+    // "it001-train0003-g0a1" → "it001-train0003", the planned slot.
+    let slot = |id: &str| id.rsplit_once('-').unwrap().0.to_string();
+    let mut complete: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (id, (n, _)) in &outcomes {
+        let got = turns.get(id).cloned().unwrap_or_default();
+        assert_eq!(
+            got,
+            (0..*n).collect::<BTreeSet<u32>>(),
+            "episode {id} is stored with turns {got:?} but its outcome says {n} turns"
+        );
+        complete.entry(slot(id)).or_default().push(id.clone());
+    }
+    for (s, ids) in &complete {
+        assert_eq!(ids.len(), 1, "slot {s} completed more than once: {ids:?}");
+    }
+    for id in turns.keys().filter(|id| !outcomes.contains_key(*id)) {
+        assert!(
+            complete.contains_key(&slot(id)),
+            "episode {id} was left incomplete and its slot never completed"
+        );
+    }
+    let train: Vec<&String> = complete.keys().filter(|s| s.contains("train")).collect();
+    assert_eq!(
+        train.len() as u64,
+        config_number("iterations") * config_number("episodes_per_iteration"),
+        "planned training episodes with a complete attempt: {train:?}"
+    );
+    // Sync mode: iteration i rolls out with version i, the one the learner published
+    // after training on iterations 0..i, which every worker had to load first.
+    for (id, (_, version)) in &outcomes {
+        let iteration: u64 = id[2..5].parse().unwrap();
+        assert_eq!(
+            *version, iteration,
+            "episode {id} of iteration {iteration} rolled out with version {version}"
+        );
+    }
+    turns.len() - outcomes.len()
+}
