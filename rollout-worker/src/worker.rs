@@ -68,6 +68,11 @@ pub struct WorkerConfig {
     pub tmp_mb: u64,
     /// Docker: uid:gid the agent's shell runs as (the task image's unprivileged user).
     pub container_user: String,
+    /// Docker: pull a sandbox image the engine does not have from its registry (with the
+    /// engine's credentials) instead of failing the episode. For engines that start
+    /// empty, such as a Kubernetes worker pod's Docker sidecar (deploy/k8s). Off by
+    /// default: here images are built locally and no registry is reachable.
+    pub pull_images: bool,
     /// Docker: containers per image (and per worker) created and started ahead of
     /// demand (tools installed, shell running), so an episode or a grading only copies its
     /// task in; taken ones are refilled in the background and all are removed when the
@@ -131,6 +136,7 @@ impl Default for WorkerConfig {
             disk_mb: 1024,
             tmp_mb: 256,
             container_user: "1000:1000".into(),
+            pull_images: false,
             warm_pool: 0,
             system_prompt: String::new(),
             teacher: TeacherConfig::default(),
@@ -245,6 +251,7 @@ impl WorkerConfig {
                     disk_bytes: (self.disk_mb as i64) << 20,
                     tmp_bytes: (self.tmp_mb as i64) << 20,
                     user,
+                    pull_missing: self.pull_images,
                     pool: None,
                 };
                 if self.warm_pool > 0 {

@@ -944,3 +944,32 @@ async fn docker_limits_come_from_the_worker_settings() {
         factory.remove_leftovers().await;
     }
 }
+
+/// An image the engine lacks: an error naming it at once, or, with `pull_missing`
+/// (`[worker] pull_images`, for engines that start empty), a pull from its registry whose
+/// failure names the image and the registry's answer; no container is left either way.
+/// (No registry is reachable on the project's machines, so only the failing pull can be
+/// tested here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_image_fails_clearly_with_and_without_pulling() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-pull-{}", std::process::id());
+    // Port 9 (discard) on loopback: nothing answers, so the pull fails at once.
+    let image = "127.0.0.1:9/tutor/absent:never";
+    let mut s = ContainerSpec::new(image, &run, "test-worker", "e1");
+    match DockerSandbox::create(&d, &s, &task()).await {
+        Err(DockerError::MissingImage(i)) => assert_eq!(i, image),
+        Err(e) => panic!("expected MissingImage, got {e}"),
+        Ok(_) => panic!("a sandbox from an image that does not exist"),
+    }
+    s.pull_missing = true;
+    match DockerSandbox::create(&d, &s, &task()).await {
+        Err(e @ DockerError::PullFailed { .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains(image) && msg.contains("127.0.0.1:9"), "{msg}");
+        }
+        Err(e) => panic!("expected PullFailed, got {e}"),
+        Ok(_) => panic!("a sandbox from an image that does not exist"),
+    }
+    assert_eq!(containers_of(&d, &run).await, 0);
+}

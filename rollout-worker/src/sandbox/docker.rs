@@ -205,6 +205,8 @@ pub enum DockerError {
         "image {0} is not present; build it with `make images` (no registry is reachable here)"
     )]
     MissingImage(String),
+    #[error("image {image} is not present and pulling it failed: {error}")]
+    PullFailed { image: String, error: String },
     #[error("docker: {0}")]
     Api(#[from] bollard::errors::Error),
     #[error("sandbox shell: {0}")]
@@ -255,6 +257,10 @@ pub struct ContainerSpec {
     /// The size of /tmp's tmpfs (read-only root only; the tools and the bookkeeping git
     /// directory live there too).
     pub tmp_bytes: i64,
+    /// Pull [`Self::image`] from its registry when the engine lacks it (`[worker]
+    /// pull_images`): a Kubernetes worker pod's engine sidecar starts with no image. Off,
+    /// a missing image is an error at once.
+    pub pull_missing: bool,
 }
 
 /// /dev/shm's size (Docker's default, set explicitly): the shell's per-command state
@@ -280,6 +286,7 @@ impl ContainerSpec {
             // disk leaves the processes 0.7 GiB.
             disk_bytes: 1 << 30,
             tmp_bytes: 256 << 20,
+            pull_missing: false,
         }
     }
 
@@ -371,6 +378,52 @@ pub async fn connect() -> Result<Docker, DockerError> {
         .await
         .map_err(|e| DockerError::Unreachable(e.to_string()))?;
     Ok(docker)
+}
+
+/// How long one image pull may take before the sandbox gives up on it.
+const PULL_LIMIT: Duration = Duration::from_secs(1800);
+
+/// Pulls `image` (`name[:tag]`, `name@digest`) from its registry with the engine's own
+/// credentials, logging progress once per layer; the engine deduplicates concurrent pulls
+/// of one image. Errors name the image.
+pub async fn pull(docker: &Docker, image: &str) -> Result<(), DockerError> {
+    use futures::StreamExt;
+    let failed = |error: String| DockerError::PullFailed {
+        image: image.to_string(),
+        error,
+    };
+    tracing::info!(%image, "pulling the sandbox image (not present on the engine)");
+    let options = bollard::query_parameters::CreateImageOptionsBuilder::default()
+        .from_image(image)
+        .build();
+    let started = std::time::Instant::now();
+    let mut layers = std::collections::HashSet::new();
+    let mut stream = docker.create_image(Some(options), None, None);
+    let drained = tokio::time::timeout(PULL_LIMIT, async {
+        while let Some(item) = stream.next().await {
+            let info = item.map_err(|e| failed(e.to_string()))?;
+            if let Some(e) = info.error_detail.and_then(|d| d.message) {
+                return Err(failed(e));
+            }
+            if let (Some(id), Some(status)) = (info.id, info.status) {
+                if status.starts_with("Pull complete") && layers.insert(id.clone()) {
+                    tracing::info!(%image, layer = %id, "layer pulled");
+                }
+            }
+        }
+        Ok(())
+    })
+    .await;
+    match drained {
+        Err(_) => return Err(failed(format!("not done after {PULL_LIMIT:?}"))),
+        Ok(r) => r?,
+    }
+    docker
+        .inspect_image(image)
+        .await
+        .map_err(|e| failed(format!("pulled, but the engine does not show it: {e}")))?;
+    tracing::info!(%image, seconds = started.elapsed().as_secs_f64(), "sandbox image pulled");
+    Ok(())
 }
 
 /// How often `DockerSandbox::remove` asks the engine before it gives up (waiting 0.25 s,
@@ -534,7 +587,10 @@ impl DockerSandbox {
         labels: HashMap<String, String>,
     ) -> Result<Self, DockerError> {
         if docker.inspect_image(&spec.image).await.is_err() {
-            return Err(DockerError::MissingImage(spec.image.clone()));
+            if !spec.pull_missing {
+                return Err(DockerError::MissingImage(spec.image.clone()));
+            }
+            pull(docker, &spec.image).await?;
         }
         let body = |host_config| ContainerCreateBody {
             image: Some(spec.image.clone()),

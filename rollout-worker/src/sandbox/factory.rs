@@ -80,6 +80,8 @@ pub struct DockerSettings {
     pub disk_bytes: i64,
     pub tmp_bytes: i64,
     pub user: (u32, u32),
+    /// Pull an image the engine lacks (see [`ContainerSpec::pull_missing`]).
+    pub pull_missing: bool,
     /// Started containers kept ready per image (`[worker] warm_pool`); `None`: every
     /// sandbox is created on demand.
     pub pool: Option<WarmPool>,
@@ -102,6 +104,7 @@ impl DockerSettings {
         spec.disk_bytes = self.disk_bytes;
         spec.tmp_bytes = self.tmp_bytes;
         spec.user = self.user;
+        spec.pull_missing = self.pull_missing;
         spec
     }
 }
