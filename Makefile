@@ -14,7 +14,7 @@ export PATH := $(VENV)/bin:$(PATH)
 export TUTOR_PYTHON := $(VENV)/bin/python
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: setup sandbox-tools build release images image image-gpu compose-test compose-up compose-down compose-clean quickstart test check-layout bench-ingest bench-policy clean-runs help
+.PHONY: setup sandbox-tools build release images image image-gpu compose-test compose-up compose-down compose-clean compose-logs compose-ps quickstart test check-layout bench-ingest bench-policy clean-runs help
 
 help:
 	@echo "make quickstart   set up, build (release) and run configs/quickstart.toml"
@@ -80,8 +80,9 @@ images:
 # binary has its own target folder, so the two builds do not undo each other.
 IMAGE ?= tutor/tutor:latest
 IMAGE_GPU ?= tutor/tutor:gpu
-image: release images
+image: setup images
 	@if docker info >/dev/null 2>&1; then \
+		$(MAKE) --no-print-directory release && \
 		build/need-package.sh patchelf "command -v patchelf" "points the image's binary at its libraries" && \
 		PYTHON=$(VENV)/bin/python deploy/docker/build-image.sh cpu $(IMAGE) target/release/tutor; \
 	else \
@@ -89,34 +90,53 @@ image: release images
 	fi
 
 image-gpu: setup images
+	@docker info >/dev/null 2>&1 || { echo "no Docker engine reachable: cannot build $(IMAGE_GPU)"; exit 1; }
 	cargo build --release --bin tutor --features nccl --target-dir target/gpu
 	@build/need-package.sh patchelf "command -v patchelf" "points the image's binary at its libraries"
 	PYTHON=$(VENV)/bin/python deploy/docker/build-image.sh gpu $(IMAGE_GPU) target/gpu/release/tutor
 
 # docker-compose: Debian's docker-compose 1.x or the `docker compose` plugin, whichever is
-# installed. The stack's token is made once and kept in .tutor/compose-token.
+# installed. The stack's token is made once and kept in .tutor/compose-token, the workers'
+# (derived from it) in .tutor/compose-worker-token.
 COMPOSE := $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 COMPOSE_FILE := deploy/compose/docker-compose.yml
 COMPOSE_PROJECT ?= tutor
 WORKERS ?= 3
-compose-env = TUTOR_AUTH_TOKEN="$$(cat .tutor/compose-token)" DOCKER_GID="$$(stat -c %g /var/run/docker.sock)" \
-	TUTOR_RUN=$(COMPOSE_PROJECT) TUTOR_IMAGE=$(IMAGE)
+DOCKER_SOCKET ?= /var/run/docker.sock
+compose-env = TUTOR_AUTH_TOKEN="$$(cat .tutor/compose-token)" TUTOR_WORKER_TOKEN="$$(cat .tutor/compose-worker-token)" \
+	DOCKER_GID="$$(stat -c %g $(DOCKER_SOCKET))" \
+	DOCKER_SOCKET=$(DOCKER_SOCKET) TUTOR_RUN=$(COMPOSE_PROJECT) TUTOR_IMAGE=$(IMAGE)
+compose = $(compose-env) $(COMPOSE) -f $(COMPOSE_FILE) -p $(COMPOSE_PROJECT)
 
 .tutor/compose-token:
 	@mkdir -p .tutor && umask 077 && head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > $@
 
-compose-up: image .tutor/compose-token
-	$(compose-env) $(COMPOSE) -f $(COMPOSE_FILE) -p $(COMPOSE_PROJECT) up -d --scale worker=$(WORKERS)
-	@echo "metrics: http://$$($(compose-env) $(COMPOSE) -f $(COMPOSE_FILE) -p $(COMPOSE_PROJECT) port coordinator 9300)/metrics"
-	@echo "logs:    $(COMPOSE) -f $(COMPOSE_FILE) -p $(COMPOSE_PROJECT) logs -f"
+# The workers' token, derived from the run's (they get only this one).
+.tutor/compose-worker-token: .tutor/compose-token
+	@umask 077 && docker run --rm -e TUTOR_AUTH_TOKEN="$$(cat $<)" $(IMAGE) worker-token > $@
+
+compose-up: image .tutor/compose-worker-token
+	$(compose) up -d --scale worker=$(WORKERS)
+	@echo "metrics: http://$$($(compose) port coordinator 9300)/metrics"
+	@echo "logs:    make compose-logs   (status: make compose-ps)"
+
+compose-logs: .tutor/compose-worker-token
+	$(compose) logs -f --tail 50
+
+compose-ps: .tutor/compose-worker-token
+	$(compose) ps
 
 # Down keeps the run's volume (the store, checkpoints, published versions); compose-clean
-# removes it too.
-compose-down: .tutor/compose-token
-	$(compose-env) $(COMPOSE) -f $(COMPOSE_FILE) -p $(COMPOSE_PROJECT) down --remove-orphans
+# removes it too. Both remove the run's sandbox containers that are left: a worker removes
+# its own when it stops, but a killed worker's are only removed by a successor of the same
+# name, and a recreated container has a new name.
+compose-down: .tutor/compose-worker-token
+	$(compose) down --remove-orphans
+	@docker ps -aq --filter label=tutor.run=$(COMPOSE_PROJECT) | xargs -r docker rm -f >/dev/null
 
-compose-clean: .tutor/compose-token
-	$(compose-env) $(COMPOSE) -f $(COMPOSE_FILE) -p $(COMPOSE_PROJECT) down -v --remove-orphans
+compose-clean: .tutor/compose-worker-token
+	$(compose) down -v --remove-orphans
+	@docker ps -aq --filter label=tutor.run=$(COMPOSE_PROJECT) | xargs -r docker rm -f >/dev/null
 
 # The stack end to end (tests/tests/compose.rs): built from scratch where no image exists.
 compose-test: check-layout build image

@@ -47,18 +47,25 @@ case "$variant" in
     patchelf --set-rpath /opt/tutor/lib "$ctx/tutor"
     # What the dynamic loader resolves to the wheel's folders goes into lib/; the rest
     # (libc, libstdc++, libgcc_s, libm) is the base's.
-    LD_LIBRARY_PATH="$torch_lib" ldd "$ctx/tutor" | awk '/=>/ {print $3}' | while read -r path; do
-      case "$path" in
-        "$site"/*) cp -L "$path" "$ctx/lib/" ;;
-        "not") echo "a library of the binary is not found: ldd says" >&2
-               LD_LIBRARY_PATH="$torch_lib" ldd "$ctx/tutor" >&2; exit 1 ;;
-      esac
-    done
-    if LD_LIBRARY_PATH="$ctx/lib" ldd "$ctx/tutor" | grep -q "not found"; then
-      echo "the staged libraries leave symbols unresolved:" >&2
-      LD_LIBRARY_PATH="$ctx/lib" ldd "$ctx/tutor" | grep "not found" >&2
+    # (ldd's answers go to files first: `ldd | grep -q` can lose a match to SIGPIPE.)
+    LD_LIBRARY_PATH="$torch_lib" ldd "$ctx/tutor" >"$ctx/ldd-host.txt"
+    if grep -q "not found" "$ctx/ldd-host.txt"; then
+      echo "a library of the binary is not found: ldd says" >&2
+      cat "$ctx/ldd-host.txt" >&2
       exit 1
     fi
+    awk '/=>/ {print $3}' "$ctx/ldd-host.txt" | while read -r path; do
+      case "$path" in
+        "$site"/*) cp -L "$path" "$ctx/lib/" ;;
+      esac
+    done
+    LD_LIBRARY_PATH="$ctx/lib" ldd "$ctx/tutor" >"$ctx/ldd-staged.txt"
+    if grep -q "not found" "$ctx/ldd-staged.txt"; then
+      echo "the staged libraries leave symbols unresolved:" >&2
+      grep "not found" "$ctx/ldd-staged.txt" >&2
+      exit 1
+    fi
+    rm -f "$ctx/ldd-host.txt" "$ctx/ldd-staged.txt"
     ;;
   gpu)
     # Everything: CUDA loads much of itself lazily (cuDNN's sub-libraries, NVRTC, the

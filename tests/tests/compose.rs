@@ -178,12 +178,18 @@ fn metrics(addr: &str) -> Option<BTreeMap<String, f64>> {
     (!m.is_empty()).then_some(m)
 }
 
-fn wait_for(what: &str, limit: Duration, stack: &Stack, mut f: impl FnMut() -> bool) -> Duration {
+/// The whole test's deadline: under nextest's kill (8 × 120 s, .config/nextest.toml), so
+/// a hung stack ends in a panic, whose unwinding runs `Stack::drop` (`down -v`), rather
+/// than in a SIGKILL that would leave the stack behind.
+const DEADLINE: Duration = Duration::from_secs(840);
+
+fn wait_for(what: &str, started: Instant, stack: &Stack, mut f: impl FnMut() -> bool) -> Duration {
     let t = Instant::now();
     while !f() {
-        if t.elapsed() > limit {
+        if started.elapsed() > DEADLINE {
             panic!(
-                "timed out after {limit:?} waiting for {what}\n--- the stack's logs ---\n{}",
+                "the test's {DEADLINE:?} ran out waiting for {what} (waited {:?})\n--- the stack's logs ---\n{}",
+                t.elapsed(),
                 stack.logs()
             );
         }
@@ -231,13 +237,38 @@ fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
             .unwrap();
         b.iter().map(|x| format!("{x:02x}")).collect()
     };
+    // The workers get their own token, derived from the run's by the image's binary.
+    let worker_token = ok(
+        &run(Command::new("docker")
+            .args([
+                "run",
+                "--rm",
+                "-e",
+                "TUTOR_AUTH_TOKEN",
+                IMAGE,
+                "worker-token",
+            ])
+            .env("TUTOR_AUTH_TOKEN", &token)),
+        "tutor worker-token",
+    )
+    .trim()
+    .to_string();
+    assert!(!worker_token.is_empty() && worker_token != token);
     let mut stack = Stack {
         tool: compose_tool(),
         env: vec![
             ("TUTOR_AUTH_TOKEN".into(), token),
+            ("TUTOR_WORKER_TOKEN".into(), worker_token),
             ("DOCKER_GID".into(), gid.to_string()),
             ("TUTOR_RUN".into(), project.clone()),
             ("TUTOR_IMAGE".into(), IMAGE.into()),
+            // The checks read the workers' info lines; the stack's own config and socket.
+            ("RUST_LOG".into(), "info".into()),
+            (
+                "TUTOR_COMPOSE_CONFIG".into(),
+                compose_dir().join("config.toml").display().to_string(),
+            ),
+            ("DOCKER_SOCKET".into(), socket.into()),
         ],
         project: project.clone(),
         down: false,
@@ -260,22 +291,43 @@ fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
     );
 
     // One worker dies while the first iteration's episodes stream in, and comes back.
-    wait_for(
-        "the first stored episodes",
-        Duration::from_secs(300),
-        &stack,
-        || metric(&addr, "tutor_coordinator_episodes_completed_total") >= 2.0,
-    );
+    wait_for("the first stored episodes", started, &stack, || {
+        metric(&addr, "tutor_coordinator_episodes_completed_total") >= 2.0
+    });
     let workers = stack.containers("worker");
     assert_eq!(workers.len(), 3, "three worker containers: {workers:?}");
-    let victim = workers[0].clone();
+    // The victim is a worker in the middle of an episode (one of its sandboxes is up):
+    // its lease must expire and the episode run again elsewhere.
+    let mut victim = String::new();
+    wait_for("a worker with a sandbox up", started, &stack, || {
+        let busy = docker(&[
+            "ps",
+            "--filter",
+            &format!("label=tutor.run={project}"),
+            "--format",
+            "{{.Label \"tutor.worker\"}}",
+        ]);
+        let names = lines(&String::from_utf8_lossy(&busy.stdout));
+        // A worker's name is its container's host name: the short container id.
+        match workers.iter().find(|w| {
+            names
+                .iter()
+                .any(|n| !n.is_empty() && w.starts_with(n.as_str()))
+        }) {
+            Some(w) => {
+                victim = w.clone();
+                true
+            }
+            None => false,
+        }
+    });
     ok(&docker(&["kill", &victim]), "docker kill");
     log(&format!("docker kill worker {victim}"));
     ok(&docker(&["start", &victim]), "docker start");
     log("started it again");
 
     // A fourth worker joins during a later iteration.
-    wait_for("iteration 1", Duration::from_secs(400), &stack, || {
+    wait_for("iteration 1", started, &stack, || {
         metric(&addr, "tutor_coordinator_iteration") >= 1.0
     });
     ok(
@@ -294,12 +346,9 @@ fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
     assert_eq!(workers.len(), 4, "four worker containers: {workers:?}");
     log("scaled to 4 workers");
 
-    let took = wait_for(
-        "the run to finish",
-        Duration::from_secs(600),
-        &stack,
-        || metric(&addr, "tutor_coordinator_run_finished") >= 1.0,
-    );
+    let took = wait_for("the run to finish", started, &stack, || {
+        metric(&addr, "tutor_coordinator_run_finished") >= 1.0
+    });
     log(&format!(
         "run finished ({:.0}s after the scale-up)",
         took.as_secs_f64()
@@ -312,17 +361,12 @@ fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
     );
 
     // Workers leave on their own when the run is over, successfully.
-    wait_for(
-        "the workers to exit",
-        Duration::from_secs(120),
-        &stack,
-        || {
-            workers.iter().all(|w| {
-                let out = docker(&["inspect", "-f", "{{.State.Running}}", w]);
-                String::from_utf8_lossy(&out.stdout).trim() == "false"
-            })
-        },
-    );
+    wait_for("the workers to exit", started, &stack, || {
+        workers.iter().all(|w| {
+            let out = docker(&["inspect", "-f", "{{.State.Running}}", w]);
+            String::from_utf8_lossy(&out.stdout).trim() == "false"
+        })
+    });
     for w in &workers {
         let code = ok(
             &docker(&["inspect", "-f", "{{.State.ExitCode}}", w]),
@@ -383,6 +427,12 @@ fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
     );
     let run_dir = copy.path().join("run");
     let abandoned = check_store(&run_dir);
+    // The killed worker held a lease (its sandbox was up); it expired and the episode
+    // was leased again (the store check above saw its slot completed exactly once).
+    assert!(
+        metric(&addr, "tutor_coordinator_lease_expiries_total") >= 1.0,
+        "the killed worker was mid-episode, yet no lease expired"
+    );
     log(&format!(
         "store checked: every planned episode once, complete; {abandoned} abandoned attempt(s), {} lease expiries",
         metric(&addr, "tutor_coordinator_lease_expiries_total")

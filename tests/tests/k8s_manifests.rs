@@ -1620,7 +1620,7 @@ fn overlays_render_to_api_objects_whose_references_resolve() {
                 assert_eq!(learner_gpus, None, "{overlay}: no GPUs");
                 assert_eq!(
                     tutor_images(&r),
-                    BTreeSet::from(["tutor/tutor:latest".to_string()])
+                    BTreeSet::from(["registry.invalid/tutor:latest".to_string()])
                 );
             }
             _ => {
@@ -1634,18 +1634,18 @@ fn overlays_render_to_api_objects_whose_references_resolve() {
                 assert!(has_memory_shm(learner, c), "{overlay}: /dev/shm in memory");
                 assert_eq!(
                     tutor_images(&r),
-                    BTreeSet::from(["tutor/tutor:gpu".to_string()])
+                    BTreeSet::from(["registry.invalid/tutor:gpu".to_string()])
                 );
             }
         }
-        // The secret came from the placeholder example: both keys, no real token.
+        // The secret came from the placeholder example: all three keys, no real token.
         let secret = r
             .secrets
             .iter()
             .find(|s| name_of(&s.metadata) == "tutor-secrets")
             .unwrap();
         let keys: Vec<&String> = secret.data.as_ref().unwrap().keys().collect();
-        assert_eq!(keys, ["auth-token", "teacher-api-key"]);
+        assert_eq!(keys, ["auth-token", "teacher-api-key", "worker-token"]);
     }
 }
 

@@ -111,78 +111,157 @@ pub fn prepare(config: &RunConfig, config_text: &str) -> Result<PreparedRun> {
     result
 }
 
-/// The file a finished preparation leaves in its run directory: the config it was made
-/// from. Written last, so a directory without it is a preparation that was cut off.
+/// The file a finished preparation leaves in its run directory: the settings it was made
+/// from (`[tasks]` and `[model]`, environment overrides applied, as TOML). Written last,
+/// so a directory without it is a preparation that was cut off.
 const PREPARED_MARK: &str = "prepared.toml";
+
+/// What a preparation writes into its run directory (besides [`PREPARED_MARK`]): the
+/// leftovers of a cut-off one, which a new preparation may clear.
+const PREPARED_ENTRIES: [&str; 4] = ["config.toml", "tasks", "model", "logs"];
+
+/// The settings the prepared files depend on: tasks (which, how many, the seed) and the
+/// model (its size, or the checkpoint it starts from). Comments, the other sections and
+/// how the file is laid out do not change them.
+fn preparation_key(config: &RunConfig) -> Result<String> {
+    #[derive(serde::Serialize)]
+    struct Key<'a> {
+        tasks: &'a crate::config::TasksSection,
+        model: &'a crate::config::ModelSection,
+    }
+    toml::to_string(&Key {
+        tasks: &config.tasks,
+        model: &config.model,
+    })
+    .context("writing the preparation's settings")
+}
+
+/// A name no other preparer picks (containers all run as PID 1).
+fn unique_suffix() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    format!("{}-{nanos}", std::process::id())
+}
 
 /// Prepares the run of `config` at exactly `dir` (containers and pods, where every role
 /// must find the run at a path fixed in advance). Idempotent: when `dir` already holds a
-/// finished preparation from the same config text it is used as it is (a restarted init
-/// container changes nothing); from a different config, it is an error that names both
-/// files. The preparation is built beside `dir` and renamed into place, so a cut-off one
-/// leaves no half-filled run directory behind. Preparing is deterministic (tasks from the
-/// seed, the tokenizer from the tasks), so pods that each prepare their own copy from the
-/// same config agree on every file.
+/// finished preparation made with the same `[tasks]` and `[model]` settings it is used as
+/// it is (a restarted init container changes nothing, and a changed `[coordinator]` or a
+/// new comment does not stop it); with other settings, it is an error that names the
+/// file. The files are made in a staging folder and moved into place with the mark
+/// last, so a cut-off preparation is never taken for a finished one, and the next
+/// preparation clears what it left. `dir` may be an empty mount point (`lost+found`
+/// aside). Preparing is deterministic (tasks from the seed, the tokenizer from the tasks),
+/// so pods that each prepare their own copy from the same config agree on every file.
 pub fn prepare_at(config: &RunConfig, config_text: &str, dir: &Path) -> Result<PreparedRun> {
+    let key = preparation_key(config)?;
     let mark = dir.join(PREPARED_MARK);
     if mark.exists() {
-        let before = std::fs::read_to_string(&mark)
-            .with_context(|| format!("reading {}", mark.display()))?;
-        if before != config_text {
-            anyhow::bail!(
-                "{} was prepared from a different config (its copy is {}): use another \
-                 --run-dir, or delete that directory to start the run over",
-                dir.display(),
-                mark.display()
-            );
-        }
-        return reopen(dir);
+        return reuse(dir, &mark, &key);
     }
-    if dir.exists() && std::fs::read_dir(dir)?.next().is_some() {
-        anyhow::bail!(
-            "{} exists, is not empty and holds no finished preparation ({PREPARED_MARK} is \
-             missing): refusing to write into it",
-            dir.display()
-        );
+    if dir.exists() {
+        // Only an empty directory, or the leftovers of a cut-off preparation, may be
+        // written into.
+        for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+            let name = entry?.file_name();
+            let name = name.to_string_lossy();
+            let ours = PREPARED_ENTRIES.contains(&name.as_ref())
+                || name.starts_with(".preparing-")
+                || name == "lost+found";
+            if !ours {
+                anyhow::bail!(
+                    "{} is not empty ({name} is there) and holds no finished preparation \
+                     ({PREPARED_MARK} is missing): refusing to write into it",
+                    dir.display()
+                );
+            }
+        }
     }
     let (train, heldout) = tasks_for(config)?;
     if train.is_empty() {
         anyhow::bail!("the run has no training tasks");
     }
-    let name = dir
-        .file_name()
-        .with_context(|| format!("--run-dir {} has no final component", dir.display()))?;
-    let parent = match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    std::fs::create_dir_all(&parent).with_context(|| format!("creating {}", parent.display()))?;
-    let staging = parent.join(format!(
-        ".{}.preparing-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&staging);
-    let filled = fill(config, config_text, &staging, &train, &heldout).and_then(|_| {
-        std::fs::write(staging.join(PREPARED_MARK), config_text)
-            .context("writing the preparation mark")?;
-        if dir.exists() {
-            // An empty directory (a volume's mount point, say): move the contents in.
-            for entry in std::fs::read_dir(&staging)? {
-                let entry = entry?;
-                std::fs::rename(entry.path(), dir.join(entry.file_name()))?;
+    let suffix = unique_suffix();
+    if dir.exists() {
+        // The staging folders of cut-off preparations.
+        for entry in std::fs::read_dir(dir)? {
+            let entry = entry?;
+            if entry
+                .file_name()
+                .to_string_lossy()
+                .starts_with(".preparing-")
+            {
+                let _ = std::fs::remove_dir_all(entry.path());
             }
-            std::fs::remove_dir(&staging)?;
-        } else {
-            std::fs::rename(&staging, dir)
-                .with_context(|| format!("moving the preparation to {}", dir.display()))?;
         }
-        Ok(())
-    });
-    if let Err(e) = filled {
+        // A mount point: stage inside it (a rename out of another filesystem fails).
+        let staging = dir.join(format!(".preparing-{suffix}"));
+        let filled = fill(config, config_text, &staging, &train, &heldout).and_then(|_| {
+            for name in PREPARED_ENTRIES {
+                let target = dir.join(name);
+                if target.exists() {
+                    std::fs::remove_dir_all(&target)
+                        .or_else(|_| std::fs::remove_file(&target))
+                        .with_context(|| format!("clearing {}", target.display()))?;
+                }
+                std::fs::rename(staging.join(name), &target)
+                    .with_context(|| format!("moving {} into place", target.display()))?;
+            }
+            write_mark(dir, &key)
+        });
         let _ = std::fs::remove_dir_all(&staging);
-        return Err(e);
+        filled?;
+    } else {
+        let name = dir
+            .file_name()
+            .with_context(|| format!("--run-dir {} has no final component", dir.display()))?;
+        let parent = match dir.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        std::fs::create_dir_all(&parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
+        let staging = parent.join(format!(".{}.preparing-{suffix}", name.to_string_lossy()));
+        let filled = fill(config, config_text, &staging, &train, &heldout)
+            .and_then(|_| write_mark(&staging, &key));
+        if let Err(e) = filled {
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(e);
+        }
+        if let Err(e) = std::fs::rename(&staging, dir) {
+            let _ = std::fs::remove_dir_all(&staging);
+            // Another preparer got there first: use its preparation if it matches.
+            if mark.exists() {
+                return reuse(dir, &mark, &key);
+            }
+            return Err(e).with_context(|| format!("moving the preparation to {}", dir.display()));
+        }
     }
+    reopen(dir)
+}
+
+/// Writes [`PREPARED_MARK`] into `dir` atomically (a temporary file renamed).
+fn write_mark(dir: &Path, key: &str) -> Result<()> {
+    let tmp = dir.join(format!(".{PREPARED_MARK}.{}", unique_suffix()));
+    std::fs::write(&tmp, key).context("writing the preparation mark")?;
+    std::fs::rename(&tmp, dir.join(PREPARED_MARK)).context("writing the preparation mark")
+}
+
+/// A finished preparation at `dir`, if it was made with the settings `key`.
+fn reuse(dir: &Path, mark: &Path, key: &str) -> Result<PreparedRun> {
+    let before =
+        std::fs::read_to_string(mark).with_context(|| format!("reading {}", mark.display()))?;
+    if before != key {
+        anyhow::bail!(
+            "{} was prepared with other [tasks] or [model] settings (they are in {}): use \
+             another --run-dir, or delete that directory to start the run over",
+            dir.display(),
+            mark.display()
+        );
+    }
+    tracing::info!(dir = %dir.display(), "the run directory is prepared already: using it");
     reopen(dir)
 }
 
@@ -342,9 +421,10 @@ vocab_size = 400
         assert_eq!(beside, vec![std::ffi::OsString::from("run")]);
     }
 
-    /// A restarted init container finds its run and changes nothing; another config at
-    /// the same path is refused with both files named; a non-empty foreign directory is
-    /// not written into; an empty one (a volume's mount point) is filled.
+    /// A restarted init container finds its run and changes nothing (also after an edit
+    /// that leaves [tasks] and [model] alone); other [tasks] settings at the same path are
+    /// refused naming the mark; a non-empty foreign directory is not written into; a
+    /// volume's mount point is filled, clearing a cut-off preparation's leftovers.
     #[test]
     fn prepare_at_reuses_refuses_and_fills_mount_points() {
         let tmp = tempfile::tempdir().unwrap();
@@ -361,11 +441,16 @@ vocab_size = 400
             "a second preparation rewrote the tokenizer"
         );
 
+        // A comment or another section changes nothing the preparation made.
+        let edited = format!("# tuned\n{CONFIG}\n[coordinator]\niterations = 3\n");
+        let (cfg3, text3) = load(tmp.path(), &edited);
+        prepare_at(&cfg3, &text3, &dir).unwrap();
+
         let other = CONFIG.replace("seed = 4", "seed = 5");
         let (cfg2, text2) = load(tmp.path(), &other);
         let e = prepare_at(&cfg2, &text2, &dir).unwrap_err().to_string();
         assert!(
-            e.contains("different config") && e.contains(PREPARED_MARK),
+            e.contains("other [tasks] or [model] settings") && e.contains(PREPARED_MARK),
             "{e}"
         );
 
@@ -376,10 +461,32 @@ vocab_size = 400
         assert!(e.contains("not empty"), "{e}");
         assert_eq!(std::fs::read_dir(&foreign).unwrap().count(), 1);
 
+        // A fresh volume (lost+found in it) holding the leftovers of a cut-off
+        // preparation: cleared and prepared, nothing of the staging left.
         let mount = tmp.path().join("mount");
-        std::fs::create_dir_all(&mount).unwrap();
+        std::fs::create_dir_all(mount.join("lost+found")).unwrap();
+        std::fs::create_dir_all(mount.join("tasks")).unwrap();
+        std::fs::write(mount.join("tasks/train.jsonl"), "half a line").unwrap();
+        std::fs::create_dir_all(mount.join(".preparing-1-2/model")).unwrap();
         let p = prepare_at(&cfg, &text, &mount).unwrap();
         assert!(p.model_dir.join("tokenizer.json").exists());
+        assert_eq!(p.n_train, 12);
         assert!(mount.join(PREPARED_MARK).exists());
+        let mut left: Vec<String> = std::fs::read_dir(&mount)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                "config.toml",
+                "logs",
+                "lost+found",
+                "model",
+                PREPARED_MARK,
+                "tasks"
+            ]
+        );
     }
 }

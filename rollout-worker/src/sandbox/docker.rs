@@ -365,10 +365,12 @@ impl ContainerSpec {
 /// 1: yes, 2: no): learnt from the first writable-root container, for the process.
 static STORAGE_QUOTA: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
-/// Connects to the local engine and checks it answers.
+/// Connects to the engine `DOCKER_HOST` names (`unix://PATH`, or `tcp://HOST:PORT` such
+/// as a Kubernetes worker pod's Docker sidecar; default the local socket) and checks it
+/// answers.
 pub async fn connect() -> Result<Docker, DockerError> {
-    let docker = Docker::connect_with_local_defaults()
-        .map_err(|e| DockerError::Unreachable(e.to_string()))?;
+    let docker =
+        Docker::connect_with_defaults().map_err(|e| DockerError::Unreachable(e.to_string()))?;
     let docker = docker
         .negotiate_version()
         .await
@@ -383,9 +385,10 @@ pub async fn connect() -> Result<Docker, DockerError> {
 /// How long one image pull may take before the sandbox gives up on it.
 const PULL_LIMIT: Duration = Duration::from_secs(1800);
 
-/// Pulls `image` (`name[:tag]`, `name@digest`) from its registry with the engine's own
-/// credentials, logging progress once per layer; the engine deduplicates concurrent pulls
-/// of one image. Errors name the image.
+/// Pulls `image` (`name[:tag]`, `name@digest`; no tag means `latest`) from its registry,
+/// logging progress once per layer; the engine deduplicates concurrent pulls of one
+/// image. No credentials are sent: the registry must allow anonymous pulls (or be a
+/// mirror the engine is configured with). Errors name the image.
 pub async fn pull(docker: &Docker, image: &str) -> Result<(), DockerError> {
     use futures::StreamExt;
     let failed = |error: String| DockerError::PullFailed {
@@ -393,8 +396,15 @@ pub async fn pull(docker: &Docker, image: &str) -> Result<(), DockerError> {
         error,
     };
     tracing::info!(%image, "pulling the sandbox image (not present on the engine)");
+    // Without a tag or digest the engine would pull every tag of the repository.
+    let last = image.rsplit('/').next().unwrap_or(image);
+    let reference = if last.contains(':') || last.contains('@') {
+        image.to_string()
+    } else {
+        format!("{image}:latest")
+    };
     let options = bollard::query_parameters::CreateImageOptionsBuilder::default()
-        .from_image(image)
+        .from_image(&reference)
         .build();
     let started = std::time::Instant::now();
     let mut layers = std::collections::HashSet::new();
