@@ -21,7 +21,7 @@ help:
 	@echo "make test         set up, build and run the whole test suite (check-layout first)"
 	@echo "make sandbox-tools install bubblewrap (confines local sandboxes) and the plots' font (part of setup)"
 	@echo "make image        the tutor image (every role, CPU libtorch) from the release binary: $(IMAGE)"
-	@echo "make image-gpu    the same with CUDA libtorch and NCCL: $(IMAGE_GPU) (about 5 GB)"
+	@echo "make image-gpu    the same with CUDA libtorch and NCCL: $(IMAGE_GPU) (about 4 GB)"
 	@echo "make compose-test images, then the docker-compose stack's DAgger run with a killed and an added worker"
 	@echo "make compose-up   start the docker-compose stack (deploy/compose), 3 workers; make compose-down stops it (the run's volume stays; compose-clean removes it)"
 	@echo "make check-layout no unused dependencies, no files of a crate importing each other"
