@@ -12,7 +12,6 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{coordinator_state, wait_until, Role};
-use tutor_proto::episode_event::Event;
 
 const ITERATIONS: u32 = 3;
 const EPISODES: u32 = 6;
@@ -391,70 +390,14 @@ fn run_survives_killed_workers_learner_and_coordinator() {
     // turns; each planned episode slot has exactly one complete episode; the only
     // incomplete episodes are attempts abandoned by a killed worker, whose slot was
     // completed by another attempt.
-    let (events, _) =
-        tutor_coordinator::store::scan(&run_dir.join("trajectories/events.log")).unwrap();
-    let mut turns: BTreeMap<String, BTreeSet<u32>> = BTreeMap::new();
-    let mut outcomes: BTreeMap<String, u32> = BTreeMap::new();
-    let mut turn_events = 0;
-    for ev in &events {
-        match ev.event.as_ref().unwrap() {
-            Event::Turn(t) => {
-                turn_events += 1;
-                assert!(
-                    turns
-                        .entry(ev.episode_id.clone())
-                        .or_default()
-                        .insert(t.turn_index),
-                    "turn stored twice: {} {}",
-                    ev.episode_id,
-                    t.turn_index
-                );
-            }
-            Event::Outcome(o) => {
-                assert!(
-                    outcomes
-                        .insert(ev.episode_id.clone(), o.num_turns)
-                        .is_none(),
-                    "outcome stored twice: {}",
-                    ev.episode_id
-                );
-            }
-        }
-    }
-    // "it000-train0003-g0a1" → "it000-train0003": the planned slot.
-    let slot = |id: &str| id.rsplit_once('-').unwrap().0.to_string();
-    let mut complete_by_slot: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for (id, n) in &outcomes {
-        let got = turns.get(id).cloned().unwrap_or_default();
-        assert_eq!(
-            got,
-            (0..*n).collect::<BTreeSet<u32>>(),
-            "episode {id} is stored with turns {got:?} but its outcome says {n} turns"
-        );
-        complete_by_slot
-            .entry(slot(id))
-            .or_default()
-            .push(id.clone());
-    }
-    let abandoned: Vec<&String> = turns
-        .keys()
-        .filter(|id| !outcomes.contains_key(*id))
-        .collect();
-    for id in &abandoned {
-        assert!(
-            complete_by_slot.contains_key(&slot(id)),
-            "episode {id} was left incomplete and its slot never completed"
-        );
-    }
+    let stored = common::check_store(&run_dir);
     assert_eq!(
-        complete_by_slot.len() as u32,
+        stored.completed_slots.len() as u32,
         ITERATIONS * EPISODES,
-        "planned episodes with a complete attempt: {complete_by_slot:?}"
+        "planned episodes with a complete attempt: {:?}",
+        stored.completed_slots
     );
-    for (s, ids) in &complete_by_slot {
-        assert_eq!(ids.len(), 1, "slot {s} completed more than once: {ids:?}");
-    }
-    let complete: BTreeSet<String> = outcomes.keys().cloned().collect();
+    let complete: BTreeSet<String> = stored.outcomes.keys().cloned().collect();
 
     // The learner: every batch of every iteration applied (steps 0..n, the last one
     // publishing), none twice (its optimizer step count equals the distinct batches with
@@ -558,11 +501,11 @@ fn run_survives_killed_workers_learner_and_coordinator() {
         } else {
             "after a publish"
         },
-        events.len(),
-        turn_events,
+        stored.events,
+        stored.turn_events,
         complete.len(),
         ITERATIONS * EPISODES,
-        abandoned.len(),
+        stored.abandoned.len(),
         batches_total,
         with_labels,
         trained_episodes.len()

@@ -12,13 +12,13 @@
 //! `make images` (the sandbox image); `make compose-test` and `make test` build both first.
 //! Where no Docker engine answers, it says SKIPPED, like the other Docker tests.
 
-use std::collections::{BTreeMap, BTreeSet};
+mod common;
+
+use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
-
-use tutor_proto::episode_event::Event;
 
 const IMAGE: &str = "tutor/tutor:latest";
 const SANDBOX_IMAGE: &str = "tutor/python-task:latest";
@@ -483,56 +483,16 @@ fn workers_added<'a>(workers: &'a [String], victim: &str) -> &'a str {
     newest
 }
 
-/// Every (episode, turn) stored once; every outcome once and with all its turns; each
-/// planned training slot completed exactly once; the episodes of iteration i rolled out
-/// with version i. Returns the number of abandoned attempts (a killed worker's).
+/// The store's invariants (`common::check_store`), every planned training slot
+/// completed, and the episodes of iteration i rolled out with version i. Returns the
+/// number of abandoned attempts (a killed worker's).
 fn check_store(run_dir: &Path) -> usize {
-    let (events, _) =
-        tutor_coordinator::store::scan(&run_dir.join("trajectories/events.log")).unwrap();
-    let mut turns: BTreeMap<String, BTreeSet<u32>> = BTreeMap::new();
-    let mut outcomes: BTreeMap<String, (u32, u64)> = BTreeMap::new();
-    for ev in &events {
-        match ev.event.as_ref().unwrap() {
-            Event::Turn(t) => assert!(
-                turns
-                    .entry(ev.episode_id.clone())
-                    .or_default()
-                    .insert(t.turn_index),
-                "turn stored twice: {} {}",
-                ev.episode_id,
-                t.turn_index
-            ),
-            Event::Outcome(o) => assert!(
-                outcomes
-                    .insert(ev.episode_id.clone(), (o.num_turns, o.policy_version))
-                    .is_none(),
-                "outcome stored twice: {}",
-                ev.episode_id
-            ),
-        }
-    }
-    // "it001-train0003-g0a1" → "it001-train0003", the planned slot.
-    let slot = |id: &str| id.rsplit_once('-').unwrap().0.to_string();
-    let mut complete: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for (id, (n, _)) in &outcomes {
-        let got = turns.get(id).cloned().unwrap_or_default();
-        assert_eq!(
-            got,
-            (0..*n).collect::<BTreeSet<u32>>(),
-            "episode {id} is stored with turns {got:?} but its outcome says {n} turns"
-        );
-        complete.entry(slot(id)).or_default().push(id.clone());
-    }
-    for (s, ids) in &complete {
-        assert_eq!(ids.len(), 1, "slot {s} completed more than once: {ids:?}");
-    }
-    for id in turns.keys().filter(|id| !outcomes.contains_key(*id)) {
-        assert!(
-            complete.contains_key(&slot(id)),
-            "episode {id} was left incomplete and its slot never completed"
-        );
-    }
-    let train: Vec<&String> = complete.keys().filter(|s| s.contains("train")).collect();
+    let stored = common::check_store(run_dir);
+    let train: Vec<&String> = stored
+        .completed_slots
+        .keys()
+        .filter(|s| s.contains("train"))
+        .collect();
     assert_eq!(
         train.len() as u64,
         config_number("iterations") * config_number("episodes_per_iteration"),
@@ -540,12 +500,13 @@ fn check_store(run_dir: &Path) -> usize {
     );
     // Sync mode: iteration i rolls out with version i, the one the learner published
     // after training on iterations 0..i, which every worker had to load first.
-    for (id, (_, version)) in &outcomes {
+    for (id, o) in &stored.outcomes {
         let iteration: u64 = id[2..5].parse().unwrap();
         assert_eq!(
-            *version, iteration,
-            "episode {id} of iteration {iteration} rolled out with version {version}"
+            o.policy_version, iteration,
+            "episode {id} of iteration {iteration} rolled out with version {}",
+            o.policy_version
         );
     }
-    turns.len() - outcomes.len()
+    stored.abandoned.len()
 }

@@ -282,3 +282,87 @@ pub fn serve(model: &Path, name: &str, dir: &Path, extra: &[&str]) -> Served {
         .to_string();
     served
 }
+
+/// The trajectory store of a finished run, checked for what every restart test relies
+/// on: each (episode, turn) stored once; each outcome stored once and with all its turns;
+/// each planned slot (`it000-train0003` of `it000-train0003-g0a1`) completed by exactly
+/// one attempt; an attempt left incomplete (a killed worker's) only where another
+/// attempt completed its slot.
+pub struct StoredRun {
+    /// Events in the store (turns and outcomes).
+    pub events: usize,
+    /// Turn events in the store.
+    pub turn_events: usize,
+    /// Complete episodes: id → outcome.
+    pub outcomes: std::collections::BTreeMap<String, tutor_proto::EpisodeOutcome>,
+    /// Planned slot → the id of the attempt that completed it.
+    pub completed_slots: std::collections::BTreeMap<String, String>,
+    /// Attempts with turns but no outcome.
+    pub abandoned: Vec<String>,
+}
+
+pub fn check_store(run_dir: &Path) -> StoredRun {
+    use std::collections::{BTreeMap, BTreeSet};
+    use tutor_proto::episode_event::Event;
+    let (events, _) =
+        tutor_coordinator::store::scan(&run_dir.join("trajectories/events.log")).unwrap();
+    let mut turns: BTreeMap<String, BTreeSet<u32>> = BTreeMap::new();
+    let mut outcomes = BTreeMap::new();
+    let mut turn_events = 0;
+    for ev in &events {
+        match ev.event.as_ref().unwrap() {
+            Event::Turn(t) => {
+                turn_events += 1;
+                assert!(
+                    turns
+                        .entry(ev.episode_id.clone())
+                        .or_default()
+                        .insert(t.turn_index),
+                    "turn stored twice: {} {}",
+                    ev.episode_id,
+                    t.turn_index
+                );
+            }
+            Event::Outcome(o) => assert!(
+                outcomes.insert(ev.episode_id.clone(), o.clone()).is_none(),
+                "outcome stored twice: {}",
+                ev.episode_id
+            ),
+        }
+    }
+    let slot = |id: &str| id.rsplit_once('-').unwrap().0.to_string();
+    let mut completed_slots = BTreeMap::new();
+    for (id, o) in &outcomes {
+        let n = o.num_turns;
+        let got = turns.get(id).cloned().unwrap_or_default();
+        assert_eq!(
+            got,
+            (0..n).collect::<BTreeSet<u32>>(),
+            "episode {id} is stored with turns {got:?} but its outcome says {n} turns"
+        );
+        if let Some(other) = completed_slots.insert(slot(id), id.clone()) {
+            panic!(
+                "slot {} completed more than once: {other} and {id}",
+                slot(id)
+            );
+        }
+    }
+    let abandoned: Vec<String> = turns
+        .keys()
+        .filter(|id| !outcomes.contains_key(*id))
+        .cloned()
+        .collect();
+    for id in &abandoned {
+        assert!(
+            completed_slots.contains_key(&slot(id)),
+            "episode {id} was left incomplete and its slot never completed"
+        );
+    }
+    StoredRun {
+        events: events.len(),
+        turn_events,
+        outcomes,
+        completed_slots,
+        abandoned,
+    }
+}
