@@ -161,16 +161,17 @@ pub fn prepare_at(config: &RunConfig, config_text: &str, dir: &Path) -> Result<P
     if mark.exists() {
         return reuse(dir, &mark, &key);
     }
+    let mut stale_staging = Vec::new();
     if dir.exists() {
         // Only an empty directory, or the leftovers of a cut-off preparation, may be
         // written into.
         for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
-            let name = entry?.file_name();
+            let entry = entry?;
+            let name = entry.file_name();
             let name = name.to_string_lossy();
-            let ours = PREPARED_ENTRIES.contains(&name.as_ref())
-                || name.starts_with(".preparing-")
-                || name == "lost+found";
-            if !ours {
+            if name.starts_with(".preparing-") {
+                stale_staging.push(entry.path());
+            } else if !(PREPARED_ENTRIES.contains(&name.as_ref()) || name == "lost+found") {
                 anyhow::bail!(
                     "{} is not empty ({name} is there) and holds no finished preparation \
                      ({PREPARED_MARK} is missing): refusing to write into it",
@@ -186,15 +187,8 @@ pub fn prepare_at(config: &RunConfig, config_text: &str, dir: &Path) -> Result<P
     let suffix = unique_suffix();
     if dir.exists() {
         // The staging folders of cut-off preparations.
-        for entry in std::fs::read_dir(dir)? {
-            let entry = entry?;
-            if entry
-                .file_name()
-                .to_string_lossy()
-                .starts_with(".preparing-")
-            {
-                let _ = std::fs::remove_dir_all(entry.path());
-            }
+        for path in stale_staging {
+            let _ = std::fs::remove_dir_all(path);
         }
         // A mount point: stage inside it (a rename out of another filesystem fails).
         let staging = dir.join(format!(".preparing-{suffix}"));
