@@ -8,7 +8,7 @@ use tutor_proto::{EpisodeOutcome, OutcomeStatus, TrainExample, TurnRecord};
 
 use crate::config::{Algorithm, CoordinatorConfig, Mixing};
 use crate::dataset::{
-    dagger_examples, distill_example, policy_gradient_example, rft_examples, with_advantage,
+    dagger_examples, distill_examples, policy_gradient_examples, rft_examples, with_advantage,
 };
 use crate::rewards::{group_advantages, keep_group, trajectory_reward};
 pub use crate::rollouts::GroupStats;
@@ -89,17 +89,13 @@ impl CoordinatorConfig {
             Algorithm::Bc if self.bc_resolved_only && !resolved => Vec::new(),
             Algorithm::Bc => dagger_examples(episode_id, turns, self.max_seq_len),
             Algorithm::Rft => rft_examples(episode_id, turns, resolved, self.max_seq_len),
-            Algorithm::Dapo => policy_gradient_example(
+            Algorithm::Dapo => policy_gradient_examples(
                 episode_id,
                 turns,
                 self.max_seq_len,
                 self.mask_format_errors,
-            )
-            .into_iter()
-            .collect(),
-            Algorithm::Distill => distill_example(episode_id, turns, self.max_seq_len)
-                .into_iter()
-                .collect(),
+            ),
+            Algorithm::Distill => distill_examples(episode_id, turns, self.max_seq_len),
         }
     }
 

@@ -533,6 +533,7 @@ fn behaviour(r: &IterationRollouts) -> IterationSummary {
         } else {
             1.0 - ratio(r.agreements, r.student_turns)
         },
+        reverse_kl: r.reverse_kl(),
         ..Default::default()
     }
 }
@@ -578,6 +579,7 @@ pub fn summary_from_row(v: &serde_json::Value) -> IterationSummary {
         train_mean_turns: f("train_mean_turns"),
         student_turn_share: f("student_turn_share"),
         disagreement_rate: f("disagreement_rate"),
+        reverse_kl: v["reverse_kl"].as_f64(),
     }
 }
 
@@ -641,7 +643,7 @@ fn append_metrics(
 
 /// A summary as a metrics row (the inverse of `summary_from_row`).
 fn summary_row(s: &IterationSummary, losses: &[f64]) -> serde_json::Value {
-    serde_json::json!({
+    let mut row = serde_json::json!({
         "iteration": s.iteration,
         "beta": s.beta,
         "episodes": s.episodes,
@@ -665,5 +667,9 @@ fn summary_row(s: &IterationSummary, losses: &[f64]) -> serde_json::Value {
         "train_mean_turns": s.train_mean_turns,
         "student_turn_share": s.student_turn_share,
         "disagreement_rate": s.disagreement_rate,
-    })
+    });
+    if let (Some(kl), Some(obj)) = (s.reverse_kl, row.as_object_mut()) {
+        obj.insert("reverse_kl".into(), kl.into());
+    }
+    row
 }

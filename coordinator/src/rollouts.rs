@@ -25,6 +25,12 @@ pub struct IterationRollouts {
     /// Turns of the training episodes, and those whose executed action was the student's.
     pub train_turns: u64,
     pub train_student_executed: u64,
+    /// The student's tokens the teacher scored (on-policy distillation) with the sum of
+    /// log π_student − log π_teacher over them: a Monte Carlo estimate of the reverse KL
+    /// KL(π_student ‖ π_teacher), summed per token. Only tokens sampled from the policy's
+    /// own distribution (temperature 1) count.
+    pub kl_tokens: u64,
+    pub kl_sum: f64,
 }
 
 /// Share of `outcomes` that submitted and their mean number of turns (0 and 0 for none).
@@ -39,8 +45,6 @@ pub fn submit_rate_and_mean_turns(outcomes: &[EpisodeOutcome]) -> (f64, f64) {
 }
 
 impl IterationRollouts {
-    /// Counts the turns of a finished episode where the student generated an action:
-    /// agreements with the teacher and format errors.
     /// Counts a training episode's turns and those the student's action was executed in.
     pub fn count_train_turns(&mut self, turns: &[TurnRecord]) {
         self.train_turns += turns.len() as u64;
@@ -50,12 +54,37 @@ impl IterationRollouts {
             .count() as u64;
     }
 
+    /// Counts the turns of a finished episode where the student generated an action:
+    /// agreements with the teacher, format errors, and the reverse KL of the tokens the
+    /// teacher scored.
     pub fn count_student_turns(&mut self, turns: &[TurnRecord]) {
         for t in turns.iter().filter(|t| t.student_generated) {
             self.student_turns += 1;
             self.agreements += t.agreement as u64;
             self.student_format_errors += t.student_format_error as u64;
+            // The estimator needs samples from the student's own distribution.
+            let own_distribution = t.unbiased_sampling || t.sampling_temperature == 1.0;
+            if own_distribution
+                && !t.teacher_logprobs_of_student.is_empty()
+                && t.teacher_logprobs_of_student.len() == t.student_logprobs.len()
+            {
+                let pairs = t
+                    .student_logprobs
+                    .iter()
+                    .zip(&t.teacher_logprobs_of_student);
+                let sum: f64 = pairs.map(|(s, q)| f64::from(*s) - f64::from(*q)).sum();
+                if sum.is_finite() {
+                    self.kl_tokens += t.student_logprobs.len() as u64;
+                    self.kl_sum += sum;
+                }
+            }
         }
+    }
+
+    /// The mean per-token reverse KL estimate (nats per token) over the scored student
+    /// tokens; `None` when the teacher scored none (the oracle cannot).
+    pub fn reverse_kl(&self) -> Option<f64> {
+        (self.kl_tokens > 0).then(|| self.kl_sum / self.kl_tokens as f64)
     }
 }
 
@@ -66,4 +95,49 @@ pub struct GroupStats {
     pub kept: u32,
     /// Groups whose rewards are all equal (every advantage 0): left out.
     pub dropped: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scored(student: &[f32], teacher: &[f32], temperature: f32, unbiased: bool) -> TurnRecord {
+        TurnRecord {
+            student_generated: true,
+            student_tokens: vec![7; student.len()],
+            student_logprobs: student.to_vec(),
+            teacher_logprobs_of_student: teacher.to_vec(),
+            sampling_temperature: temperature,
+            unbiased_sampling: unbiased,
+            ..Default::default()
+        }
+    }
+
+    /// The reverse KL is the per-token mean of log π_s − log π_t over the scored tokens
+    /// the student sampled from its own distribution; greedy or tempered turns and turns
+    /// nobody scored do not count, and without any scored token there is no figure.
+    #[test]
+    fn reverse_kl_is_the_mean_log_ratio_of_scored_tokens() {
+        let mut r = IterationRollouts::default();
+        r.count_student_turns(&[TurnRecord {
+            student_generated: true,
+            student_logprobs: vec![-1.0],
+            ..Default::default()
+        }]);
+        assert_eq!(r.reverse_kl(), None, "the oracle scores nothing");
+        r.count_student_turns(&[
+            // (−0.5 − −1.5) + (−1.0 − −1.0) = 1.0 over 2 tokens
+            scored(&[-0.5, -1.0], &[-1.5, -1.0], 1.0, true),
+            // −0.2 − −0.1 = −0.1 over 1 token (temperature 1, not flagged unbiased)
+            scored(&[-0.2], &[-0.1], 1.0, false),
+            // sampled at 0.7: not the student's distribution, left out
+            scored(&[-0.1], &[-9.0], 0.7, false),
+            // lengths differ: left out
+            scored(&[-0.1, -0.2], &[-9.0], 1.0, true),
+        ]);
+        let kl = r.reverse_kl().unwrap();
+        assert!((kl - 0.9 / 3.0).abs() < 1e-6, "{kl}");
+        assert_eq!(r.kl_tokens, 3);
+        assert_eq!(r.student_turns, 5);
+    }
 }

@@ -17,6 +17,7 @@ use tutor_proto::{
 };
 
 use crate::action::{parse_action, Action, FormatError};
+use crate::context::{elision_note, Context};
 use crate::grade::grade_fresh;
 use crate::mixing::Mixing;
 use crate::observation::format_observation;
@@ -108,9 +109,8 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
     let settings = TurnSettings::from_lease(lease);
     let mixing = Mixing::from_lease(lease);
 
-    let mut history: Vec<u32> = Vec::new();
     let system = render_system_prompt(&env.system_prompt, sandbox.repo_display());
-    let mut delta = match tok.render_prompt(&system, &task.problem_statement) {
+    let prompt = match tok.render_prompt(&system, &task.problem_statement) {
         Ok(ids) => ids,
         Err(e) => {
             let e = format!("rendering the prompt with the chat template: {e}");
@@ -119,6 +119,7 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
             return finish(env, lease, outcome, start);
         }
     };
+    let mut context = Context::new(prompt, context_budget(env, lease, &settings));
     let mut steps: Vec<ExecutedStep> = Vec::new();
     let mut submitted = false;
     let mut turns = 0u32;
@@ -128,7 +129,7 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
             outcome.error = "worker shutting down".into();
             break;
         }
-        history.extend_from_slice(&delta);
+        let history = context.tokens().to_vec();
 
         // 1. The teacher labels this state, always.
         let reply = match teacher.next_action(&TeacherState {
@@ -185,27 +186,41 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
         let executed_tokens = turn.executed().tokens.clone();
 
         // 4. Record the turn, as it happened.
-        let delta_tokens = std::mem::take(&mut delta);
-        let record = turn.record(t, delta_tokens, &done, &settings, outcome.policy_version);
+        let (delta_tokens, rebuilt) = context.take_delta();
+        let delta = (delta_tokens, rebuilt);
+        let record = turn.record(t, delta, &done, &settings, outcome.policy_version);
         send(env, lease, episode_event::Event::Turn(record));
         turns = t + 1;
-        history.extend_from_slice(&executed_tokens);
+        context.push_executed(&executed_tokens);
         if submitted {
             break;
         }
         // A message cut at max_new_tokens is closed here, as context, so the tokens the
         // student generated stay exactly as generated.
-        if executed_tokens.last() != Some(&im_end) {
-            delta.push(im_end);
-        }
-        match tok.render_observation(&done.observation) {
-            Ok(ids) => delta.extend(ids),
+        let close = if executed_tokens.last() != Some(&im_end) {
+            vec![im_end]
+        } else {
+            Vec::new()
+        };
+        let rendered = tok.render_observation(&done.observation).and_then(|full| {
+            let note = tok.render_observation(&elision_note(&done.observation))?;
+            Ok((full, note))
+        });
+        match rendered {
+            Ok((full, note)) => context.push_observation(close, full, note),
             Err(e) => {
                 let e = format!("rendering the observation with the chat template: {e}");
                 fail(&mut outcome, e);
                 break;
             }
         }
+    }
+    if context.elided() > 0 {
+        tracing::debug!(
+            episode = %lease.episode_id,
+            elided = context.elided(),
+            "old observations elided to keep the context within its budget"
+        );
     }
 
     outcome.num_turns = turns;
@@ -228,6 +243,20 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
     }
     outcome.patch = submission.patch;
     finish(env, lease, outcome, start)
+}
+
+/// The most tokens the student's context may hold before a generation: the lease's
+/// training limit (`max_context_tokens`, the coordinator's max_seq_len) or the model's,
+/// whichever is smaller, less the room for the reply. Keeping within it (by eliding old
+/// observations) means the examples the coordinator builds are the contexts the student
+/// was given, uncut.
+fn context_budget(env: &EpisodeEnv, lease: &EpisodeLease, settings: &TurnSettings) -> usize {
+    let model = env.student.max_request_tokens();
+    let limit = match lease.max_context_tokens {
+        0 => model,
+        n => model.min(n as usize),
+    };
+    limit.saturating_sub(settings.max_new_tokens).max(1)
 }
 
 /// Adds `note` to the outcome's `error` text (after what is there).
@@ -299,11 +328,11 @@ impl TurnMessages {
     }
 
     /// The turn as streamed to the coordinator; `delta` is the context added since the
-    /// previous turn.
+    /// previous turn, or the whole context with `true` when it was rebuilt (elided).
     fn record(
         self,
         turn_index: u32,
-        delta: Vec<u32>,
+        (delta, context_rebuilt): (Vec<u32>, bool),
         done: &Executed,
         settings: &TurnSettings,
         policy_version: u64,
@@ -321,6 +350,7 @@ impl TurnMessages {
         TurnRecord {
             turn_index,
             context_delta_tokens: delta,
+            context_rebuilt,
             teacher_tokens: self.label.tokens,
             teacher_text: self.label.text,
             teacher_format_error: self.label.action.is_err(),

@@ -2,6 +2,7 @@
 //! coordinator and streams every turn back; also the task formats and the toy tasks.
 
 pub mod action;
+pub mod context;
 pub mod episode;
 pub mod eval;
 pub mod grade;

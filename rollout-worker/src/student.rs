@@ -213,6 +213,12 @@ impl StudentHost {
         Ok(())
     }
 
+    /// The most tokens one request may hold, prompt and reply (the model's context and the
+    /// engine's cache).
+    pub fn max_request_tokens(&self) -> usize {
+        self.engine.max_request_tokens()
+    }
+
     /// Samples one assistant message. Blocking: call it from a blocking thread.
     ///
     /// A prompt longer than the model's context allows with `max_new_tokens` keeps its

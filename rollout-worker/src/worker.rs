@@ -337,6 +337,8 @@ pub async fn run_worker(
     crate::sandbox::confine::harden_process();
     if opts.config.sandbox == SandboxKind::Local {
         crate::sandbox::Confinement::new(&opts.config.confine_settings())?;
+        let python = crate::sandbox::local::python_interpreter();
+        crate::sandbox::local::check_grading_python(&python).map_err(anyhow::Error::msg)?;
     }
     // tokenizer.json, and the directory's chat template when it has one (else ChatML).
     let tokenizer = ChatTokenizer::from_dir(&opts.model_dir)

@@ -155,3 +155,37 @@ fn the_tasks_test_command_is_the_one_run() {
     let g = grade(&t, &t.patch, common::GRADE_TIMEOUT);
     assert_eq!(g.status, OutcomeStatus::Resolved, "{}", g.log);
 }
+
+/// A worker whose Python has no pytest would grade every episode TESTS_ERROR ("No module
+/// named pytest") and train on nothing but failures: it is refused before the first
+/// lease, with the interpreter, the import error and the fix named.
+#[test]
+fn a_python_without_pytest_is_refused_with_the_fix_named() {
+    use std::os::unix::fs::PermissionsExt;
+    use tutor_rollout_worker::sandbox::local::{check_grading_python, python_interpreter};
+    let dir = tempfile::tempdir().unwrap();
+    let fake = dir.path().join("python3");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'pytest'\" >&2\nexit 1\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let err = check_grading_python(&fake).unwrap_err();
+    for want in [
+        fake.to_str().unwrap(),
+        "cannot import pytest",
+        "No module named 'pytest'",
+        "TESTS_ERROR",
+        ".venv/bin",
+        "TUTOR_PYTHON",
+    ] {
+        assert!(err.contains(want), "{want:?} missing from: {err}");
+    }
+    let missing = dir.path().join("no-such-python");
+    let err = check_grading_python(&missing).unwrap_err();
+    assert!(err.contains("cannot be run"), "{err}");
+    // The interpreter the tests grade with has pytest.
+    common::init_python();
+    check_grading_python(&python_interpreter()).unwrap();
+}

@@ -290,4 +290,10 @@ max_tokens = 24
     let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
     let row: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
     assert_eq!(row["algorithm"], "distill", "{row}");
+    // The metrics' reverse KL is the mean of log π_student − log π_teacher over the
+    // scored tokens: 0 up to float noise when both are the same weights.
+    let kl = row["reverse_kl"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no reverse_kl in the distillation's metrics row: {row}"));
+    assert!(kl.abs() < 2e-3, "reverse KL {kl} between identical weights");
 }

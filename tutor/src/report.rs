@@ -125,6 +125,12 @@ pub fn transcript(run_dir: &Path, episode_id: &str) -> Result<()> {
         );
     }
     for (i, t) in &turns {
+        if t.context_rebuilt {
+            println!(
+                "----- turn {i}: the context outgrew its budget and was rebuilt with older \
+                 outputs elided; the model saw all of this -----"
+            );
+        }
         println!("{}", tok.decode(&t.context_delta_tokens));
         let student = t.executed == Actor::Student as i32;
         let (who, text, other_who, other) = if student {

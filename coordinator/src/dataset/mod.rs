@@ -17,8 +17,10 @@ use tutor_proto::{Actor, LossKind, TrainBatch, TrainExample, TurnRecord};
 
 /// Builds the DAgger examples of one episode from its turns (sorted by turn index).
 /// The history is rebuilt from the recorded token deltas and the executed tokens, so
-/// nothing is re-tokenized. Turns whose teacher label is a format error are skipped;
-/// contexts longer than `max_seq_len` lose their oldest tokens.
+/// nothing is re-tokenized; a turn whose context the worker rebuilt (older observations
+/// elided, `context_rebuilt`) starts the history afresh, so every context is the one the
+/// student was given. Turns whose teacher label is a format error are skipped; contexts
+/// still longer than `max_seq_len` lose their oldest tokens (as at generation).
 pub fn dagger_examples(
     episode_id: &str,
     turns: &[TurnRecord],
@@ -27,6 +29,9 @@ pub fn dagger_examples(
     let mut history: Vec<u32> = Vec::new();
     let mut out = Vec::new();
     for t in turns {
+        if t.context_rebuilt {
+            history.clear();
+        }
         history.extend_from_slice(&t.context_delta_tokens);
         if !t.teacher_format_error && !t.teacher_tokens.is_empty() {
             let label = &t.teacher_tokens;
@@ -58,15 +63,35 @@ pub fn dagger_examples(
     out
 }
 
-/// Builds the RFT example of one episode (turns sorted by turn index): SFT on the
+/// The episode's turns (sorted by turn index) cut where the worker rebuilt the context
+/// (`context_rebuilt`: older observations elided): within a segment each turn's history
+/// extends the previous one, so a whole-trajectory example is one segment's
+/// concatenation, exactly the tokens the student saw. One segment when nothing was elided.
+pub fn context_segments(turns: &[TurnRecord]) -> Vec<&[TurnRecord]> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for (i, t) in turns.iter().enumerate() {
+        if t.context_rebuilt && i > start {
+            out.push(&turns[start..i]);
+            start = i;
+        }
+    }
+    if start < turns.len() {
+        out.push(&turns[start..]);
+    }
+    out
+}
+
+/// Builds the RFT examples of one episode (turns sorted by turn index): SFT on the
 /// executed trajectory of a resolved episode. The example is the whole executed history
 /// (context deltas and the executed actor's tokens of every turn); the loss mask is true
 /// on the executed assistant tokens of turns that are not format errors (the executed
 /// actor's flag, `student_format_error` or `teacher_format_error`) and false on context
 /// tokens and on format-error turns, which stay in the context. One example per resolved
-/// episode, none for an unresolved one. A history longer than `max_seq_len` is cut at
-/// the end (the task statement and the early turns are kept); if no label token is
-/// left, there is no example. `turn_index` is the last turn's index.
+/// episode and context segment (`context_segments`), none for an unresolved one. A
+/// history longer than `max_seq_len` is cut at the end (the task statement and the early
+/// turns are kept); if no label token is left, there is no example. `turn_index` is the
+/// segment's last turn's index.
 pub fn rft_examples(
     episode_id: &str,
     turns: &[TurnRecord],
@@ -76,6 +101,18 @@ pub fn rft_examples(
     if !resolved {
         return Vec::new();
     }
+    context_segments(turns)
+        .into_iter()
+        .filter_map(|segment| rft_segment_example(episode_id, segment, max_seq_len))
+        .collect()
+}
+
+/// `rft_examples` of one context segment.
+fn rft_segment_example(
+    episode_id: &str,
+    turns: &[TurnRecord],
+    max_seq_len: usize,
+) -> Option<TrainExample> {
     let mut tokens: Vec<u32> = Vec::new();
     let mut loss_mask: Vec<bool> = Vec::new();
     for t in turns {
@@ -92,15 +129,15 @@ pub fn rft_examples(
     tokens.truncate(max_seq_len);
     loss_mask.truncate(max_seq_len);
     if !loss_mask.iter().any(|m| *m) {
-        return Vec::new();
+        return None;
     }
-    vec![TrainExample {
+    Some(TrainExample {
         tokens,
         loss_mask,
         episode_id: episode_id.to_string(),
         turn_index: turns.last().map(|t| t.turn_index).unwrap_or(0),
         ..Default::default()
-    }]
+    })
 }
 
 /// Builds the policy-gradient example of one episode (turns sorted by turn index) for
@@ -111,7 +148,8 @@ pub fn rft_examples(
 /// the teacher executed (no sampling log-probs), and turns whose recorded log-probs do not
 /// match their tokens one to one. `advantages` stays empty until the group is known (see
 /// `with_advantage`). A history longer than `max_seq_len` is cut at the end; `None` if
-/// no trained token is left.
+/// no trained token is left. `turns` is one context segment (`context_segments`;
+/// `policy_gradient_examples` does every segment of an episode).
 pub fn policy_gradient_example(
     episode_id: &str,
     turns: &[TurnRecord],
@@ -160,11 +198,38 @@ pub fn policy_gradient_example(
     })
 }
 
+/// `policy_gradient_example` of each context segment of an episode (one when nothing was
+/// elided); the segments share the episode's reward.
+pub fn policy_gradient_examples(
+    episode_id: &str,
+    turns: &[TurnRecord],
+    max_seq_len: usize,
+    mask_format_errors: bool,
+) -> Vec<TrainExample> {
+    context_segments(turns)
+        .into_iter()
+        .filter_map(|s| policy_gradient_example(episode_id, s, max_seq_len, mask_format_errors))
+        .collect()
+}
+
+/// `distill_example` of each context segment of an episode.
+pub fn distill_examples(
+    episode_id: &str,
+    turns: &[TurnRecord],
+    max_seq_len: usize,
+) -> Vec<TrainExample> {
+    context_segments(turns)
+        .into_iter()
+        .filter_map(|s| distill_example(episode_id, s, max_seq_len))
+        .collect()
+}
+
 /// On-policy distillation's example of an episode: the student's executed tokens with
 /// their sampling log-probs, as for DAPO, and on each the per-token advantage
 /// ℓ_teacher − ℓ_student = −(ℓ_student − ℓ_teacher) (the reverse-KL estimate), from the
 /// teacher's scores recorded with the turn. Turns the teacher did not score (or scored
 /// with a different length) stay in the context, untrained. None when nothing is trained.
+/// `turns` is one context segment (`distill_examples` does every segment).
 pub fn distill_example(
     episode_id: &str,
     turns: &[TurnRecord],
@@ -491,6 +556,54 @@ mod tests {
         );
         assert_eq!(ex[2].tokens, vec![1, 2, 3, 20, 4, 12, 13, 5, 14]);
         assert_eq!(ex[2].loss_mask.iter().filter(|m| **m).count(), 1);
+    }
+
+    /// A turn whose context the worker rebuilt (older observations elided) carries the
+    /// whole history: the DAgger context restarts there, and the whole-trajectory
+    /// objectives (RFT, DAPO) make one example per segment, each the exact tokens the
+    /// student saw, with the segment's own actions trained.
+    #[test]
+    fn a_rebuilt_context_restarts_the_history() {
+        let mut t2 = turn(2, &[1, 2, 3, 20, 8, 21, 5], &[14], &[22], Actor::Student);
+        t2.context_rebuilt = true; // turn 0's observation (4) is now the note 8
+        let mut turns = vec![
+            turn(0, &[1, 2, 3], &[10], &[20], Actor::Student),
+            turn(1, &[4], &[12], &[21], Actor::Student),
+            t2,
+            turn(3, &[6], &[15], &[23], Actor::Student),
+        ];
+        for t in &mut turns {
+            t.student_logprobs = vec![-0.5; t.student_tokens.len()];
+        }
+        let ex = dagger_examples("e", &turns, 100);
+        assert_eq!(ex[1].tokens, vec![1, 2, 3, 20, 4, 12]);
+        assert_eq!(ex[2].tokens, vec![1, 2, 3, 20, 8, 21, 5, 14]);
+        assert_eq!(ex[3].tokens, vec![1, 2, 3, 20, 8, 21, 5, 22, 6, 15]);
+
+        let segments = context_segments(&turns);
+        assert_eq!(segments.iter().map(|s| s.len()).collect::<Vec<_>>(), [2, 2]);
+        let rft = rft_examples("e", &turns, true, 100);
+        assert_eq!(rft.len(), 2);
+        assert_eq!(rft[0].tokens, vec![1, 2, 3, 20, 4, 21]);
+        assert_eq!(rft[0].turn_index, 1);
+        // The actions inside the rebuilt context (20, 21) were trained in the first
+        // segment; here they are context.
+        assert_eq!(rft[1].tokens, vec![1, 2, 3, 20, 8, 21, 5, 22, 6, 23]);
+        let trained: Vec<u32> = rft[1]
+            .tokens
+            .iter()
+            .zip(&rft[1].loss_mask)
+            .filter(|(_, m)| **m)
+            .map(|(t, _)| *t)
+            .collect();
+        assert_eq!(trained, vec![22, 23]);
+        let pg = policy_gradient_examples("e", &turns, 100, true);
+        assert_eq!(pg.len(), 2);
+        assert_eq!(pg[1].tokens, rft[1].tokens);
+        assert_eq!(pg[1].old_logprobs.iter().filter(|x| **x != 0.0).count(), 2);
+        // Nothing rebuilt: one segment, as before.
+        assert_eq!(context_segments(&turns[..2]).len(), 1);
+        assert!(context_segments(&[]).is_empty());
     }
 
     #[test]

@@ -222,6 +222,8 @@ pub fn episode_lease(
             _ => None,
         },
         score_student: purpose == EpisodePurpose::Train && config.algorithm == Algorithm::Distill,
+        // Held-out episodes too: the student is evaluated on the contexts it trains on.
+        max_context_tokens: u32::try_from(config.max_seq_len).unwrap_or(u32::MAX),
     }
 }
 

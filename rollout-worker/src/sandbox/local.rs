@@ -76,6 +76,38 @@ pub fn python_interpreter() -> PathBuf {
         .clone()
 }
 
+/// Grading in a local sandbox runs pytest with `python`: an interpreter without it would
+/// grade every episode TESTS_ERROR ("No module named pytest") while the run goes on, so a
+/// worker checks it before its first lease. The error names the interpreter, where it was
+/// found and the fix.
+pub fn check_grading_python(python: &Path) -> Result<(), String> {
+    let how = match std::env::var_os("TUTOR_PYTHON").filter(|v| !v.is_empty()) {
+        Some(v) => format!("TUTOR_PYTHON={}", Path::new(&v).display()),
+        None => "python3 on PATH".to_string(),
+    };
+    let out = std::process::Command::new(python)
+        .args(["-c", "import pytest"])
+        .stdin(std::process::Stdio::null())
+        .output();
+    let why = match out {
+        Ok(o) if o.status.success() => return Ok(()),
+        Ok(o) => String::from_utf8_lossy(&o.stderr)
+            .lines()
+            .last()
+            .unwrap_or("it exited with an error")
+            .trim()
+            .to_string(),
+        Err(e) => format!("it cannot be run: {e}"),
+    };
+    Err(format!(
+        "the Python that local sandboxes grade with, {} ({how}), cannot import pytest ({why}); \
+         every episode would end TESTS_ERROR. Put the project's venv first on PATH \
+         (`make setup`, then `export PATH=$PWD/.venv/bin:$PATH`, as `make quickstart` does) \
+         or set TUTOR_PYTHON to an interpreter that has pytest",
+        python.display()
+    ))
+}
+
 /// What `python -c 'import sys; print(sys.executable)'` names, if it is an absolute path
 /// to a file.
 fn real_interpreter(python: &Path) -> Option<PathBuf> {
