@@ -430,6 +430,7 @@ pub fn turn_template(seed: u64, args: &Args) -> TurnRecord {
         sampling_temperature: 1.0,
         unbiased_sampling: false,
         teacher_logprobs_of_student: Vec::new(),
+        context_rebuilt: false,
     }
 }
 
