@@ -129,7 +129,6 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
             outcome.error = "worker shutting down".into();
             break;
         }
-        let history = context.tokens().to_vec();
 
         // 1. The teacher labels this state, always.
         let reply = match teacher.next_action(&TeacherState {
@@ -158,7 +157,7 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
         let roles = mixing.roles(t, &mut rng);
         let (student, teacher_logprobs_of_student) = if roles.student_generates {
             let score = lease.score_student;
-            match student_turn(env, &settings, teacher.as_mut(), &history, t, score) {
+            match student_turn(env, &settings, teacher.as_mut(), context.tokens(), t, score) {
                 Ok((p, lps)) => (Some(p), lps),
                 Err(e) => {
                     fail(&mut outcome, e);

@@ -101,9 +101,18 @@ pub fn rft_examples(
     if !resolved {
         return Vec::new();
     }
+    per_segment(turns, |s| rft_segment_example(episode_id, s, max_seq_len))
+}
+
+/// `example` of each context segment of an episode (`context_segments`), the segments
+/// with none left out.
+fn per_segment<'a>(
+    turns: &'a [TurnRecord],
+    example: impl Fn(&'a [TurnRecord]) -> Option<TrainExample>,
+) -> Vec<TrainExample> {
     context_segments(turns)
         .into_iter()
-        .filter_map(|segment| rft_segment_example(episode_id, segment, max_seq_len))
+        .filter_map(example)
         .collect()
 }
 
@@ -206,10 +215,9 @@ pub fn policy_gradient_examples(
     max_seq_len: usize,
     mask_format_errors: bool,
 ) -> Vec<TrainExample> {
-    context_segments(turns)
-        .into_iter()
-        .filter_map(|s| policy_gradient_example(episode_id, s, max_seq_len, mask_format_errors))
-        .collect()
+    per_segment(turns, |s| {
+        policy_gradient_example(episode_id, s, max_seq_len, mask_format_errors)
+    })
 }
 
 /// `distill_example` of each context segment of an episode.
@@ -218,10 +226,7 @@ pub fn distill_examples(
     turns: &[TurnRecord],
     max_seq_len: usize,
 ) -> Vec<TrainExample> {
-    context_segments(turns)
-        .into_iter()
-        .filter_map(|s| distill_example(episode_id, s, max_seq_len))
-        .collect()
+    per_segment(turns, |s| distill_example(episode_id, s, max_seq_len))
 }
 
 /// On-policy distillation's example of an episode: the student's executed tokens with
