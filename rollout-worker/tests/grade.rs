@@ -178,7 +178,8 @@ fn a_python_without_pytest_is_refused_with_the_fix_named() {
         "No module named 'pytest'",
         "TESTS_ERROR",
         ".venv/bin",
-        "TUTOR_PYTHON",
+        "TUTOR_SANDBOX_PYTHON",
+        ".venv-sandbox",
     ] {
         assert!(err.contains(want), "{want:?} missing from: {err}");
     }

@@ -61,8 +61,19 @@ const GIT_NAME: &str = "Tutor";
 const GIT_EMAIL: &str = "tutor@localhost";
 const GIT_DATE: &str = "2000-01-01T00:00:00Z";
 
-/// The Python interpreter commands and the grader use: `$TUTOR_PYTHON`, else `python3`.
-/// `python`, `python3` and `pytest` resolve to it inside the sandbox. A launcher found on
+/// Environment variable naming the interpreter local sandboxes run and grade with; it
+/// wins over [`PYTHON_ENV`]. The Makefile points it at `.venv-sandbox`, a venv with pytest
+/// only: pytest starts in half the time there (the project venv's plugins, anyio's among
+/// them, load on every run), and commands see no torch, transformers or client library.
+pub const SANDBOX_PYTHON_ENV: &str = "TUTOR_SANDBOX_PYTHON";
+
+/// The project's interpreter (with torch), used by sandboxes when
+/// [`SANDBOX_PYTHON_ENV`] is not set.
+pub const PYTHON_ENV: &str = "TUTOR_PYTHON";
+
+/// The Python interpreter commands and the grader use: `$TUTOR_SANDBOX_PYTHON`, else
+/// `$TUTOR_PYTHON`, else `python3`. `python`, `python3` and `pytest` resolve to it inside
+/// the sandbox. A launcher found on
 /// PATH (a pyenv shim: a script that needs the user's pyenv tree, which a confined sandbox
 /// does not show) is replaced by the interpreter it starts (`sys.executable`, a venv's
 /// python left unresolved), asked once per process.
@@ -81,8 +92,8 @@ pub fn python_interpreter() -> PathBuf {
 /// worker checks it before its first lease. The error names the interpreter, where it was
 /// found and the fix.
 pub fn check_grading_python(python: &Path) -> Result<(), String> {
-    let how = match std::env::var_os("TUTOR_PYTHON").filter(|v| !v.is_empty()) {
-        Some(v) => format!("TUTOR_PYTHON={}", Path::new(&v).display()),
+    let how = match python_setting(env_value(SANDBOX_PYTHON_ENV), env_value(PYTHON_ENV)) {
+        Some((var, v)) => format!("{var}={}", Path::new(&v).display()),
         None => "python3 on PATH".to_string(),
     };
     let out = std::process::Command::new(python)
@@ -103,7 +114,8 @@ pub fn check_grading_python(python: &Path) -> Result<(), String> {
         "the Python that local sandboxes grade with, {} ({how}), cannot import pytest ({why}); \
          every episode would end TESTS_ERROR. Put the project's venv first on PATH \
          (`make setup`, then `export PATH=$PWD/.venv/bin:$PATH`, as `make quickstart` does) \
-         or set TUTOR_PYTHON to an interpreter that has pytest",
+         or set TUTOR_SANDBOX_PYTHON to an interpreter that has pytest (`make setup` makes \
+         .venv-sandbox)",
         python.display()
     ))
 }
@@ -122,10 +134,24 @@ fn real_interpreter(python: &Path) -> Option<PathBuf> {
     (out.status.success() && p.is_absolute() && p.is_file()).then_some(p)
 }
 
+/// A non-empty environment value.
+fn env_value(var: &str) -> Option<std::ffi::OsString> {
+    std::env::var_os(var).filter(|v| !v.is_empty())
+}
+
+/// Which setting names the sandboxes' interpreter: the sandbox's own, else the project's.
+fn python_setting(
+    sandbox: Option<std::ffi::OsString>,
+    project: Option<std::ffi::OsString>,
+) -> Option<(&'static str, std::ffi::OsString)> {
+    sandbox
+        .map(|v| (SANDBOX_PYTHON_ENV, v))
+        .or(project.map(|v| (PYTHON_ENV, v)))
+}
+
 fn find_python() -> PathBuf {
-    let name = std::env::var_os("TUTOR_PYTHON")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
+    let name = python_setting(env_value(SANDBOX_PYTHON_ENV), env_value(PYTHON_ENV))
+        .map(|(_, v)| PathBuf::from(v))
         .unwrap_or_else(|| PathBuf::from("python3"));
     if name.components().count() > 1 || name.is_absolute() {
         // A path: make it absolute but do not resolve symlinks (a venv's python is a
@@ -378,15 +404,17 @@ impl LocalSandbox {
             python_view,
         };
         sb.git_ok(&["init", "-q"])?;
-        for (k, v) in [
-            ("user.name", GIT_NAME),
-            ("user.email", GIT_EMAIL),
-            ("commit.gpgsign", "false"),
-            ("core.hooksPath", "/dev/null"),
-            ("core.autocrlf", "false"),
-        ] {
-            sb.git_ok(&["config", k, v])?;
-        }
+        // Appended in one write rather than a `git config` per key (each a process: a
+        // third of sandbox creation). A later section adds to the one `init` wrote. No
+        // automatic gc or maintenance: the commit below would start one in the background.
+        let config = sb.repo.join(".git/config");
+        let mut text = std::fs::read_to_string(&config).map_err(io_err("reading .git/config"))?;
+        text.push_str(&format!(
+            "[user]\n\tname = {GIT_NAME}\n\temail = {GIT_EMAIL}\n[commit]\n\tgpgsign = false\n\
+             [core]\n\thooksPath = /dev/null\n\tautocrlf = false\n[gc]\n\tauto = 0\n\
+             [maintenance]\n\tauto = false\n"
+        ));
+        std::fs::write(&config, text).map_err(io_err("writing .git/config"))?;
         // Byte-code and pytest caches never belong in a submission.
         let exclude = sb.repo.join(".git/info/exclude");
         if let Some(p) = exclude.parent() {
@@ -1241,6 +1269,20 @@ pub(crate) mod tests {
     }
     use super::*;
     use crate::sandbox::TIMEOUT_EXIT_CODE;
+
+    #[test]
+    fn the_sandbox_interpreter_wins_over_the_project_one() {
+        let v = |s: &str| Some(std::ffi::OsString::from(s));
+        assert_eq!(
+            python_setting(v("/sbx/bin/python"), v("/proj/bin/python")),
+            Some((SANDBOX_PYTHON_ENV, "/sbx/bin/python".into()))
+        );
+        assert_eq!(
+            python_setting(None, v("/proj/bin/python")),
+            Some((PYTHON_ENV, "/proj/bin/python".into()))
+        );
+        assert_eq!(python_setting(None, None), None);
+    }
     use crate::tasks::RepoFileRecord;
     use std::time::Instant;
 
