@@ -116,33 +116,74 @@ fn per_segment<'a>(
         .collect()
 }
 
-/// `rft_examples` of one context segment.
+/// A context segment's executed history as one sequence: each turn's context delta
+/// (never trained), then the tokens the turn executed (the student's or the teacher's),
+/// trained where `trained(turn)` says. `logprobs` (when asked for) holds a trained
+/// turn's `student_logprobs` and 0 elsewhere. Cut at `max_seq_len`; `None` when no
+/// trained token is left.
+struct Executed {
+    tokens: Vec<u32>,
+    loss_mask: Vec<bool>,
+    logprobs: Vec<f32>,
+}
+
+fn executed_history(
+    turns: &[TurnRecord],
+    max_seq_len: usize,
+    with_logprobs: bool,
+    trained: impl Fn(&TurnRecord) -> bool,
+) -> Option<Executed> {
+    let mut tokens: Vec<u32> = Vec::new();
+    let mut loss_mask: Vec<bool> = Vec::new();
+    let mut logprobs: Vec<f32> = Vec::new();
+    for t in turns {
+        tokens.extend_from_slice(&t.context_delta_tokens);
+        let executed = if t.executed == Actor::Student as i32 {
+            &t.student_tokens
+        } else {
+            &t.teacher_tokens
+        };
+        let train = trained(t);
+        if with_logprobs {
+            logprobs.resize(tokens.len(), 0.0);
+            if train {
+                logprobs.extend_from_slice(&t.student_logprobs);
+            }
+        }
+        loss_mask.resize(tokens.len(), false);
+        tokens.extend_from_slice(executed);
+        loss_mask.resize(tokens.len(), train);
+        if with_logprobs {
+            logprobs.resize(tokens.len(), 0.0);
+        }
+    }
+    tokens.truncate(max_seq_len);
+    loss_mask.truncate(max_seq_len);
+    logprobs.truncate(max_seq_len);
+    loss_mask.iter().any(|m| *m).then_some(Executed {
+        tokens,
+        loss_mask,
+        logprobs,
+    })
+}
+
+/// `rft_examples` of one context segment: the loss on every executed action that
+/// parsed, the student's or the teacher's.
 fn rft_segment_example(
     episode_id: &str,
     turns: &[TurnRecord],
     max_seq_len: usize,
 ) -> Option<TrainExample> {
-    let mut tokens: Vec<u32> = Vec::new();
-    let mut loss_mask: Vec<bool> = Vec::new();
-    for t in turns {
-        tokens.extend_from_slice(&t.context_delta_tokens);
-        loss_mask.resize(tokens.len(), false);
-        let (executed, format_error) = if t.executed == Actor::Student as i32 {
-            (&t.student_tokens, t.student_format_error)
+    let h = executed_history(turns, max_seq_len, false, |t| {
+        if t.executed == Actor::Student as i32 {
+            !t.student_format_error
         } else {
-            (&t.teacher_tokens, t.teacher_format_error)
-        };
-        tokens.extend_from_slice(executed);
-        loss_mask.resize(tokens.len(), !format_error);
-    }
-    tokens.truncate(max_seq_len);
-    loss_mask.truncate(max_seq_len);
-    if !loss_mask.iter().any(|m| *m) {
-        return None;
-    }
+            !t.teacher_format_error
+        }
+    })?;
     Some(TrainExample {
-        tokens,
-        loss_mask,
+        tokens: h.tokens,
+        loss_mask: h.loss_mask,
         episode_id: episode_id.to_string(),
         turn_index: turns.last().map(|t| t.turn_index).unwrap_or(0),
         ..Default::default()
@@ -165,43 +206,17 @@ pub fn policy_gradient_example(
     max_seq_len: usize,
     mask_format_errors: bool,
 ) -> Option<TrainExample> {
-    let mut tokens: Vec<u32> = Vec::new();
-    let mut loss_mask: Vec<bool> = Vec::new();
-    let mut old_logprobs: Vec<f32> = Vec::new();
-    for t in turns {
-        tokens.extend_from_slice(&t.context_delta_tokens);
-        loss_mask.resize(tokens.len(), false);
-        old_logprobs.resize(tokens.len(), 0.0);
-        let by_student = t.executed == Actor::Student as i32;
-        let executed = if by_student {
-            &t.student_tokens
-        } else {
-            &t.teacher_tokens
-        };
-        let trained = by_student
+    let h = executed_history(turns, max_seq_len, true, |t| {
+        t.executed == Actor::Student as i32
             && !(mask_format_errors && t.student_format_error)
-            && t.student_logprobs.len() == t.student_tokens.len();
-        tokens.extend_from_slice(executed);
-        if trained {
-            loss_mask.resize(tokens.len(), true);
-            old_logprobs.extend_from_slice(&t.student_logprobs);
-        } else {
-            loss_mask.resize(tokens.len(), false);
-            old_logprobs.resize(tokens.len(), 0.0);
-        }
-    }
-    tokens.truncate(max_seq_len);
-    loss_mask.truncate(max_seq_len);
-    old_logprobs.truncate(max_seq_len);
-    if !loss_mask.iter().any(|m| *m) {
-        return None;
-    }
+            && t.student_logprobs.len() == t.student_tokens.len()
+    })?;
     Some(TrainExample {
-        tokens,
-        loss_mask,
+        tokens: h.tokens,
+        loss_mask: h.loss_mask,
         episode_id: episode_id.to_string(),
         turn_index: turns.last().map(|t| t.turn_index).unwrap_or(0),
-        old_logprobs,
+        old_logprobs: h.logprobs,
         advantages: Vec::new(),
         loss_kind: LossKind::Dapo as i32,
     })
