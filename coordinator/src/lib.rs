@@ -121,9 +121,23 @@ pub async fn serve(
     } else {
         run_state.run_id.clone()
     };
+    let worker_key = match scheduler::WorkerKey::from_hex(&run_state.worker_key) {
+        Some(key) => key,
+        None => {
+            if resumed {
+                tracing::warn!(
+                    "{} has no worker key (written before one was kept): workers registered \
+                     before this restart must register again",
+                    state_path.display()
+                );
+            }
+            scheduler::WorkerKey::default()
+        }
+    };
     let run_state = state::RunState {
         generation: if resumed { run_state.generation + 1 } else { 0 },
         run_id,
+        worker_key: worker_key.to_hex(),
         ..run_state
     };
     run_state.save(&state_path)?;
@@ -142,14 +156,16 @@ pub async fn serve(
     // Closes when the store's writer thread ends early (a poisoned store): the
     // coordinator then stops with the store's error. Dropped before the writer is joined.
     let store_watch = store_tx.clone();
-    let scheduler = scheduler::SchedulerHandle::spawn_recovered(
+    let scheduler = scheduler::SchedulerHandle::spawn_with_store(
         opts.config.clone(),
         opts.train_tasks,
         opts.heldout_tasks,
         scheduler::Recovery {
             generation: run_state.generation,
+            worker_key,
             ..recovery
         },
+        Some(&store_tx),
     );
     // A restarted coordinator's watchers still get the earlier iterations' summaries.
     let events = run_events::EventLog::with_history(if resumed {

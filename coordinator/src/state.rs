@@ -44,6 +44,12 @@ pub struct RunState {
     /// suffix) and kept across restarts; empty only in a state written before run ids.
     #[serde(default)]
     pub run_id: String,
+    /// The key worker secrets are derived from (hex; `scheduler::WorkerKey`), made at the
+    /// first start and kept, so that a restarted coordinator checks the secrets of workers
+    /// registered before it. A secret: this file is written readable by its owner only.
+    /// Empty only in a state written before the key existed.
+    #[serde(default)]
+    pub worker_key: String,
 }
 
 impl Default for RunState {
@@ -55,6 +61,7 @@ impl Default for RunState {
             train_bases: BTreeMap::new(),
             policy_version: 0,
             run_id: String::new(),
+            worker_key: String::new(),
         }
     }
 }
@@ -94,8 +101,14 @@ impl RunState {
         let dir = path.parent().unwrap_or(Path::new("."));
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let tmp = path.with_extension("json.tmp");
-        let mut f =
-            std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        let mut f = {
+            let mut o = std::fs::OpenOptions::new();
+            o.write(true).create(true).truncate(true);
+            #[cfg(unix)]
+            std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
+            o.open(&tmp)
+                .with_context(|| format!("creating {}", tmp.display()))?
+        };
         f.write_all(&serde_json::to_vec_pretty(self)?)
             .with_context(|| format!("writing {}", tmp.display()))?;
         f.sync_all()?;

@@ -55,6 +55,11 @@ pub struct WorkerConfig {
     pub memory_mb: u64,
     pub cpus: f64,
     pub pids_limit: i64,
+    /// Docker: open files per process in a container (`ulimit -n`, soft and hard).
+    pub nofile: i64,
+    /// Docker: the largest file a process in a container may write, in MiB (`ulimit -f`,
+    /// soft and hard); a write past it fails (EFBIG, or SIGXFSZ in a shell).
+    pub fsize_mb: u64,
     /// Docker: give containers a network (off by default).
     pub network: bool,
     /// Docker: a read-only root filesystem, the agent writing only to size-capped tmpfs
@@ -119,6 +124,40 @@ pub enum WeightsFrom {
     Broadcast,
 }
 
+impl WorkerConfig {
+    /// What a worker of these settings checks on this machine before its first lease:
+    /// local sandboxes that can be confined (or `allow_unconfined`), and a Python that
+    /// can grade (pytest). `tutor run` calls it too, before it makes the run directory
+    /// and starts any process.
+    pub fn preflight(&self) -> Result<()> {
+        if self.sandbox == SandboxKind::Local {
+            crate::sandbox::Confinement::new(&self.confine_settings())?;
+            let python = crate::sandbox::local::python_interpreter();
+            crate::sandbox::local::check_grading_python(&python).map_err(anyhow::Error::msg)?;
+        }
+        Ok(())
+    }
+
+    /// Settings no container could start with, named by their `[worker]` key.
+    pub fn validate(&self) -> Result<()> {
+        if !(16..=1 << 20).contains(&self.nofile) {
+            anyhow::bail!(
+                "worker.nofile must be between 16 (a shell and the worker's execs need a few \
+                 descriptors) and 1048576, got {}",
+                self.nofile
+            );
+        }
+        if self.fsize_mb == 0 || self.fsize_mb > 1 << 30 {
+            anyhow::bail!(
+                "worker.fsize_mb must be at least 1 (the largest file a command may write, \
+                 in MiB), got {}",
+                self.fsize_mb
+            );
+        }
+        Ok(())
+    }
+}
+
 impl Default for WorkerConfig {
     fn default() -> Self {
         Self {
@@ -131,6 +170,8 @@ impl Default for WorkerConfig {
             memory_mb: 2048,
             cpus: 1.0,
             pids_limit: 512,
+            nofile: 1024,
+            fsize_mb: 1024,
             network: false,
             read_only_root: true,
             disk_mb: 1024,
@@ -246,6 +287,8 @@ impl WorkerConfig {
                     memory_bytes: (self.memory_mb as i64) << 20,
                     nano_cpus: (self.cpus * 1e9) as i64,
                     pids_limit: self.pids_limit,
+                    nofile: self.nofile,
+                    fsize_bytes: (self.fsize_mb as i64) << 20,
                     network: self.network,
                     read_only_root: self.read_only_root,
                     disk_bytes: (self.disk_mb as i64) << 20,
@@ -335,11 +378,7 @@ pub async fn run_worker(
     // Before anything else: a worker whose episodes cannot be confined refuses here, and
     // its /proc (the run's token and API keys in its environment) is no other process's.
     crate::sandbox::confine::harden_process();
-    if opts.config.sandbox == SandboxKind::Local {
-        crate::sandbox::Confinement::new(&opts.config.confine_settings())?;
-        let python = crate::sandbox::local::python_interpreter();
-        crate::sandbox::local::check_grading_python(&python).map_err(anyhow::Error::msg)?;
-    }
+    opts.config.preflight()?;
     // tokenizer.json, and the directory's chat template when it has one (else ChatML).
     let tokenizer = ChatTokenizer::from_dir(&opts.model_dir)
         .with_context(|| format!("loading the tokenizer of {}", opts.model_dir.display()))?;

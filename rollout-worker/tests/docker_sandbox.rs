@@ -945,6 +945,43 @@ async fn docker_limits_come_from_the_worker_settings() {
     }
 }
 
+/// `[worker] nofile` and `fsize_mb` reach the worker's containers. Before, the ulimits
+/// were fixed at 1024 open files and 1 GiB whatever the operator set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workers_ulimit_settings_reach_its_containers() {
+    if engine().await.is_none() {
+        return;
+    }
+    let run = format!("test-ulimit-settings-{}", std::process::id());
+    let config: tutor_rollout_worker::worker::WorkerConfig =
+        serde_json::from_value(serde_json::json!({
+            "sandbox": "docker",
+            "image": IMAGE,
+            "nofile": 200,
+            "fsize_mb": 4,
+        }))
+        .unwrap();
+    config.validate().unwrap();
+    let factory = config.sandboxes(&run, "w-ulimits").await.unwrap();
+    let f = factory.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        let mut sb = f.create(&task(), "e1").unwrap();
+        sb.run(
+            "ulimit -Hn; ulimit -Hf; head -c 5M /dev/zero > big.bin; echo size=$(stat -c %s big.bin)",
+            Duration::from_secs(30),
+        )
+    })
+    .await
+    .unwrap();
+    // bash shows the file size limit in blocks of 1024 bytes; the write stops at 4 MiB.
+    assert!(out.output.starts_with("200\n4096\n"), "{out:?}");
+    assert!(
+        out.output.contains(&format!("size={}\n", 4 << 20)),
+        "{out:?}"
+    );
+    factory.remove_leftovers().await;
+}
+
 /// An image the engine lacks: an error naming it at once, or, with `pull_missing`
 /// (`[worker] pull_images`, for engines that start empty), a pull from its registry whose
 /// failure names the image and the registry's answer; no container is left either way.

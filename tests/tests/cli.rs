@@ -33,6 +33,43 @@ fn bad_config_names_file_line_and_field_and_writes_nothing() {
     assert!(err.contains("sometimes") && err.contains("line 2"), "{err}");
 }
 
+/// A machine whose sandbox Python lacks pytest is told so by `tutor run` itself, before
+/// a run directory is made or a process started. Before, the run started its learner,
+/// coordinator and workers, and only the workers' logs said why they had stopped.
+#[test]
+fn a_sandbox_python_without_pytest_stops_the_run_before_it_starts() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let fake = dir.path().join("python3");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'pytest'\" >&2\nexit 1\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out_dir = dir.path().join("runs");
+    let cfg = dir.path().join("run.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[run]\nout_dir = {:?}\n\n[worker]\nallow_unconfined = true\n",
+            out_dir.display().to_string()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(common::tutor_bin())
+        .args(["run", "--config", cfg.to_str().unwrap()])
+        .env("TUTOR_SANDBOX_PYTHON", &fake)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    for want in ["run.toml", "cannot import pytest", "TUTOR_SANDBOX_PYTHON"] {
+        assert!(err.contains(want), "{want:?} missing from: {err}");
+    }
+    assert!(!out_dir.exists(), "nothing is written before the check");
+}
+
 #[test]
 fn toy_tasks_are_deterministic_and_split_without_overlap() {
     let dir = tempfile::tempdir().unwrap();

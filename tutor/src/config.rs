@@ -223,6 +223,7 @@ impl RunConfig {
             );
         }
         self.learner.validate()?;
+        self.worker.validate()?;
         if let Some(k) = self.tasks.toy_templates {
             let n = tutor_rollout_worker::toy::template_count();
             if k == 0 || k > n {
@@ -294,6 +295,21 @@ mod tests {
         let (_d, p) = write("[coordinator.beta]\nkind = \"cosine\"\n");
         let e = format!("{:#}", RunConfig::load(&p).unwrap_err());
         assert!(e.contains("cosine") && e.contains("line 2"), "{e}");
+    }
+
+    #[test]
+    fn container_ulimits_are_worker_settings_and_are_checked() {
+        let (_d, p) = write("[worker]\nnofile = 256\nfsize_mb = 8\n");
+        let w = RunConfig::load(&p).unwrap().0.worker;
+        assert_eq!((w.nofile, w.fsize_mb), (256, 8));
+        for (text, key) in [
+            ("[worker]\nnofile = 3\n", "worker.nofile"),
+            ("[worker]\nfsize_mb = 0\n", "worker.fsize_mb"),
+        ] {
+            let (_d, p) = write(text);
+            let e = format!("{:#}", RunConfig::load(&p).unwrap_err());
+            assert!(e.contains(key) && e.contains("run.toml"), "{e}");
+        }
     }
 
     #[test]

@@ -238,6 +238,11 @@ pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
     tls_files
         .server()
         .with_context(|| format!("the [tls] section of {}", config_path.display()))?;
+    // What every worker would refuse to start without, said before anything is made.
+    config
+        .worker
+        .preflight()
+        .with_context(|| format!("the [worker] settings of {}", config_path.display()))?;
     let prepared = prepare(&config, &text)?;
     println!(
         "run directory {}\n{} training tasks, {} held-out, student with {} parameters, {} workers",

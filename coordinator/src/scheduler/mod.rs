@@ -11,7 +11,7 @@ mod recovery;
 mod workers;
 
 pub use recovery::Recovery;
-pub use workers::HEARTBEAT_INTERVAL;
+pub use workers::{WorkerKey, HEARTBEAT_INTERVAL};
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -30,6 +30,10 @@ use crate::config::{Algorithm, CoordinatorConfig};
 use crate::dataset::{EpisodeData, IterationDatasets};
 use crate::episode_id::{EpisodeId, Purpose};
 pub use crate::rollouts::IterationRollouts;
+use crate::store::StoreRequest;
+
+/// The `worker_id` of the outcomes the coordinator stores for slots whose attempts ran out.
+pub const FAILED_SLOT_WRITER: &str = "coordinator";
 
 enum Cmd {
     Register {
@@ -162,8 +166,23 @@ impl SchedulerHandle {
         heldout: Vec<Task>,
         recovery: Recovery,
     ) -> Self {
+        Self::spawn_with_store(config, train, heldout, recovery, None)
+    }
+
+    /// `spawn_recovered` with the trajectory store's writer: a slot whose attempts run
+    /// out is recorded there as its outcome (`fail_slot`), so a restarted coordinator
+    /// replays it as done instead of giving it fresh attempts. The scheduler holds the
+    /// writer weakly: it never keeps the store open past the coordinator's own sender.
+    pub fn spawn_with_store(
+        config: CoordinatorConfig,
+        train: Vec<Task>,
+        heldout: Vec<Task>,
+        recovery: Recovery,
+        store: Option<&mpsc::Sender<StoreRequest>>,
+    ) -> Self {
         let (tx, rx) = mpsc::channel(1024);
-        let state = Scheduler::new(config, train, heldout, recovery);
+        let mut state = Scheduler::new(config, train, heldout, recovery);
+        state.store = store.map(mpsc::Sender::downgrade);
         tokio::spawn(state.run(rx));
         let handle = Self { tx };
         let ticker = handle.clone();
@@ -358,6 +377,8 @@ struct Scheduler {
     /// Since start, across iterations: counted episodes by purpose.
     completed_train: u64,
     completed_eval: u64,
+    /// Where failed slots are recorded (see `SchedulerHandle::spawn_with_store`).
+    store: Option<mpsc::WeakSender<StoreRequest>>,
 }
 
 impl Scheduler {
@@ -376,7 +397,7 @@ impl Scheduler {
             policy: PolicyVersion::default(),
             plan: Plan::none(),
             leases: Leases::default(),
-            workers: Workers::new(recovery.generation),
+            workers: Workers::new(recovery.generation, recovery.worker_key),
             backlog: Backlog::new(recovery.history),
             turns: HashMap::new(),
             rollouts: IterationRollouts::default(),
@@ -385,6 +406,7 @@ impl Scheduler {
             draining: false,
             completed_train: 0,
             completed_eval: 0,
+            store: None,
         }
     }
 
@@ -698,6 +720,7 @@ impl Scheduler {
             ..Default::default()
         };
         self.rollouts.failed_slots += 1;
+        self.record_failure(slot, &outcome);
         match purpose {
             Purpose::Train => {
                 self.rollouts.train.push(outcome);
@@ -709,6 +732,38 @@ impl Scheduler {
             }
         }
         self.check_iteration_done();
+    }
+
+    /// Stores a failed slot's outcome under an attempt id no lease had (the attempt after
+    /// the last), written by "coordinator". Replayed after a restart, it completes the
+    /// slot as any first outcome does. In the background: the slot is failed here at
+    /// once; a crash before the write gives it fresh attempts, as before this record.
+    fn record_failure(&self, slot: usize, outcome: &tutor_proto::EpisodeOutcome) {
+        let Some(store) = self.store.as_ref().and_then(mpsc::WeakSender::upgrade) else {
+            return;
+        };
+        let event = EpisodeEvent {
+            episode_id: self.plan.episode_id(slot, self.generation).to_string(),
+            worker_id: FAILED_SLOT_WRITER.into(),
+            event: Some(episode_event::Event::Outcome(outcome.clone())),
+        };
+        tokio::spawn(async move {
+            let episode = event.episode_id.clone();
+            let (reply, answer) = oneshot::channel();
+            let written = match store.send(StoreRequest { event, reply }).await {
+                Ok(()) => answer.await.map_err(|_| "the store stopped".to_string()),
+                Err(_) => Err("the store stopped".to_string()),
+            };
+            match written.map(|r| r.result) {
+                Ok(Ok(_)) => tracing::debug!(episode, "failed slot recorded in the store"),
+                Ok(Err(e)) => {
+                    tracing::warn!(episode, error = %e, "could not record a failed slot: after a restart it gets fresh attempts")
+                }
+                Err(e) => {
+                    tracing::warn!(episode, error = %e, "could not record a failed slot: after a restart it gets fresh attempts")
+                }
+            }
+        });
     }
 
     /// The id and slot of an event of the current iteration. An episode this coordinator

@@ -12,12 +12,16 @@ use tutor_proto::EpisodeEvent;
 use crate::episode_id::{EpisodeId, SlotId};
 use crate::store::StoreReader;
 
+use super::workers::WorkerKey;
+
 /// What a restarted coordinator hands its scheduler: its generation (see
 /// `RunState::generation`) and every event the store holds, in store order (as offsets
 /// in the store file, see [`History`]).
 #[derive(Debug, Default)]
 pub struct Recovery {
     pub generation: u64,
+    /// The key worker secrets are derived from, kept across restarts (`RunState`).
+    pub worker_key: WorkerKey,
     pub history: History,
 }
 
@@ -28,6 +32,7 @@ impl Recovery {
     pub fn in_store(log: &Path) -> Self {
         Self {
             generation: 0,
+            worker_key: WorkerKey::default(),
             history: History::in_store(log),
         }
     }
@@ -311,6 +316,7 @@ mod tests {
         let recovery = Recovery {
             generation: 1,
             history: vec![turn(0)].into(),
+            ..Default::default()
         };
         let sched = SchedulerHandle::spawn_recovered(
             config,
@@ -388,6 +394,7 @@ mod tests {
             Recovery {
                 generation: 1,
                 history,
+                ..Default::default()
             },
         );
         let mut trained = Vec::new();

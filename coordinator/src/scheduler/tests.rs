@@ -224,3 +224,134 @@ async fn events_of_a_leased_episode_are_accepted_from_its_worker_only() {
         Admission::Store
     );
 }
+
+/// A coordinator restarted on the run directory (same worker key, next generation)
+/// accepts the secret its predecessor gave a worker, and only that one. Before, it took
+/// the first secret presented for a worker registered before the restart as that
+/// worker's own, so whoever spoke first after a restart could be that worker.
+#[tokio::test]
+async fn a_restarted_coordinator_checks_the_secrets_its_predecessor_gave() {
+    let key = WorkerKey::default();
+    let spawn = |generation: u64, key: WorkerKey| {
+        SchedulerHandle::spawn_recovered(
+            CoordinatorConfig::default(),
+            vec![Task::default()],
+            Vec::new(),
+            Recovery {
+                generation,
+                worker_key: key,
+                ..Default::default()
+            },
+        )
+    };
+    let first = spawn(0, key.clone());
+    let (id, secret, _) = first.register_worker("a".into(), 1).await.unwrap();
+    first.finish().await;
+
+    let restarted = spawn(1, key.clone());
+    // The worker's heartbeat makes it known again, as after any restart.
+    restarted.heartbeat(id.clone(), Vec::new(), 0).await;
+    assert!(
+        !restarted.authenticate(id.clone(), "f".repeat(64)).await,
+        "a forged secret, presented first"
+    );
+    assert!(restarted.authenticate(id.clone(), secret.clone()).await);
+    // Another run's key (or a state without this one) proves nothing.
+    let other = spawn(1, WorkerKey::default());
+    other.heartbeat(id.clone(), Vec::new(), 0).await;
+    assert!(!other.authenticate(id.clone(), secret.clone()).await);
+    // The key survives its hex form in the run state.
+    assert_eq!(WorkerKey::from_hex(&key.to_hex()), Some(key));
+    assert_eq!(WorkerKey::from_hex("abc"), None);
+}
+
+/// A slot whose attempts ran out stays failed across a coordinator restart: its outcome
+/// is in the store, and the restarted scheduler replays it and completes the iteration
+/// with no worker. Before, failed slots lived in memory only, and after a restart the
+/// slot was queued again with fresh attempts.
+#[tokio::test]
+async fn a_failed_slot_stays_failed_after_a_restart() {
+    use crate::store::{log_path, spawn_writer, StoreOptions, TrajectoryStore};
+    let dir = tempfile::tempdir().unwrap();
+    let config = CoordinatorConfig {
+        episodes_per_iteration: 1,
+        heldout_episodes: 0,
+        lease_timeout_s: 0.2,
+        max_attempts: 1,
+        ..Default::default()
+    };
+    let (store_tx, store_thread) = spawn_writer(
+        TrajectoryStore::open(dir.path()).unwrap(),
+        Default::default(),
+    );
+    let sched = SchedulerHandle::spawn_with_store(
+        config.clone(),
+        vec![Task::default()],
+        Vec::new(),
+        Recovery::default(),
+        Some(&store_tx),
+    );
+    let (worker, _) = sched.register("w".into(), 1).await.unwrap();
+    let runner = sched.clone();
+    let iteration = tokio::spawn(async move { runner.run_iteration(0, 1.0).await });
+    let mut leased = Vec::new();
+    for _ in 0..100 {
+        leased = sched.lease(worker.clone(), 1).await.unwrap().leases;
+        if !leased.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(leased.len(), 1);
+    // The worker goes silent: the only attempt expires and the slot fails.
+    let rollouts = tokio::time::timeout(Duration::from_secs(10), iteration)
+        .await
+        .expect("the iteration ends once the attempt expired")
+        .unwrap()
+        .unwrap();
+    assert_eq!(rollouts.failed_slots, 1);
+    // The record is written in the background; the store's writer ends with its sender.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sched.finish().await;
+    drop(store_tx);
+    tokio::task::spawn_blocking(move || store_thread.join())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+
+    let mut recovery = Recovery::in_store(&log_path(dir.path()));
+    let mut stored = Vec::new();
+    TrajectoryStore::open_for_each(dir.path(), StoreOptions::default(), |at, ev| {
+        stored.push(ev.clone());
+        recovery.history.push_stored(at, &ev)
+    })
+    .unwrap();
+    assert_eq!(stored.len(), 1, "{stored:?}");
+    assert_eq!(stored[0].worker_id, FAILED_SLOT_WRITER);
+    assert_ne!(
+        stored[0].episode_id, leased[0].episode_id,
+        "an attempt no lease had"
+    );
+
+    let restarted = SchedulerHandle::spawn_recovered(
+        config,
+        vec![Task::default()],
+        Vec::new(),
+        Recovery {
+            generation: 1,
+            ..recovery
+        },
+    );
+    let rollouts = tokio::time::timeout(Duration::from_secs(5), restarted.run_iteration(0, 1.0))
+        .await
+        .expect("the failed slot is done after the restart: nothing to lease")
+        .unwrap();
+    assert_eq!(rollouts.train.len(), 1);
+    assert_eq!(
+        rollouts.train[0].status,
+        tutor_proto::OutcomeStatus::SandboxError as i32
+    );
+    let s = restarted.snapshot().await.unwrap();
+    assert_eq!((s.pending_episodes, s.outstanding_leases), (0, 0), "{s:?}");
+}

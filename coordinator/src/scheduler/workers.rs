@@ -11,10 +11,52 @@ struct WorkerInfo {
     name: String,
     last_seen: Instant,
     loaded: u64,
-    /// What the worker proves its id with on its event stream; `None` for a worker
-    /// known only from its heartbeats (registered with a coordinator before a restart):
-    /// the first secret it presents is then taken as its own.
-    secret: Option<String>,
+}
+
+/// The key every worker's secret is derived from: `hex(HMAC-SHA256(key, worker id))`.
+/// The run state keeps it (`RunState::worker_key`), so a coordinator restarted on the
+/// run directory checks the secrets its predecessor handed out, and a worker registered
+/// before the restart is told apart from anyone else presenting its id. (Before, a
+/// restarted coordinator took the first secret presented for such an id as its own.)
+#[derive(Clone, PartialEq, Eq)]
+pub struct WorkerKey([u8; 32]);
+
+impl std::fmt::Debug for WorkerKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WorkerKey(<redacted>)")
+    }
+}
+
+impl Default for WorkerKey {
+    /// A new random key (a fresh run; tests).
+    fn default() -> Self {
+        let mut bytes = [0u8; 32];
+        rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut bytes);
+        Self(bytes)
+    }
+}
+
+impl WorkerKey {
+    /// The key from its hex form in the run state; `None` unless 64 hex digits.
+    pub fn from_hex(text: &str) -> Option<Self> {
+        let bytes = hex::decode(text).ok()?;
+        Some(Self(bytes.try_into().ok()?))
+    }
+
+    /// The hex form the run state keeps. A secret: never log it.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    /// The secret of `worker_id`.
+    fn secret_for(&self, worker_id: &str) -> String {
+        use hmac::Mac;
+        let mut mac = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(&self.0)
+            .expect("HMAC takes a key of any length");
+        mac.update(b"tutor worker secret v1: ");
+        mac.update(worker_id.as_bytes());
+        hex::encode(mac.finalize().into_bytes())
+    }
 }
 
 /// Registered workers by id.
@@ -23,24 +65,24 @@ pub struct Workers {
     next: u32,
     /// The coordinator's generation, part of every id so ids stay unique across restarts.
     generation: u64,
+    key: WorkerKey,
 }
 
 impl Workers {
-    pub fn new(generation: u64) -> Self {
+    pub fn new(generation: u64, key: WorkerKey) -> Self {
         Self {
             by_id: HashMap::new(),
             next: 0,
             generation,
+            key,
         }
     }
 
-    /// Registers a worker and returns its id and secret (32 random bytes, hex).
+    /// Registers a worker and returns its id and secret (see [`WorkerKey`]).
     pub fn register(&mut self, name: String, capacity: u32) -> (String, String) {
         let id = format!("{name}-g{}-{}", self.generation, self.next);
         self.next += 1;
-        let mut bytes = [0u8; 32];
-        rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut bytes);
-        let secret = hex::encode(bytes);
+        let secret = self.key.secret_for(&id);
         tracing::info!(worker = %id, capacity, "worker registered");
         self.by_id.insert(
             id.clone(),
@@ -49,32 +91,21 @@ impl Workers {
                 last_seen: Instant::now(),
                 // Nothing loaded yet.
                 loaded: u64::MAX,
-                secret: Some(secret.clone()),
             },
         );
         (id, secret)
     }
 
-    /// Whether `secret` proves `worker_id` (constant-time). A worker known only from
-    /// its heartbeats (it registered before a restart) has no secret here yet: the
-    /// first it presents becomes its own.
+    /// Whether `secret` proves `worker_id` (constant-time): a worker this coordinator
+    /// knows (registered, or heard from since a restart) presenting the secret the run's
+    /// key gives its id.
     pub fn authenticate(&mut self, worker_id: &str, secret: &str) -> bool {
         use subtle::ConstantTimeEq;
-        let Some(w) = self.by_id.get_mut(worker_id) else {
+        if !self.by_id.contains_key(worker_id) {
             return false;
-        };
-        match &w.secret {
-            Some(s) => bool::from(s.as_bytes().ct_eq(secret.as_bytes())),
-            None if !secret.is_empty() => {
-                tracing::info!(
-                    worker = worker_id,
-                    "worker from before a restart: its secret is taken as presented"
-                );
-                w.secret = Some(secret.to_string());
-                true
-            }
-            None => false,
         }
+        let want = self.key.secret_for(worker_id);
+        bool::from(want.as_bytes().ct_eq(secret.as_bytes()))
     }
 
     /// A lease request from `worker_id`: it is alive. A worker this coordinator does not
@@ -94,7 +125,6 @@ impl Workers {
                     name: worker_id.to_string(),
                     last_seen: Instant::now(),
                     loaded: u64::MAX,
-                    secret: None,
                 },
             );
         }
@@ -120,7 +150,6 @@ impl Workers {
                         name: worker_id.to_string(),
                         last_seen: Instant::now(),
                         loaded,
-                        secret: None,
                     },
                 );
             }

@@ -74,6 +74,9 @@ pub struct DockerSettings {
     pub memory_bytes: i64,
     pub nano_cpus: i64,
     pub pids_limit: i64,
+    /// The containers' ulimits (see [`ContainerSpec::nofile`], `fsize_bytes`).
+    pub nofile: i64,
+    pub fsize_bytes: i64,
     pub network: bool,
     /// See [`ContainerSpec::read_only_root`], `disk_bytes`, `tmp_bytes`.
     pub read_only_root: bool,
@@ -99,6 +102,8 @@ impl DockerSettings {
         spec.memory_bytes = self.memory_bytes;
         spec.nano_cpus = self.nano_cpus;
         spec.pids_limit = self.pids_limit;
+        spec.nofile = self.nofile;
+        spec.fsize_bytes = self.fsize_bytes;
         spec.network = self.network;
         spec.read_only_root = self.read_only_root;
         spec.disk_bytes = self.disk_bytes;
