@@ -7,6 +7,8 @@
 //! Case counts are small so the file runs in seconds in a debug build; regressions are
 //! not persisted to files: a real one found here is kept as a plain unit test.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -278,7 +280,7 @@ fn parquet_seed() -> &'static [u8] {
              pq.write_table(pa.Table.from_pylist(rows), {:?}, compression='snappy')\n",
             out.display().to_string()
         );
-        let o = std::process::Command::new(tutor_rollout_worker::sandbox::python_interpreter())
+        let o = std::process::Command::new(common::project_python())
             .args(["-c", &script])
             .output()
             .expect("python");

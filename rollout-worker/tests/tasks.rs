@@ -1,5 +1,7 @@
 //! Loading and writing task files.
 
+mod common;
+
 use std::path::Path;
 
 use tutor_rollout_worker::tasks::{load_tasks, write_tasks, TaskError, TaskRecord};
@@ -108,7 +110,7 @@ fn parquet(dir: &Path, name: &str, rows: &str, compression: &str) -> std::path::
         "import pyarrow as pa, pyarrow.parquet as pq\nrows = {rows}\npq.write_table(pa.Table.from_pylist(rows), {:?}, compression={compression:?})\n",
         out.display().to_string()
     );
-    let o = std::process::Command::new(tutor_rollout_worker::sandbox::python_interpreter())
+    let o = std::process::Command::new(common::project_python())
         .args(["-c", &script])
         .output()
         .expect("python");

@@ -41,16 +41,18 @@ fn a_shortened_dagger_experiment_raises_the_held_out_solve_rate() {
     assert_eq!(run["status"], "ok", "{results}");
     let initial = run["initial_heldout_solve_rate"].as_f64().unwrap();
     let last = run["final_heldout_solve_rate"].as_f64().unwrap();
-    assert_eq!(run["final_heldout_episodes"], 16, "{results}");
+    assert_eq!(run["final_heldout_episodes"], 32, "{results}");
     // The untrained student solves nothing; 8 iterations of the quickstart reach about
-    // half (docs/toy-world.md). A quarter of 16 episodes is clearly above it, with room
-    // for run-to-run variation in which episodes each worker runs.
+    // half on average, but one seed's runs differ (which episodes each worker runs
+    // depends on timing): DAgger finals of 10–20 of 32 in docs/RESULTS.md's runs, and a
+    // run of this test ended at 3 of 16. 5 of 32 is clearly above the untrained
+    // student and below every run seen.
     assert_eq!(
         initial, 0.0,
         "the untrained student solved something: {results}"
     );
     assert!(
-        last >= 0.25,
+        last >= 5.0 / 32.0,
         "the trained student solved {last} of the held-out tasks (untrained: {initial})\n{logs}"
     );
 }

@@ -24,6 +24,21 @@ pub fn init_python() {
     });
 }
 
+/// The project's Python (torch, pyarrow: requirements-dev.txt) for the tests' own
+/// helper scripts: `TUTOR_PYTHON`, else the workspace venv, else `python3`. Not the
+/// sandboxes' interpreter, which `make` points at the pytest-only `.venv-sandbox`.
+pub fn project_python() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("TUTOR_PYTHON").filter(|v| !v.is_empty()) {
+        return p.into();
+    }
+    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    if venv.exists() {
+        venv
+    } else {
+        "python3".into()
+    }
+}
+
 /// Runs `command` as a history step.
 pub fn exec(sb: &mut LocalSandbox, history: &mut Vec<ExecutedStep>, command: &str) {
     let out = sb.run(command, CMD_TIMEOUT);
