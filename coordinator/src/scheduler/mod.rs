@@ -751,14 +751,14 @@ impl Scheduler {
             let episode = event.episode_id.clone();
             let (reply, answer) = oneshot::channel();
             let written = match store.send(StoreRequest { event, reply }).await {
-                Ok(()) => answer.await.map_err(|_| "the store stopped".to_string()),
+                Ok(()) => match answer.await {
+                    Ok(r) => r.result.map(drop).map_err(|e| e.to_string()),
+                    Err(_) => Err("the store stopped".to_string()),
+                },
                 Err(_) => Err("the store stopped".to_string()),
             };
-            match written.map(|r| r.result) {
-                Ok(Ok(_)) => tracing::debug!(episode, "failed slot recorded in the store"),
-                Ok(Err(e)) => {
-                    tracing::warn!(episode, error = %e, "could not record a failed slot: after a restart it gets fresh attempts")
-                }
+            match written {
+                Ok(()) => tracing::debug!(episode, "failed slot recorded in the store"),
                 Err(e) => {
                     tracing::warn!(episode, error = %e, "could not record a failed slot: after a restart it gets fresh attempts")
                 }
