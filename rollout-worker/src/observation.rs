@@ -37,7 +37,7 @@ pub fn format_observation(
     max_chars: usize,
 ) -> String {
     let mut out = String::new();
-    let body = truncate_head_tail(output, max_chars);
+    let body = truncate_head_tail(&without_test_durations(output), max_chars);
     if body.trim().is_empty() {
         if !timed_out && exit_code == 0 {
             out.push_str("Your command ran successfully and did not produce any output.\n");
@@ -61,6 +61,78 @@ pub fn format_observation(
         current_file.unwrap_or("none")
     ));
     out
+}
+
+/// `output` with the duration taken off pytest's summary lines (`3 passed in 0.12s` →
+/// `3 passed`, `=== 1 failed, 2 passed in 61.20s (0:01:01) ===` → `=== 1 failed, 2 passed
+/// ===`). The model learns nothing from how fast the machine was, and without it an
+/// episode's text, and so a seeded run, is the same on every run.
+pub fn without_test_durations(output: &str) -> std::borrow::Cow<'_, str> {
+    if !output.contains(" in ") {
+        return output.into();
+    }
+    let mut changed = false;
+    let lines: Vec<String> = output
+        .split_inclusive('\n')
+        .map(|line| match strip_duration(line) {
+            Some(l) => {
+                changed = true;
+                l
+            }
+            None => line.to_string(),
+        })
+        .collect();
+    if changed {
+        lines.concat().into()
+    } else {
+        output.into()
+    }
+}
+
+/// One summary line without its duration, or None when `line` is not one.
+fn strip_duration(line: &str) -> Option<String> {
+    let (content, newline) = match line.strip_suffix('\n') {
+        Some(c) => {
+            let content = c.strip_suffix('\r').unwrap_or(c);
+            (content, &line[content.len()..])
+        }
+        None => (line, ""),
+    };
+    let at = content.rfind(" in ")?;
+    let (head, rest) = (&content[..at], &content[at + 4..]);
+    // The counts: `N word, N word` or `no tests ran`, after an optional `=== `.
+    let counts = head.trim_start_matches('=').trim_start();
+    let counts_ok = counts == "no tests ran"
+        || (!counts.is_empty()
+            && counts.split(", ").all(|part| {
+                part.split_once(' ').is_some_and(|(n, word)| {
+                    !n.is_empty()
+                        && n.bytes().all(|b| b.is_ascii_digit())
+                        && !word.is_empty()
+                        && word.bytes().all(|b| b.is_ascii_lowercase())
+                })
+            }));
+    if !counts_ok {
+        return None;
+    }
+    // The duration: `0.12s`, optionally ` (0:01:01)`, then optionally ` ===`.
+    let digits = rest.bytes().take_while(|b| b.is_ascii_digit() || *b == b'.').count();
+    if digits == 0 || !rest[digits..].starts_with('s') {
+        return None;
+    }
+    let mut tail = &rest[digits + 1..];
+    if let Some(t) = tail.strip_prefix(" (") {
+        let close = t.find(')')?;
+        if !t[..close].bytes().all(|b| b.is_ascii_digit() || b == b':') {
+            return None;
+        }
+        tail = &t[close + 1..];
+    }
+    let equals = tail.trim();
+    if !equals.bytes().all(|b| b == b'=') {
+        return None;
+    }
+    Some(format!("{head}{tail}{newline}"))
 }
 
 #[cfg(test)]
@@ -112,5 +184,39 @@ mod tests {
         let big = "x".repeat(1000);
         let o = format_observation(&big, 0, false, "~/repo", None, 100);
         assert!(o.contains("900 characters elided"));
+    }
+
+    #[test]
+    fn pytest_summary_lines_lose_their_duration_and_nothing_else_changes() {
+        let cases = [
+            ("1 passed in 0.01s\n", "1 passed\n"),
+            ("2 failed, 3 passed, 1 error in 12.34s", "2 failed, 3 passed, 1 error"),
+            (
+                "===== 1 failed, 2 passed in 61.20s (0:01:01) =====\r\n",
+                "===== 1 failed, 2 passed =====\r\n",
+            ),
+            ("no tests ran in 0.00s\n", "no tests ran\n"),
+            (
+                "F.\n=== FAILURES ===\nassert 3 == 4\n1 failed, 1 passed in 0.05s\n(x)",
+                "F.\n=== FAILURES ===\nassert 3 == 4\n1 failed, 1 passed\n(x)",
+            ),
+        ];
+        for (output, want) in cases {
+            assert_eq!(without_test_durations(output), want, "{output:?}");
+        }
+        // Lines that only look alike keep their text.
+        for output in [
+            "print('1 passed in 0.01s')",
+            "the bug is in 2.5s of code",
+            "1 passed in 0.01s because",
+            "1 Passed in 0.01s",
+            "1 passed in s",
+            "loaded 3 files in 0.2s (fast)",
+            "",
+        ] {
+            assert_eq!(without_test_durations(output), output, "{output:?}");
+        }
+        let obs = format_observation("1 passed in 0.31s\n", 0, false, "~/repo", None, 100);
+        assert!(obs.starts_with("1 passed\n"), "{obs}");
     }
 }

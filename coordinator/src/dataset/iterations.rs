@@ -17,6 +17,9 @@ use crate::rollouts::GroupStats;
 /// The training examples of one counted training episode, with the policy version the
 /// episode was sampled with (for the staleness filter), its group and its reward (dapo).
 pub struct EpisodeData {
+    /// The episode's slot in its iteration's plan: the dataset's order, so that the
+    /// batches do not depend on which worker finished first.
+    pub slot: usize,
     pub policy_version: u64,
     pub examples: Vec<TrainExample>,
     pub group: u32,
@@ -69,8 +72,12 @@ impl IterationDatasets {
             .sum()
     }
 
+    /// Adds a finished episode, in slot order: the examples (and so the seeded batch
+    /// order) of an iteration are the same whichever order its episodes finished in.
     pub fn push(&mut self, iteration: u32, episode: EpisodeData) {
-        self.episodes.entry(iteration).or_default().push(episode);
+        let eps = self.episodes.entry(iteration).or_default();
+        let at = eps.partition_point(|e| e.slot <= episode.slot);
+        eps.insert(at, episode);
     }
 
     /// Teacher labels (DAgger examples) of the iterations up to `iteration`.
@@ -265,6 +272,7 @@ mod tests {
                 datasets.push(
                     k,
                     EpisodeData {
+                        slot: ep as usize,
                         policy_version: u64::from(k),
                         examples: (0..3)
                             .map(|t| TrainExample {
@@ -306,5 +314,49 @@ mod tests {
         assert_eq!(trained, (1..=10).map(|k| 6 * k).collect::<Vec<_>>());
         assert_eq!(datasets.examples_in_memory(), 60);
         assert_eq!(datasets.teacher_labels_through(9), 60);
+    }
+
+    /// Two workers finish an iteration's episodes in whatever order their timing gives:
+    /// the dataset, and so the seeded batches, are the same for every finishing order.
+    #[test]
+    fn the_batches_do_not_depend_on_the_order_episodes_finish_in() {
+        let episode = |slot: usize| EpisodeData {
+            slot,
+            policy_version: 0,
+            examples: (0..3)
+                .map(|t| TrainExample {
+                    // Lengths shared across episodes: the batcher's length sort keeps
+                    // ties in the shuffled order, which depends on the list's order.
+                    tokens: vec![slot as u32 + 1; 8 + 4 * (t as usize % 2)],
+                    episode_id: format!("it000-train{slot:04}-g0a0"),
+                    turn_index: t,
+                    ..Default::default()
+                })
+                .collect(),
+            group: 0,
+            reward: 1.0,
+        };
+        let batches_for = |finish_order: &[usize]| {
+            let mut datasets = IterationDatasets::new(CoordinatorConfig::default());
+            datasets.open(0);
+            for &slot in finish_order {
+                datasets.push(0, episode(slot));
+            }
+            let examples = datasets.examples(0, true);
+            crate::dataset::make_batches(&examples, 0, 40, 2, 100, 7)
+                .into_iter()
+                .map(|b| {
+                    b.examples
+                        .iter()
+                        .map(|e| (e.episode_id.clone(), e.turn_index))
+                        .collect::<Vec<_>>()
+                })
+                .collect::<Vec<_>>()
+        };
+        let reference = batches_for(&[0, 1, 2, 3, 4, 5]);
+        assert!(reference.len() > 2, "{reference:?}");
+        for order in [[5, 4, 3, 2, 1, 0], [2, 0, 5, 1, 3, 4], [1, 0, 3, 2, 5, 4]] {
+            assert_eq!(batches_for(&order), reference, "finish order {order:?}");
+        }
     }
 }

@@ -900,6 +900,7 @@ impl Scheduler {
                 self.datasets.push(
                     self.plan.iteration,
                     EpisodeData {
+                        slot,
                         policy_version: outcome.policy_version,
                         examples,
                         group: self.plan.slots[slot].group,

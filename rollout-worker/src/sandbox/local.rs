@@ -950,12 +950,13 @@ impl LocalSandbox {
             .command(&binds, &self.home, script, &env, timeout)?;
         let mut out = run_in_own_group(cmd, timeout, self.output_cap)?;
         // bash names the script it sources in its messages (`…/ctl/command.sh: line 1:
-        // submit: command not found`): the agent sees `bash:` as in a terminal, not the
-        // sandbox's host path.
-        let script_name = format!("{}: line ", cmd_file.display());
+        // submit: command not found`): the agent sees `bash:` as in a terminal. Other paths
+        // of the sandbox's temporary directory are spelled as commands can spell them.
+        let script_name = format!("{}: ", cmd_file.display());
         if out.output.contains(&script_name) {
-            out.output = out.output.replace(&script_name, "bash: line ");
+            out.output = out.output.replace(&script_name, "bash: ");
         }
+        out.output = spell_sandbox_paths(&out.output, &self.home);
         if let Some(p) = read_written_by_commands(&cwd_file, 8192) {
             let p = PathBuf::from(p.trim_end_matches('\n'));
             // Confined, the directory is in the command's view, not necessarily the host's.
@@ -965,6 +966,41 @@ impl LocalSandbox {
         }
         Ok(out)
     }
+}
+
+/// `output` with the sandbox's temporary paths as commands can spell them: the home
+/// directory `O/home` as `~` (so the repository is `~/repo`, as in the footer) and the
+/// rest of `O` as `~/..`. The temporary directory's name is random and names the run and
+/// worker: the model learns nothing from it, it would tell the agent where on the host it
+/// is, and with it no two runs of one seed would see the same text.
+fn spell_sandbox_paths(output: &str, home: &Path) -> String {
+    let mut out = replace_path(output, &home.display().to_string(), "~");
+    if let Some(root) = home.parent().filter(|r| r.parent().is_some()) {
+        out = replace_path(&out, &root.display().to_string(), "~/..");
+    }
+    out
+}
+
+/// Replaces `path` where it is a whole path or a path's leading components (followed by
+/// `/` or by a character no file name goes on with), not where it starts a longer name.
+fn replace_path(s: &str, path: &str, with: &str) -> String {
+    if path.is_empty() || !s.contains(path) {
+        return s.to_string();
+    }
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(at) = rest.find(path) {
+        let after = &rest[at + path.len()..];
+        let boundary = after
+            .chars()
+            .next()
+            .is_none_or(|c| !(c.is_alphanumeric() || "._-".contains(c)));
+        out.push_str(&rest[..at]);
+        out.push_str(if boundary { with } else { path });
+        rest = after;
+    }
+    out.push_str(rest);
+    out
 }
 
 impl Sandbox for LocalSandbox {
@@ -1332,9 +1368,21 @@ pub(crate) mod tests {
         assert!(sb.changed_files().is_empty());
         assert_eq!(sb.head().as_deref(), Some(sb.base_commit()));
         // HOME is the sandbox dir, so ~/repo works in commands.
-        let out = sb.run("cd ~/repo && pwd && echo $REPO", T);
-        let root = sb.root().display().to_string();
-        assert_eq!(out.output, format!("{root}\n{root}\n"));
+        let out = sb.run("cd ~/repo && pwd && echo $REPO && basename $REPO", T);
+        assert!(sb.root().is_absolute() && sb.root().is_dir());
+        // Output spells the sandbox's temporary paths as `~`, as the footer does.
+        assert_eq!(out.output, "~/repo\n~/repo\nrepo\n");
+        let out = sb.run("cd ~/.. && ls -d \"$PWD\"/ctl; cat ~/../ctl/nope", T);
+        assert!(out.output.starts_with("~/../ctl\n"), "{}", out.output);
+        assert!(out.output.contains("~/../ctl/nope: No such file"), "{}", out.output);
+        let outside = sb.root().parent().unwrap().parent().unwrap().display().to_string();
+        assert!(!out.output.contains(&outside), "{}", out.output);
+        // A longer name that starts like the sandbox's directory is left alone.
+        let out = sb.run("cd ~/.. && echo \"$PWD\"x", T);
+        assert!(out.output.ends_with("x\n") && out.output.contains(&outside), "{}", out.output);
+        let out = sb.run("echo $(", T);
+        assert!(out.output.starts_with("bash: "), "{}", out.output);
+        assert!(!out.output.contains("command.sh"), "{}", out.output);
     }
 
     /// The submission is read with git, after the agent's last command and outside its
@@ -1406,7 +1454,8 @@ pub(crate) mod tests {
         assert_eq!(sb.cwd(), "~/repo/gone");
         sb.run("rm -rf ~/repo/gone", T);
         let out = sb.run("pwd", T);
-        assert_eq!(out.output.trim(), sb.root().display().to_string());
+        assert_eq!(out.output.trim(), "~/repo");
+        assert_eq!(sb.cwd(), "~/repo");
     }
 
     #[test]
