@@ -108,15 +108,17 @@ fn strip_duration(line: &str) -> Option<String> {
                 part.split_once(' ').is_some_and(|(n, word)| {
                     !n.is_empty()
                         && n.bytes().all(|b| b.is_ascii_digit())
-                        && !word.is_empty()
-                        && word.bytes().all(|b| b.is_ascii_lowercase())
+                        && PYTEST_OUTCOMES.contains(&word)
                 })
             }));
     if !counts_ok {
         return None;
     }
     // The duration: `0.12s`, optionally ` (0:01:01)`, then optionally ` ===`.
-    let digits = rest.bytes().take_while(|b| b.is_ascii_digit() || *b == b'.').count();
+    let digits = rest
+        .bytes()
+        .take_while(|b| b.is_ascii_digit() || *b == b'.')
+        .count();
     if digits == 0 || !rest[digits..].starts_with('s') {
         return None;
     }
@@ -132,8 +134,29 @@ fn strip_duration(line: &str) -> Option<String> {
     if !equals.bytes().all(|b| b == b'=') {
         return None;
     }
-    Some(format!("{head}{tail}{newline}"))
+    // Without -q pytest centres the line in `=`, so the runs' lengths depend on the
+    // duration's: a fixed run on each side instead.
+    if head.starts_with('=') || !equals.is_empty() {
+        return Some(format!("===== {counts} ====={newline}"));
+    }
+    Some(format!("{head}{newline}"))
 }
+
+/// The words of pytest's summary line (`3 passed, 1 warning`).
+const PYTEST_OUTCOMES: &[&str] = &[
+    "passed",
+    "failed",
+    "error",
+    "errors",
+    "skipped",
+    "xfailed",
+    "xpassed",
+    "warning",
+    "warnings",
+    "deselected",
+    "rerun",
+    "selected",
+];
 
 #[cfg(test)]
 mod tests {
@@ -190,10 +213,18 @@ mod tests {
     fn pytest_summary_lines_lose_their_duration_and_nothing_else_changes() {
         let cases = [
             ("1 passed in 0.01s\n", "1 passed\n"),
-            ("2 failed, 3 passed, 1 error in 12.34s", "2 failed, 3 passed, 1 error"),
+            (
+                "2 failed, 3 passed, 1 error in 12.34s",
+                "2 failed, 3 passed, 1 error",
+            ),
             (
                 "===== 1 failed, 2 passed in 61.20s (0:01:01) =====\r\n",
                 "===== 1 failed, 2 passed =====\r\n",
+            ),
+            // Centred in `=` runs whose length depends on the duration's: fixed runs.
+            (
+                "=================== 3 passed, 1 warning in 10.01s ===================\n",
+                "===== 3 passed, 1 warning =====\n",
             ),
             ("no tests ran in 0.00s\n", "no tests ran\n"),
             (
@@ -212,6 +243,7 @@ mod tests {
             "1 Passed in 0.01s",
             "1 passed in s",
             "loaded 3 files in 0.2s (fast)",
+            "3 files in 2s",
             "",
         ] {
             assert_eq!(without_test_durations(output), output, "{output:?}");

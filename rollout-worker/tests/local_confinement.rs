@@ -148,6 +148,7 @@ fn a_command_cannot_read_the_workers_secrets_home_environment_or_other_sandboxes
         "MANPAGER",
         "PYTHONDONTWRITEBYTECODE",
         "PYTHONUNBUFFERED",
+        "PYTHONHASHSEED",
         "PIP_DISABLE_PIP_VERSION_CHECK",
         "GIT_CONFIG_NOSYSTEM",
         "GIT_CONFIG_GLOBAL",
