@@ -64,29 +64,21 @@ pub fn format_observation(
 }
 
 /// `output` with the duration taken off pytest's summary lines (`3 passed in 0.12s` →
-/// `3 passed`, `=== 1 failed, 2 passed in 61.20s (0:01:01) ===` → `=== 1 failed, 2 passed
-/// ===`). The model learns nothing from how fast the machine was, and without it an
-/// episode's text, and so a seeded run, is the same on every run.
+/// `3 passed`; a centred line `=== 1 failed, 2 passed in 61.20s (0:01:01) ===` becomes
+/// `===== 1 failed, 2 passed =====`). The model learns nothing from how fast the machine
+/// was, and without it an episode's text, and so a seeded run, is the same on every run.
 pub fn without_test_durations(output: &str) -> std::borrow::Cow<'_, str> {
     if !output.contains(" in ") {
         return output.into();
     }
-    let mut changed = false;
-    let lines: Vec<String> = output
-        .split_inclusive('\n')
-        .map(|line| match strip_duration(line) {
-            Some(l) => {
-                changed = true;
-                l
-            }
-            None => line.to_string(),
-        })
-        .collect();
-    if changed {
-        lines.concat().into()
-    } else {
-        output.into()
+    let mut out = String::with_capacity(output.len());
+    for line in output.split_inclusive('\n') {
+        match strip_duration(line) {
+            Some(l) => out.push_str(&l),
+            None => out.push_str(line),
+        }
     }
+    out.into()
 }
 
 /// One summary line without its duration, or None when `line` is not one.
