@@ -32,7 +32,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use crate::sandbox::process::run_in_own_group;
+use crate::sandbox::process::{run_in_own_group, Isolation};
 
 /// The host uid (and gid) the commands of a root worker's sandboxes run as: `nobody`
 /// (`nogroup`). Each sandbox counts its processes in a user namespace of its own, so
@@ -302,27 +302,30 @@ impl Confinement {
         timeout: Duration,
     ) -> std::io::Result<Command> {
         let limits = self.inner.limits;
-        let mut cmd = match &self.inner.bwrap {
-            Some(b) => {
-                let mut cmd = Command::new(&b.path);
-                cmd.args(b.args(binds, home)?);
-                let script = format!("{}{script}", process_limit(limits.processes));
-                cmd.args(["bash", "--noprofile", "--norc", "-c", &script]);
-                // bwrap resolves its own paths; a root worker's sandbox user may not
-                // enter this process's directory.
-                cmd.current_dir("/");
-                cmd
-            }
-            None => {
-                let mut cmd = Command::new("bash");
-                cmd.args(["--noprofile", "--norc", "-c", script]);
-                cmd.current_dir(home);
-                cmd
-            }
-        };
+        let cpu = Limits::cpu_seconds(timeout);
+        if let Some(b) = &self.inner.bwrap {
+            // No pre_exec: std then starts bwrap with posix_spawn (vfork), not fork, which
+            // would copy the page tables of the worker (a few hundred MB with its policy)
+            // for every command. What the closure did is done by bwrap and the script:
+            // the limits by the shell's first line (as this user, before the command;
+            // both soft and hard, so nothing in the sandbox raises them), the session by
+            // `--new-session`, dying with the worker by `--die-with-parent`.
+            let mut cmd = Command::new(&b.path);
+            cmd.args(b.args(binds, home)?);
+            let script = format!("{}{script}", shell_limits(&limits, cpu));
+            cmd.args(["bash", "--noprofile", "--norc", "-c", &script]);
+            // bwrap resolves its own paths; a root worker's sandbox user may not
+            // enter this process's directory.
+            cmd.current_dir("/");
+            cmd.env_clear()
+                .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+            return Ok(cmd);
+        }
+        let mut cmd = Command::new("bash");
+        cmd.args(["--noprofile", "--norc", "-c", script]);
+        cmd.current_dir(home);
         cmd.env_clear()
             .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-        let cpu = Limits::cpu_seconds(timeout);
         // SAFETY: setrlimit is async-signal-safe; the closure allocates nothing.
         unsafe {
             cmd.pre_exec(move || {
@@ -338,10 +341,20 @@ impl Confinement {
     }
 }
 
-/// The first line of a confined command's script: the process limit, set inside the
-/// sandbox's user namespace (where the kernel counts it for that namespace alone).
-fn process_limit(n: u64) -> String {
-    format!("ulimit -u {n} || {{ echo 'sandbox: could not limit processes' >&2; exit 126; }}\n")
+/// The first line of a confined command's script: its limits, set inside the sandbox
+/// (the process limit inside the user namespace, where the kernel counts it for that
+/// namespace alone), soft and hard, before anything the agent wrote runs. bash's units:
+/// KiB for `-v` and `-f`, seconds for `-t`.
+fn shell_limits(limits: &Limits, cpu_seconds: u64) -> String {
+    format!(
+        "ulimit -u {} -v {} -f {} -n {} -t {} -c 0 || \
+         {{ echo 'sandbox: could not set its limits' >&2; exit 126; }}\n",
+        limits.processes,
+        limits.address_space_bytes / 1024,
+        limits.file_size_bytes / 1024,
+        limits.open_files,
+        cpu_seconds,
+    )
 }
 
 fn set_limit(resource: libc::__rlimit_resource_t, value: u64) -> std::io::Result<()> {
@@ -417,7 +430,7 @@ impl Bwrap {
                 Duration::from_secs(30),
             )
             .map_err(|e| e.to_string())?;
-        let out = run_in_own_group(cmd, Duration::from_secs(30), 8192)
+        let out = run_in_own_group(cmd, Duration::from_secs(30), 8192, Isolation::ByCommand)
             .map_err(|e| format!("bubblewrap could not be started: {e}"))?;
         if out.exit_code != 0 || !out.output.contains("tutor-confined") {
             return Err(format!(
@@ -440,6 +453,7 @@ impl Bwrap {
             "--unshare-uts",
             "--unshare-cgroup-try",
             "--die-with-parent",
+            "--new-session",
             "--hostname",
             "sandbox",
         ]

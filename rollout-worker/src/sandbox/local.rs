@@ -43,7 +43,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use crate::sandbox::confine::{Bind, Confinement, SYSTEM_PATH};
-use crate::sandbox::process::{kill_tagged, run_in_own_group};
+use crate::sandbox::process::{kill_tagged, run_in_own_group, Isolation};
 use crate::sandbox::{
     safe_rel, shell_quote, CommandOutput, LeftOutReason, Sandbox, SandboxError, Submission,
     BOOKKEEPING_CONFIG, MAX_SUBMISSION_BYTES, MAX_UNTRACKED_FILE_BYTES, SUBMISSION_EXCLUDE,
@@ -231,6 +231,10 @@ pub struct LocalSandbox {
     env: Vec<(String, String)>,
     /// The whole environment of the worker's own git (config in `book`).
     git_env: Vec<(String, String)>,
+    /// `git` on that environment's PATH, as a path: std starts a program named by path
+    /// with posix_spawn, but looks a bare name up with a fork when the environment sets
+    /// PATH, copying the worker's page tables for each of an episode's git calls.
+    git_program: PathBuf,
     output_cap: usize,
     confinement: Confinement,
     /// What a confined command sees of the Python interpreter (read-only).
@@ -370,6 +374,15 @@ impl LocalSandbox {
             })
             .chain([("XDG_CONFIG_HOME".to_string(), s(&book.join(".config")))])
             .collect();
+        let git_program = git_env
+            .iter()
+            .find(|(k, _)| k == "PATH")
+            .and_then(|(_, path)| {
+                std::env::split_paths(path)
+                    .map(|d| d.join("git"))
+                    .find(|p| p.is_absolute() && p.is_file())
+            })
+            .unwrap_or_else(|| PathBuf::from("git"));
 
         for f in &task.files {
             let rel =
@@ -404,6 +417,7 @@ impl LocalSandbox {
             base: String::new(),
             env,
             git_env,
+            git_program,
             output_cap: DEFAULT_OUTPUT_CAP,
             confinement: confinement.clone(),
             python_view,
@@ -832,7 +846,7 @@ impl LocalSandbox {
         args: &[S],
         extra_env: &[(&str, &str)],
     ) -> Command {
-        let mut cmd = Command::new("git");
+        let mut cmd = Command::new(&self.git_program);
         cmd.args([
             "-c",
             "core.quotepath=off",
@@ -953,7 +967,12 @@ impl LocalSandbox {
         let cmd = self
             .confinement
             .command(&binds, &self.home, script, &env, timeout)?;
-        let mut out = run_in_own_group(cmd, timeout, self.output_cap)?;
+        let isolation = if self.confinement.is_confined() {
+            Isolation::ByCommand
+        } else {
+            Isolation::Here
+        };
+        let mut out = run_in_own_group(cmd, timeout, self.output_cap, isolation)?;
         // bash names the script it sources in its messages (`…/ctl/command.sh: line 1:
         // submit: command not found`): the agent sees `bash:` as in a terminal. Other paths
         // of the sandbox's temporary directory are spelled as commands can spell them.

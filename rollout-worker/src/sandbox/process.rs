@@ -18,31 +18,52 @@ use crate::sandbox::{CommandOutput, TIMEOUT_EXIT_CODE};
 /// How long output is still collected after the shell exited, for stray writers.
 const DRAIN_GRACE: Duration = Duration::from_millis(300);
 
+/// How a command is kept apart from the worker's session and ended with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Isolation {
+    /// Here, between fork and exec: the child becomes a session leader (`setsid`) and
+    /// gets `SIGKILL` when the worker dies (`PR_SET_PDEATHSIG`). That needs a real fork
+    /// of the worker, which copies its page tables: for commands that cannot do it
+    /// themselves (the unconfined shell).
+    Here,
+    /// By the command itself (bwrap's `--new-session --die-with-parent`, whose PID
+    /// namespace ends with it): the child only leads a process group of its own, which
+    /// std starts with posix_spawn (vfork) instead of a fork.
+    ByCommand,
+}
+
 /// Runs `cmd` (stdio is set here: no stdin, stdout and stderr into one capped pipe) as a
-/// session and process-group leader. Returns once the leader exited and the output is
-/// drained (at most [`DRAIN_GRACE`] after, for stray writers), or, at `timeout`, kills the
-/// whole group and reports [`TIMEOUT_EXIT_CODE`]. Background jobs die with the leader.
+/// process-group leader (and, with [`Isolation::Here`], a session leader). Returns once the
+/// leader exited and the output is drained (at most [`DRAIN_GRACE`] after, for stray
+/// writers), or, at `timeout`, kills the whole group and reports [`TIMEOUT_EXIT_CODE`].
+/// Background jobs die with the leader.
 pub(crate) fn run_in_own_group(
     mut cmd: Command,
     timeout: Duration,
     output_cap: usize,
+    isolation: Isolation,
 ) -> std::io::Result<CommandOutput> {
     let (read_end, write_end) = make_pipe()?;
     let write_file = File::from(write_end);
     cmd.stdin(Stdio::null())
         .stdout(Stdio::from(write_file.try_clone()?))
         .stderr(Stdio::from(write_file));
-    // SAFETY: setsid and prctl are async-signal-safe; setsid makes the child a session and process
-    // group leader, so the whole tree can be killed with one kill(-pgid).
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::setsid() == -1 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // If the worker dies (even by SIGKILL) the command's shell dies with it.
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            Ok(())
-        });
+    match isolation {
+        // SAFETY: setsid and prctl are async-signal-safe; setsid makes the child a session
+        // and process group leader, so the whole tree can be killed with one kill(-pgid).
+        Isolation::Here => unsafe {
+            cmd.pre_exec(|| {
+                if libc::setsid() == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // If the worker dies (even by SIGKILL) the command's shell dies with it.
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        },
+        Isolation::ByCommand => {
+            cmd.process_group(0);
+        }
     }
     let mut child = cmd.spawn()?;
     // Close our copies of the write end, or we would never see EOF.
