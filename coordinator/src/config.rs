@@ -185,11 +185,12 @@ pub struct CoordinatorConfig {
     /// after the last, the slot is recorded as failed (an unresolved SANDBOX_ERROR
     /// outcome, no training examples) and the iteration goes on.
     pub max_attempts: u32,
-    /// Padded tokens per training batch (rows × longest row).
+    /// Padded tokens per training batch (rows × longest row); with `batch_by_episode`,
+    /// the episodes' packed size (each one's longest example plus its label tokens).
     pub batch_tokens: usize,
     /// Keep every episode's examples in one batch (episodes shuffled, the budget counting
     /// each episode's longest example plus its label tokens): what `[learner] packing =
-    /// "tree"` needs to compute a trajectory's shared prefix once.
+    /// "trunk"` (or "tree") needs to compute a trajectory's shared prefix once.
     pub batch_by_episode: bool,
     /// Longest training example; longer contexts lose their oldest tokens.
     pub max_seq_len: usize,

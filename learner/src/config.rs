@@ -45,6 +45,10 @@ pub struct LearnerConfig {
     /// `"tree"` packs them into rows where shared prefixes are computed once (a DAgger
     /// trajectory's labels branch off it) and several examples share a row (attention
     /// kept inside each, positions restarting). Same loss and gradients, fewer tokens.
+    /// `"trunk"` runs each trajectory's tokens once as a plain causal sequence (the
+    /// fused kernel) with the labels that branch off it attending to it: the tokens of
+    /// "tree" at about the attention cost of plain rows; with the coordinator's
+    /// `batch_by_episode`, a DAgger step costs about its longest example, not the sum.
     pub packing: Packing,
     /// Weight of an auxiliary next-token loss on the context tokens (the prompt and the
     /// observations, which are otherwise attended to but not trained on), added to the
@@ -52,7 +56,7 @@ pub struct LearnerConfig {
     /// DAgger, BC and RFT are defined. A student trained from scratch learns to copy (a
     /// file path from the issue into its command) several times sooner with it, since
     /// the context repeats names it can learn to copy (docs/toy-world.md). The reported
-    /// training loss then includes the term. Plain packing only (`packing = "none"`).
+    /// training loss then includes the term. With `packing = "none"` or `"trunk"`.
     pub context_loss_weight: f64,
     /// `"tree"`: the most slots in one packed row (a prefix tree larger than this gets a
     /// row of its own). Attention in a row is dense [L, L].
@@ -107,6 +111,7 @@ pub enum Packing {
     #[default]
     None,
     Tree,
+    Trunk,
 }
 
 impl Default for LearnerConfig {
@@ -199,7 +204,7 @@ impl LearnerConfig {
             return Err(ConfigError::WorldSize);
         }
         let w = self.context_loss_weight;
-        if !(0.0..=10.0).contains(&w) || (w > 0.0 && self.packing != Packing::None) {
+        if !(0.0..=10.0).contains(&w) || (w > 0.0 && self.packing == Packing::Tree) {
             return Err(ConfigError::ContextLoss { got: w });
         }
         if !(self.rendezvous_timeout_s > 0.0 && self.collective_timeout_s > 0.0) {
@@ -234,7 +239,7 @@ pub enum ConfigError {
     WorldSize,
     #[error(
         "learner.context_loss_weight must be in [0, 10] and, when above 0, used with \
-         learner.packing = \"none\"; got {got}"
+         learner.packing = \"none\" or \"trunk\"; got {got}"
     )]
     ContextLoss { got: f64 },
     #[error(

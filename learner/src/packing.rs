@@ -213,6 +213,262 @@ impl PackedBatch {
     }
 }
 
+/// `pack_trunks`'s branch depth for training: a branch off a trunk at most this many
+/// tokens deep (a teacher label is at most `max_new_tokens` plus its end token) is
+/// computed in the trunk's row, attending under an explicit mask; a deeper one (another
+/// trajectory, or a context the worker rebuilt) gets a row and a causal trunk of its
+/// own, repeating the prefix it shares.
+pub const TRUNK_BRANCH_DEPTH: usize = 256;
+
+/// Examples as one trunk (a plain causal sequence) and the tokens that branch off it,
+/// for `Policy::forward_trunk`. Every predicted token of the examples is owned by
+/// exactly one slot of one row: `label_weight` and `context_weight` say how many
+/// examples predict it as a label and as context. A prefix repeated at the start of a
+/// row (shared with a trunk computed in another row) owns nothing there.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TrunkRow {
+    pub tokens: Vec<u32>,
+    /// RoPE position: the token's index in the plain examples it belongs to.
+    pub positions: Vec<u32>,
+    /// Slot of the previous token; `None` for a first token. Trunk slot `i > 0` has
+    /// parent `i - 1`; every parent precedes its child.
+    pub parent: Vec<Option<u32>>,
+    /// Slots `0 .. trunk` are the trunk.
+    pub trunk: usize,
+    /// Per slot: how many examples have this token (predicted from its parent) as a
+    /// label, and as a context token (not a label, not the first token).
+    pub label_weight: Vec<u32>,
+    pub context_weight: Vec<u32>,
+}
+
+impl TrunkRow {
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The label tokens this row trains (with multiplicity), as `PaddedBatch` counts them.
+    pub fn label_tokens(&self) -> u64 {
+        self.label_weight.iter().map(|&w| w as u64).sum()
+    }
+
+    /// The context tokens this row trains (with multiplicity).
+    pub fn context_tokens(&self) -> u64 {
+        self.context_weight.iter().map(|&w| w as u64).sum()
+    }
+
+    /// The `[S - trunk, S]` attention rows of the branch slots, row-major: slot
+    /// `trunk + i` may attend slot `j` where `j` is it or one of its ancestors.
+    pub fn branch_mask(&self) -> Vec<bool> {
+        let (s, t) = (self.len(), self.trunk);
+        let mut allowed = vec![false; (s - t) * s];
+        for i in t..s {
+            let row = (i - t) * s;
+            let mut j = Some(i as u32);
+            while let Some(k) = j {
+                let k = k as usize;
+                if k < t {
+                    // The trunk is a chain: every trunk slot up to k is an ancestor.
+                    allowed[row..row + k + 1].fill(true);
+                    break;
+                }
+                allowed[row + k] = true;
+                j = self.parent[k];
+            }
+        }
+        allowed
+    }
+}
+
+/// Lays examples (tokens, loss mask) out as trunk rows: a trie over their token
+/// sequences, cut into rows along its longest paths. A row's trunk is one root-to-leaf
+/// path (a trajectory's executed tokens up to its last label); the subtrees off it at
+/// most `branch_depth` tokens deep (the teacher labels where the student acted) are its
+/// branches; a deeper subtree becomes a row of its own whose trunk starts with the
+/// prefix it shares (computed again there, trained once). So one trajectory's DAgger
+/// examples cost its tokens once plus their labels, with the trunk's attention under the
+/// fused causal kernel, and the weighted per-token losses of the rows sum to those of
+/// the examples run separately.
+pub fn pack_trunks(examples: &[(Vec<u32>, Vec<bool>)], branch_depth: usize) -> Vec<TrunkRow> {
+    struct Node {
+        token: u32,
+        depth: u32,
+        parent: Option<usize>,
+        children: Vec<usize>,
+        label: u32,
+        context: u32,
+        height: usize,
+    }
+    let mut nodes: Vec<Node> = Vec::new();
+    let mut roots: Vec<usize> = Vec::new();
+    let mut index: std::collections::HashMap<(usize, u32), usize> = Default::default();
+    for (tokens, mask) in examples {
+        let mut cur: Option<usize> = None;
+        for (j, &t) in tokens.iter().enumerate() {
+            let key = (cur.map_or(usize::MAX, |c| c), t);
+            let n = match index.get(&key) {
+                Some(&n) => n,
+                None => {
+                    let n = nodes.len();
+                    nodes.push(Node {
+                        token: t,
+                        depth: j as u32,
+                        parent: cur,
+                        children: Vec::new(),
+                        label: 0,
+                        context: 0,
+                        height: 1,
+                    });
+                    match cur {
+                        Some(c) => nodes[c].children.push(n),
+                        None => roots.push(n),
+                    }
+                    index.insert(key, n);
+                    n
+                }
+            };
+            // As `PaddedBatch`: the first token is predicted from nothing.
+            if j > 0 {
+                if mask.get(j).copied().unwrap_or(false) {
+                    nodes[n].label += 1;
+                } else {
+                    nodes[n].context += 1;
+                }
+            }
+            cur = Some(n);
+        }
+    }
+    // Children are created after their parents: heights bottom-up in reverse order.
+    for n in (0..nodes.len()).rev() {
+        if let Some(p) = nodes[n].parent {
+            nodes[p].height = nodes[p].height.max(nodes[n].height + 1);
+        }
+    }
+    let heavy = |n: usize| -> Option<usize> {
+        let mut best: Option<usize> = None;
+        for &c in &nodes[n].children {
+            if best.is_none_or(|b| nodes[c].height > nodes[b].height) {
+                best = Some(c);
+            }
+        }
+        best
+    };
+    let mut rows = Vec::new();
+    let mut slot_of = vec![0u32; nodes.len()];
+    // (the repeated prefix: its nodes, root first; the node the owned trunk starts at)
+    let mut work: Vec<(Vec<usize>, usize)> = roots.iter().rev().map(|&r| (Vec::new(), r)).collect();
+    while let Some((prefix, start)) = work.pop() {
+        let mut trunk = prefix.clone();
+        let mut cur = Some(start);
+        while let Some(n) = cur {
+            trunk.push(n);
+            cur = heavy(n);
+        }
+        let mut row = TrunkRow {
+            trunk: trunk.len(),
+            ..Default::default()
+        };
+        // Slots of this row's nodes (a node repeated in a later row's prefix gets that
+        // row's slot when it is laid out there).
+        let push = |row: &mut TrunkRow,
+                    slot_of: &mut [u32],
+                    n: usize,
+                    parent: Option<u32>,
+                    owned: bool| {
+            let node = &nodes[n];
+            slot_of[n] = row.tokens.len() as u32;
+            row.tokens.push(node.token);
+            row.positions.push(node.depth);
+            row.parent.push(parent);
+            row.label_weight.push(if owned { node.label } else { 0 });
+            row.context_weight
+                .push(if owned { node.context } else { 0 });
+        };
+        for (i, &n) in trunk.iter().enumerate() {
+            let parent = i.checked_sub(1).map(|p| p as u32);
+            push(&mut row, &mut slot_of, n, parent, i >= prefix.len());
+        }
+        let mut new_rows = Vec::new();
+        for i in prefix.len()..trunk.len() {
+            let n = trunk[i];
+            let next = trunk.get(i + 1).copied();
+            for &c in &nodes[n].children {
+                if Some(c) == next {
+                    continue;
+                }
+                if nodes[c].height > branch_depth {
+                    new_rows.push((trunk[..=i].to_vec(), c));
+                    continue;
+                }
+                // The whole subtree as branch slots, parents first.
+                let mut stack = vec![c];
+                while let Some(b) = stack.pop() {
+                    let parent = nodes[b].parent.map(|p| slot_of[p]);
+                    push(&mut row, &mut slot_of, b, parent, true);
+                    stack.extend(nodes[b].children.iter().rev());
+                }
+            }
+        }
+        rows.push(row);
+        work.extend(new_rows.into_iter().rev());
+    }
+    rows
+}
+
+/// One trunk row ready for `Policy::forward_trunk` (batch of one): ids, positions, the
+/// branch slots' attention rows, and every owned prediction (the slot it is made from,
+/// its target, its label and context multiplicities).
+pub struct TrunkBatch {
+    pub input_ids: Tensor,
+    pub position_ids: Tensor,
+    pub trunk: i64,
+    pub branch_allowed: Tensor,
+    /// `[N]` slot whose logits predict each owned token (its parent).
+    pub pred_index: Tensor,
+    pub targets: Tensor,
+    /// `[N]` float: label and context multiplicity of each prediction.
+    pub label_weight: Tensor,
+    pub context_weight: Tensor,
+    pub label_tokens: u64,
+    pub context_tokens: u64,
+}
+
+impl TrunkBatch {
+    pub fn new(row: &TrunkRow, device: Device) -> Self {
+        let s = row.len() as i64;
+        let ids: Vec<i64> = row.tokens.iter().map(|&t| t as i64).collect();
+        let pos: Vec<i64> = row.positions.iter().map(|&p| p as i64).collect();
+        let (mut pred, mut targets, mut lw, mut cw) = (vec![], vec![], vec![], vec![]);
+        for i in 0..row.len() {
+            let (l, c) = (row.label_weight[i], row.context_weight[i]);
+            if let (Some(p), true) = (row.parent[i], l + c > 0) {
+                pred.push(p as i64);
+                targets.push(row.tokens[i] as i64);
+                lw.push(l as f32);
+                cw.push(c as f32);
+            }
+        }
+        let t = row.trunk as i64;
+        Self {
+            input_ids: Tensor::from_slice(&ids).reshape([1, s]).to(device),
+            position_ids: Tensor::from_slice(&pos).reshape([1, s]).to(device),
+            trunk: t,
+            branch_allowed: Tensor::from_slice(&row.branch_mask())
+                .reshape([1, s - t, s])
+                .to(device),
+            pred_index: Tensor::from_slice(&pred).to(device),
+            targets: Tensor::from_slice(&targets).to(device),
+            label_weight: Tensor::from_slice(&lw).to(device),
+            context_weight: Tensor::from_slice(&cw).to(device),
+            label_tokens: row.label_tokens(),
+            context_tokens: row.context_tokens(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -558,5 +814,181 @@ mod tests {
         let d_pos = max_diff(&wrong_pos, &naive);
         assert!(d_pos > 1e-3, "{d_pos}");
         eprintln!("controls: causal mask {d_mask:e}, slot positions {d_pos:e}");
+    }
+
+    /// Every owned prediction of trunk rows with its whole context (the path to it),
+    /// repeated by its label and by its context multiplicity, sorted.
+    fn owned_contexts_of_trunks(rows: &[TrunkRow]) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+        let (mut labels, mut contexts) = (Vec::new(), Vec::new());
+        for row in rows {
+            assert!(row.trunk <= row.len());
+            for i in 0..row.len() {
+                let mut path = vec![i];
+                while let Some(p) = row.parent[*path.last().unwrap()] {
+                    assert!((p as usize) < *path.last().unwrap(), "a parent comes first");
+                    path.push(p as usize);
+                }
+                assert_eq!(row.positions[i] as usize, path.len() - 1, "slot {i}");
+                if i < row.trunk {
+                    assert_eq!(path.len(), i + 1, "the trunk is one chain from slot 0");
+                }
+                let seq: Vec<u32> = path.iter().rev().map(|&s| row.tokens[s]).collect();
+                labels.extend(std::iter::repeat_n(
+                    seq.clone(),
+                    row.label_weight[i] as usize,
+                ));
+                contexts.extend(std::iter::repeat_n(seq, row.context_weight[i] as usize));
+            }
+        }
+        labels.sort();
+        contexts.sort();
+        (labels, contexts)
+    }
+
+    fn context_contexts_of_examples(examples: &[(Vec<u32>, Vec<bool>)]) -> Vec<Vec<u32>> {
+        let mut out: Vec<Vec<u32>> = examples
+            .iter()
+            .flat_map(|(tokens, mask)| {
+                (1..tokens.len())
+                    .filter(|&j| !mask[j])
+                    .map(|j| tokens[..=j].to_vec())
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn trunk_rows_own_every_prediction_of_the_examples_once() {
+        for seed in 0..10 {
+            let mut ex = examples(&random_turns(seed, 8, 50), 100_000);
+            // Another trajectory in the batch, a duplicate example and cut contexts.
+            ex.extend(examples(&random_turns(seed + 100, 6, 50), 100_000));
+            ex.push(ex[2].clone());
+            ex.extend(examples(&random_turns(seed + 200, 6, 50), 25));
+            for depth in [0, 4, 10_000] {
+                let rows = pack_trunks(&ex, depth);
+                let (labels, contexts) = owned_contexts_of_trunks(&rows);
+                assert_eq!(
+                    labels,
+                    label_contexts_of_examples(&ex),
+                    "seed {seed} depth {depth}"
+                );
+                assert_eq!(contexts, context_contexts_of_examples(&ex), "seed {seed}");
+                // Branches are never deeper than allowed.
+                for row in &rows {
+                    for i in row.trunk..row.len() {
+                        let mut d = 0;
+                        let mut j = Some(i as u32);
+                        while let Some(k) = j.filter(|&k| k as usize >= row.trunk) {
+                            d += 1;
+                            j = row.parent[k as usize];
+                        }
+                        assert!(d <= depth, "a branch {d} deep at depth {depth}");
+                    }
+                }
+            }
+            // One trajectory alone, shallow branches allowed: one row, its trunk the
+            // executed trajectory, the student-branch labels off it.
+            let one = examples(&random_turns(seed, 8, 50), 100_000);
+            let rows = pack_trunks(&one, 64);
+            assert_eq!(rows.len(), 1, "seed {seed}");
+            assert!(rows[0].trunk < rows[0].len(), "labels branch off");
+            let plain: usize = one.iter().map(|e| e.0.len()).sum();
+            assert!(rows[0].len() * 2 < plain, "{} vs {plain}", rows[0].len());
+        }
+    }
+
+    #[test]
+    fn branch_masks_are_the_ancestors() {
+        // Trunk 1 2 3 4; off slot 1: 7 8; off slot 3: 9; off 7: 6.
+        let ex = vec![
+            (vec![1, 2, 3, 4], vec![false, false, true, true]),
+            (vec![1, 2, 7, 8], vec![false, false, true, true]),
+            (vec![1, 2, 7, 6], vec![false, false, false, true]),
+            (vec![1, 2, 3, 4, 9], vec![false; 5]),
+        ];
+        let rows = pack_trunks(&ex, 8);
+        assert_eq!(rows.len(), 1);
+        let row = &rows[0];
+        assert_eq!(row.trunk, 5);
+        assert_eq!(row.tokens, vec![1, 2, 3, 4, 9, 7, 8, 6]);
+        assert_eq!(row.positions, vec![0, 1, 2, 3, 4, 2, 3, 3]);
+        assert_eq!(row.label_weight, vec![0, 0, 1, 1, 0, 1, 1, 1]);
+        assert_eq!(row.context_weight, vec![0, 4, 1, 1, 1, 1, 0, 0]);
+        let m = row.branch_mask();
+        let rows_of = |i: usize| -> Vec<usize> { (0..8).filter(|&j| m[(i - 5) * 8 + j]).collect() };
+        assert_eq!(rows_of(5), vec![0, 1, 5]);
+        assert_eq!(rows_of(6), vec![0, 1, 5, 6]);
+        assert_eq!(rows_of(7), vec![0, 1, 5, 7]);
+        // A branch deeper than allowed gets its own row, repeating the shared prefix
+        // (owning nothing there).
+        let rows = pack_trunks(&ex, 1);
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[1].tokens, vec![1, 2, 7, 8, 6]);
+        assert_eq!(rows[1].trunk, 4);
+        assert_eq!(rows[1].label_weight, vec![0, 0, 1, 1, 1]);
+        assert_eq!(rows[1].context_weight, vec![0, 0, 1, 0, 0]);
+    }
+
+    fn trunk_loss(p: &Policy, rows: &[TrunkRow], context_scale: f64) -> Tensor {
+        let sums: Vec<Tensor> = rows
+            .iter()
+            .map(|row| {
+                let b = TrunkBatch::new(row, Device::Cpu);
+                let logits =
+                    p.forward_trunk(&b.input_ids, &b.position_ids, b.trunk, &b.branch_allowed);
+                crate::loss::trunk_nll_sum(&logits, &b, context_scale)
+            })
+            .collect();
+        Tensor::stack(&sums, 0).sum(Kind::Double)
+    }
+
+    #[test]
+    fn trunk_loss_and_gradients_equal_the_naive_examples() {
+        let p = tiny_policy(11);
+        let turns = random_turns(3, 6, 64);
+        let other = random_turns(4, 6, 64);
+        let naive = loss_and_grads(&p, |p| {
+            naive_loss(p, &turns, 1000) + naive_loss(p, &other, 20)
+        });
+        let mut ex = examples(&turns, 1000);
+        ex.extend(examples(&other, 20));
+        for depth in [1, TRUNK_BRANCH_DEPTH] {
+            let rows = pack_trunks(&ex, depth);
+            let trunk = loss_and_grads(&p, |p| trunk_loss(p, &rows, 0.0));
+            let d = max_diff(&trunk, &naive);
+            assert!(
+                d < 1e-6,
+                "trunk rows (branch depth {depth}) vs naive differ by {d}"
+            );
+        }
+        // With context multiplicities: label sum + scale × context sum, as the plain
+        // batch computes it.
+        let b = PaddedBatch::new(&ex, Device::Cpu);
+        let context = b.attention_mask.to_kind(Kind::Float) - &b.loss_mask;
+        let plain = loss_and_grads(&p, |p| {
+            let logits = p.forward(&b.input_ids, &b.attention_mask);
+            crate::loss::masked_nll_sum(&logits, &b.input_ids, &b.loss_mask)
+                + crate::loss::masked_nll_sum(&logits, &b.input_ids, &context) * 0.25
+        });
+        let rows = pack_trunks(&ex, TRUNK_BRANCH_DEPTH);
+        let trunk = loss_and_grads(&p, |p| trunk_loss(p, &rows, 0.25));
+        let d = max_diff(&trunk, &plain);
+        assert!(d < 1e-6, "with context: {d}");
+        // The comparison can fail: without the branch rows' trunk columns.
+        let wrong = loss_and_grads(&p, |p| {
+            let sums: Vec<Tensor> = rows
+                .iter()
+                .map(|row| {
+                    let b = TrunkBatch::new(row, Device::Cpu);
+                    let blind = b.branch_allowed.zeros_like();
+                    let logits = p.forward_trunk(&b.input_ids, &b.position_ids, b.trunk, &blind);
+                    crate::loss::trunk_nll_sum(&logits, &b, 0.25)
+                })
+                .collect();
+            Tensor::stack(&sums, 0).sum(Kind::Double)
+        });
+        assert!(max_diff(&wrong, &plain) > 1e-3);
     }
 }

@@ -36,6 +36,10 @@ pub(crate) enum AttnMask {
     Causal,
     /// Boolean `[B, 1, S, L]`, true = may attend (L = cached + new keys).
     Explicit(Tensor),
+    /// A trunk and what branches off it, over the pass's own keys (no cache): slots
+    /// `0 .. trunk` are one causal sequence (the fused causal kernel over the trunk's
+    /// keys); slots `trunk ..` attend under the boolean `[B, 1, S - trunk, S]` rows.
+    Trunk { trunk: i64, branches: Tensor },
 }
 
 /// Per-layer key/value cache, preallocated for the whole generation so that a decode
@@ -423,6 +427,25 @@ impl Attention {
         let (attn_mask, is_causal) = match mask {
             AttnMask::Causal => (None, true),
             AttnMask::Explicit(m) => (Some(m), false),
+            AttnMask::Trunk { trunk, branches } => {
+                let s = q.size()[2];
+                let t = (*trunk).clamp(0, s);
+                let mut parts = Vec::with_capacity(2);
+                if t > 0 {
+                    let (qt, kt, vt) = (q.narrow(2, 0, t), k.narrow(2, 0, t), v.narrow(2, 0, t));
+                    parts.push(self.attend(&qt, &kt, &vt, &AttnMask::Causal));
+                }
+                if t < s {
+                    let qb = q.narrow(2, t, s - t);
+                    parts.push(self.attend(
+                        &qb,
+                        k,
+                        v,
+                        &AttnMask::Explicit(branches.shallow_clone()),
+                    ));
+                }
+                return Tensor::cat(&parts, 2);
+            }
         };
         Tensor::scaled_dot_product_attention(
             q,
@@ -896,6 +919,56 @@ impl Policy {
     }
 }
 
+impl Policy {
+    /// Forward over rows laid out as a trunk and branches, for training on a trajectory's
+    /// DAgger examples at the cost of its tokens once: slots `0 .. trunk` of every row are
+    /// one plain sequence (positions `0 .. trunk`, causal attention by the fused kernel);
+    /// each later slot is a token off it (a teacher label where the student acted, or
+    /// another example's tail) that attends the slots `branch_allowed[b, i - trunk, j]`
+    /// says (its ancestors; it always attends itself as well).
+    ///
+    /// `input_ids`, `position_ids` `[B, S]` (integer), `branch_allowed` `[B, S - trunk,
+    /// S]` (bool, or integer with nonzero = true). Returns float32 logits `[B, S, vocab]`.
+    /// Equal to `forward_tree` with the causal triangle over the trunk (up to the
+    /// kernels' rounding); the trunk's attention costs half of dense `[S, S]` and runs
+    /// fused.
+    pub fn forward_trunk(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        trunk: i64,
+        branch_allowed: &Tensor,
+    ) -> Tensor {
+        let device = self.device();
+        let ids = input_ids.to_device(device).to_kind(Kind::Int64);
+        let (b, s) = ids.size2().expect("input_ids must be [B, S]");
+        assert!((0..=s).contains(&trunk), "the trunk is 0..=S slots");
+        let positions = position_ids.to_device(device).to_kind(Kind::Int64);
+        assert_eq!(
+            positions.size(),
+            [b, s],
+            "position_ids must have the shape of input_ids"
+        );
+        let allowed = branch_allowed.to_device(device);
+        assert_eq!(
+            allowed.size(),
+            [b, s - trunk, s],
+            "branch_allowed must be [B, S - trunk, S]"
+        );
+        // Each branch slot attends itself: its column index is trunk + its row index.
+        let own = Tensor::eye_m(s - trunk, s - trunk, (Kind::Bool, device));
+        let own = Tensor::cat(
+            &[Tensor::zeros([s - trunk, trunk], (Kind::Bool, device)), own],
+            1,
+        )
+        .unsqueeze(0);
+        let branches = allowed.ne(0).logical_or(&own).unsqueeze(1);
+        let mask = AttnMask::Trunk { trunk, branches };
+        let hidden = self.model.hidden_states(&ids, &positions, &mask, None);
+        self.model.logits(&hidden)
+    }
+}
+
 /// Attention mask `[B, 1, S, L]` for `S` new queries after `past` cached keys: a query may
 /// see valid keys at or before its own slot. `key_valid` is `[B, L]` (L = past + S),
 /// `query_valid` `[B, S]`. Padding queries also see themselves, so that no softmax row is
@@ -1261,6 +1334,55 @@ pub(crate) mod tests {
         let wrong_pos = Tensor::arange(7, (Kind::Int64, Device::Cpu)).unsqueeze(0);
         let shifted = p.forward_tree(&row, &wrong_pos, &allowed).get(0);
         assert!(!close(&shifted.narrow(0, 5, 2), &b.narrow(0, 3, 2)));
+    }
+
+    #[test]
+    fn forward_trunk_matches_forward_tree() {
+        let p = tiny_policy(4);
+        // Trunk [3 4 5 6 7] (slots 0..5); branch A [8 9] after slot 2 (slots 5, 6);
+        // branch B [10] after slot 4 (slot 7); branch C [11] after A's 8 (slot 8).
+        let row = Tensor::from_slice(&[3i64, 4, 5, 6, 7, 8, 9, 10, 11]).view([1, 9]);
+        let pos = Tensor::from_slice(&[0i64, 1, 2, 3, 4, 3, 4, 5, 4]).view([1, 9]);
+        let parent = [
+            None,
+            Some(0),
+            Some(1),
+            Some(2),
+            Some(3),
+            Some(2),
+            Some(5),
+            Some(4),
+            Some(5),
+        ];
+        let mut allowed = vec![false; 81];
+        for i in 0..9 {
+            let mut j = Some(i);
+            while let Some(k) = j {
+                allowed[i * 9 + k] = true;
+                j = parent[k];
+            }
+        }
+        let tree_mask = Tensor::from_slice(&allowed).view([1, 9, 9]);
+        let tree = p.forward_tree(&row, &pos, &tree_mask);
+        let branch_rows = tree_mask.narrow(1, 5, 4);
+        let trunk = p.forward_trunk(&row, &pos, 5, &branch_rows);
+        assert!(trunk.allclose(&tree, 1e-5, 1e-5, false));
+        // A branch that may not see the trunk gives other logits (the mask is used).
+        let blind = branch_rows.zeros_like();
+        let other = p.forward_trunk(&row, &pos, 5, &blind);
+        assert!(!other
+            .narrow(1, 5, 4)
+            .allclose(&tree.narrow(1, 5, 4), 1e-5, 1e-5, false));
+        assert!(other
+            .narrow(1, 0, 5)
+            .allclose(&tree.narrow(1, 0, 5), 1e-5, 1e-5, false));
+        // All trunk, no branch: plain forward.
+        let ids = Tensor::from_slice(&[3i64, 4, 5, 6, 7]).view([1, 5]);
+        let plain_pos = Tensor::arange(5, (Kind::Int64, Device::Cpu)).unsqueeze(0);
+        let none = Tensor::zeros([1, 0, 5], (Kind::Bool, Device::Cpu));
+        let all_trunk = p.forward_trunk(&ids, &plain_pos, 5, &none);
+        let plain = p.forward(&ids, &Tensor::ones([1, 5], (Kind::Int64, Device::Cpu)));
+        assert!(all_trunk.allclose(&plain, 1e-5, 1e-5, false));
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::time::Instant;
 use tch::{Kind, Tensor};
 
 use crate::config::Packing;
-use crate::packing::{pack_examples, PackedBatch};
+use crate::packing::{pack_examples, pack_trunks, PackedBatch, TrunkBatch, TRUNK_BRANCH_DEPTH};
 use crate::trainer::{micro_batch_ranges, micro_batches, StepError, StepReport, Trainer};
 
 /// A padded batch ready for the model: right-padded token ids, the attention mask and
@@ -112,6 +112,24 @@ pub fn packed_nll_sum(logits: &Tensor, batch: &PackedBatch) -> Tensor {
         .sum(Kind::Float)
 }
 
+/// The weighted negative log-likelihoods of a trunk row, on the label-sum scale: each
+/// owned prediction's NLL × (its label multiplicity + `context_scale` × its context
+/// multiplicity); `logits` `[1, S, V]` from `Policy::forward_trunk` on it.
+pub fn trunk_nll_sum(logits: &Tensor, batch: &TrunkBatch, context_scale: f64) -> Tensor {
+    let (b, s, v) = logits.size3().expect("logits must be [B, S, V]");
+    if batch.targets.numel() == 0 {
+        return Tensor::zeros([], (Kind::Float, logits.device()));
+    }
+    let nll = -logits
+        .reshape([b * s, v])
+        .index_select(0, &batch.pred_index)
+        .log_softmax(-1, Kind::Float)
+        .gather(1, &batch.targets.unsqueeze(1), false)
+        .squeeze_dim(1);
+    let weight = &batch.label_weight + &batch.context_weight * context_scale;
+    (nll * weight).sum(Kind::Float)
+}
+
 impl Trainer {
     /// One optimizer step on this rank's share of a batch: summed label-token
     /// cross-entropy, backward, gradients and label counts summed over the ranks, divided
@@ -125,8 +143,10 @@ impl Trainer {
         let Some(start) = self.begin_step(examples.is_empty()) else {
             return Ok(self.idle_report());
         };
-        if self.config().packing == Packing::Tree {
-            return self.packed_step(start, examples);
+        match self.config().packing {
+            Packing::Tree => return self.packed_step(start, examples),
+            Packing::Trunk => return self.trunk_step(start, examples),
+            Packing::None => {}
         }
         let device = self.policy().device();
         let context_weight = self.config().context_loss_weight;
@@ -170,6 +190,44 @@ impl Trainer {
             }
             let logits = policy.forward_tree(&batch.input_ids, &batch.position_ids, &batch.allowed);
             Some((packed_nll_sum(&logits, batch), batch.label_tokens))
+        })
+    }
+
+    /// `step` with `packing = "trunk"`: the examples as trunk rows (`pack_trunks`: a
+    /// trajectory's tokens once under the causal kernel, its off-trunk labels as
+    /// branches), one pass per row. The label sum is that of the examples run
+    /// separately; the context term is `context_loss_weight ×` the step's label count ×
+    /// its mean context NLL, as the plain path computes it for a step in one pass.
+    fn trunk_step(
+        &mut self,
+        start: Instant,
+        examples: &[(Vec<u32>, Vec<bool>)],
+    ) -> Result<StepReport, StepError> {
+        let rows = pack_trunks(examples, TRUNK_BRANCH_DEPTH);
+        let labels: u64 = rows.iter().map(|r| r.label_tokens()).sum();
+        let contexts: u64 = rows.iter().map(|r| r.context_tokens()).sum();
+        let weight = self.config().context_loss_weight;
+        let context_scale = if weight > 0.0 && contexts > 0 {
+            weight * labels as f64 / contexts as f64
+        } else {
+            0.0
+        };
+        let device = self.policy().device();
+        let batches = rows.iter().map(|row| TrunkBatch::new(row, device));
+        self.run_passes(start, batches, |policy, batch| {
+            if batch.label_tokens == 0 && (context_scale == 0.0 || batch.context_tokens == 0) {
+                return None;
+            }
+            let logits = policy.forward_trunk(
+                &batch.input_ids,
+                &batch.position_ids,
+                batch.trunk,
+                &batch.branch_allowed,
+            );
+            Some((
+                trunk_nll_sum(&logits, batch, context_scale),
+                batch.label_tokens,
+            ))
         })
     }
 

@@ -22,7 +22,9 @@ pub mod cross_entropy;
 pub mod dapo;
 pub mod distill;
 
-pub use cross_entropy::{masked_cross_entropy, masked_nll_sum, packed_nll_sum, PaddedBatch};
+pub use cross_entropy::{
+    masked_cross_entropy, masked_nll_sum, packed_nll_sum, trunk_nll_sum, PaddedBatch,
+};
 pub use dapo::{dapo_clip_fraction, dapo_loss, token_logprobs, ClipFraction, RlBatch, RlExample};
 pub use distill::reverse_kl_advantage;
 

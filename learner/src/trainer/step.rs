@@ -391,6 +391,48 @@ mod tests {
     }
 
     #[test]
+    fn trunk_steps_equal_plain_steps_context_term_included() {
+        let ex = dagger_shaped_examples();
+        let mut plain = tiny_trainer();
+        let mut trunk = tiny_trainer();
+        plain.config.context_loss_weight = 0.5;
+        trunk.config.context_loss_weight = 0.5;
+        trunk.config.packing = Packing::Trunk;
+        trunk.config.validate().unwrap();
+        for _ in 0..3 {
+            let a = plain.step(&ex).unwrap();
+            let b = trunk.step(&ex).unwrap();
+            assert_eq!(a.micro_batches, 1);
+            assert!(b.micro_batches > 1, "one pass per trunk row");
+            assert_eq!(a.label_tokens, b.label_tokens, "every label counted once");
+            assert!(
+                (a.loss - b.loss).abs() <= 1e-5 * a.loss,
+                "{} vs {}",
+                a.loss,
+                b.loss
+            );
+            assert!((a.grad_norm - b.grad_norm).abs() <= 1e-4 * a.grad_norm);
+        }
+        let (mut num, mut den) = (0.0, 0.0);
+        for ((_, p), (_, q)) in plain.named_parameters().zip(trunk.named_parameters()) {
+            num += (p - q).square().sum(tch::Kind::Double).double_value(&[]);
+            den += p.square().sum(tch::Kind::Double).double_value(&[]);
+        }
+        let rel = (num / den).sqrt();
+        assert!(rel <= 1e-5, "relative error {rel}");
+        // And it differs from a step without the context term.
+        let mut labels_only = tiny_trainer();
+        labels_only.config.packing = Packing::Trunk;
+        let c = labels_only.step(&ex).unwrap();
+        let d = tiny_trainer().step(&ex).unwrap();
+        assert!((c.loss - d.loss).abs() <= 1e-5 * d.loss);
+        let mut with_context = tiny_trainer();
+        with_context.config.packing = Packing::Trunk;
+        with_context.config.context_loss_weight = 0.5;
+        assert!((with_context.step(&ex).unwrap().loss - c.loss).abs() > 1e-3);
+    }
+
+    #[test]
     fn accumulated_micro_batches_equal_one_big_batch() {
         let ex: Vec<(Vec<u32>, Vec<bool>)> = (0..7u32)
             .map(|i| {
