@@ -237,6 +237,10 @@ pub struct LocalSandbox {
     git_program: PathBuf,
     output_cap: usize,
     confinement: Confinement,
+    /// The interpreter the shims start, as its path: output spells it `python` (it
+    /// names itself by that path in messages such as `…/python: can't open file`), so
+    /// what the agent sees does not depend on where the project is checked out.
+    python_path: String,
     /// What a confined command sees of the Python interpreter (read-only).
     python_view: Vec<PathBuf>,
 }
@@ -418,6 +422,7 @@ impl LocalSandbox {
             env,
             git_env,
             git_program,
+            python_path: python.display().to_string(),
             output_cap: DEFAULT_OUTPUT_CAP,
             confinement: confinement.clone(),
             python_view,
@@ -988,6 +993,7 @@ impl LocalSandbox {
                 .collect();
         }
         out.output = spell_sandbox_paths(&out.output, &self.home);
+        out.output = replace_path(&out.output, &self.python_path, "python");
         if let Some(p) = read_written_by_commands(&cwd_file, 8192) {
             let p = PathBuf::from(p.trim_end_matches('\n'));
             // Confined, the directory is in the command's view, not necessarily the host's.
@@ -1403,6 +1409,14 @@ pub(crate) mod tests {
         assert!(sb.root().is_absolute() && sb.root().is_dir());
         // Output spells the sandbox's temporary paths as `~`, as the footer does.
         assert_eq!(out.output, "~/repo\n~/repo\nrepo\n");
+        // The interpreter's own path (the checkout's venv) is spelled `python`.
+        let out = sb.run("python no_such_script.py", T);
+        assert!(
+            out.output
+                .starts_with("python: can't open file '~/repo/no_such_script.py'"),
+            "{}",
+            out.output
+        );
         let out = sb.run("cd ~/.. && ls -d \"$PWD\"/ctl; cat ~/../ctl/nope", T);
         assert!(out.output.starts_with("~/../ctl\n"), "{}", out.output);
         assert_eq!(sb.cwd(), "~/..", "the footer spells it as the output does");
