@@ -37,7 +37,8 @@ pub fn format_observation(
     max_chars: usize,
 ) -> String {
     let mut out = String::new();
-    let body = truncate_head_tail(&without_test_durations(output), max_chars);
+    let body = without_object_addresses(&without_test_durations(output)).into_owned();
+    let body = truncate_head_tail(&body, max_chars);
     if body.trim().is_empty() {
         if !timed_out && exit_code == 0 {
             out.push_str("Your command ran successfully and did not produce any output.\n");
@@ -61,6 +62,32 @@ pub fn format_observation(
         current_file.unwrap_or("none")
     ));
     out
+}
+
+/// `output` with the address in Python's default reprs spelled `0x…`
+/// (`<range_iterator object at 0x7fbc240a0db0>` → `<range_iterator object at 0x…>`): it
+/// changes from run to run (ASLR), tells the model nothing, and made two runs of one seed
+/// part when a failing test printed one. Only ` at 0x` + at least 6 hex digits + `>`.
+pub fn without_object_addresses(output: &str) -> std::borrow::Cow<'_, str> {
+    const MARK: &str = " at 0x";
+    if !output.contains(MARK) {
+        return std::borrow::Cow::Borrowed(output);
+    }
+    let mut out = String::with_capacity(output.len());
+    let mut rest = output;
+    while let Some(at) = rest.find(MARK) {
+        let after = &rest[at + MARK.len()..];
+        let digits = after.bytes().take_while(|b| b.is_ascii_hexdigit()).count();
+        out.push_str(&rest[..at + MARK.len()]);
+        if digits >= 6 && after[digits..].starts_with('>') {
+            out.push('…');
+            rest = &after[digits..];
+        } else {
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    std::borrow::Cow::Owned(out)
 }
 
 /// `output` with the duration taken off pytest's summary lines (`3 passed in 0.12s` →
@@ -242,5 +269,34 @@ mod tests {
         }
         let obs = format_observation("1 passed in 0.31s\n", 0, false, "~/repo", None, 100);
         assert!(obs.starts_with("1 passed\n"), "{obs}");
+    }
+
+    #[test]
+    fn object_addresses_in_reprs_are_spelled_alike() {
+        let cases = [
+            (
+                ".0 = <range_iterator object at 0x7fbc240a0db0>\n",
+                ".0 = <range_iterator object at 0x…>\n",
+            ),
+            (
+                "[<Foo at 0x7f0001>, <function f at 0x55d1e2a3b4c0>]",
+                "[<Foo at 0x…>, <function f at 0x…>]",
+            ),
+        ];
+        for (output, want) in cases {
+            assert_eq!(without_object_addresses(output), want);
+        }
+        // Hex that is not a repr's address keeps its text.
+        for output in [
+            "mask = 0xff",
+            "jump at 0x7fbc240a0db0 failed",
+            "<x at 0x1f>",
+            "at 0x7fbc240a0db0>",
+            "",
+        ] {
+            assert_eq!(without_object_addresses(output), output, "{output:?}");
+        }
+        let obs = format_observation("<A object at 0x7f3a2b1c>\n", 1, false, "~", None, 100);
+        assert!(obs.starts_with("<A object at 0x…>\n"), "{obs}");
     }
 }
