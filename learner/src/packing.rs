@@ -308,7 +308,7 @@ pub fn pack_trunks(examples: &[(Vec<u32>, Vec<bool>)], branch_depth: usize) -> V
     for (tokens, mask) in examples {
         let mut cur: Option<usize> = None;
         for (j, &t) in tokens.iter().enumerate() {
-            let key = (cur.map_or(usize::MAX, |c| c), t);
+            let key = (cur.unwrap_or(usize::MAX), t);
             let n = match index.get(&key) {
                 Some(&n) => n,
                 None => {

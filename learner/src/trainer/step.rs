@@ -352,6 +352,29 @@ mod tests {
         ex
     }
 
+    /// Two steps on the same examples agree: label count, loss, gradient norm.
+    fn assert_same_step(a: &StepReport, b: &StepReport) {
+        assert_eq!(a.label_tokens, b.label_tokens, "every label counted once");
+        assert!(
+            (a.loss - b.loss).abs() <= 1e-5 * a.loss,
+            "{} vs {}",
+            a.loss,
+            b.loss
+        );
+        assert!((a.grad_norm - b.grad_norm).abs() <= 1e-4 * a.grad_norm);
+    }
+
+    /// Two trainers' weights agree to a relative error of 1e-5.
+    fn assert_same_weights(a: &Trainer, b: &Trainer) {
+        let (mut num, mut den) = (0.0, 0.0);
+        for ((_, p), (_, q)) in a.named_parameters().zip(b.named_parameters()) {
+            num += (p - q).square().sum(tch::Kind::Double).double_value(&[]);
+            den += p.square().sum(tch::Kind::Double).double_value(&[]);
+        }
+        let rel = (num / den).sqrt();
+        assert!(rel <= 1e-5, "relative error {rel}");
+    }
+
     #[test]
     fn tree_packed_steps_equal_plain_steps_with_fewer_tokens() {
         let ex = dagger_shaped_examples();
@@ -372,22 +395,9 @@ mod tests {
         for _ in 0..3 {
             let a = plain.step(&ex).unwrap();
             let b = packed.step(&ex).unwrap();
-            assert_eq!(a.label_tokens, b.label_tokens, "every label counted once");
-            assert!(
-                (a.loss - b.loss).abs() <= 1e-5 * a.loss,
-                "{} vs {}",
-                a.loss,
-                b.loss
-            );
-            assert!((a.grad_norm - b.grad_norm).abs() <= 1e-4 * a.grad_norm);
+            assert_same_step(&a, &b);
         }
-        let (mut num, mut den) = (0.0, 0.0);
-        for ((_, p), (_, q)) in plain.named_parameters().zip(packed.named_parameters()) {
-            num += (p - q).square().sum(tch::Kind::Double).double_value(&[]);
-            den += p.square().sum(tch::Kind::Double).double_value(&[]);
-        }
-        let rel = (num / den).sqrt();
-        assert!(rel <= 1e-5, "relative error {rel}");
+        assert_same_weights(&plain, &packed);
     }
 
     #[test]
@@ -404,22 +414,9 @@ mod tests {
             let b = trunk.step(&ex).unwrap();
             assert_eq!(a.micro_batches, 1);
             assert!(b.micro_batches > 1, "one pass per trunk row");
-            assert_eq!(a.label_tokens, b.label_tokens, "every label counted once");
-            assert!(
-                (a.loss - b.loss).abs() <= 1e-5 * a.loss,
-                "{} vs {}",
-                a.loss,
-                b.loss
-            );
-            assert!((a.grad_norm - b.grad_norm).abs() <= 1e-4 * a.grad_norm);
+            assert_same_step(&a, &b);
         }
-        let (mut num, mut den) = (0.0, 0.0);
-        for ((_, p), (_, q)) in plain.named_parameters().zip(trunk.named_parameters()) {
-            num += (p - q).square().sum(tch::Kind::Double).double_value(&[]);
-            den += p.square().sum(tch::Kind::Double).double_value(&[]);
-        }
-        let rel = (num / den).sqrt();
-        assert!(rel <= 1e-5, "relative error {rel}");
+        assert_same_weights(&plain, &trunk);
         // And it differs from a step without the context term.
         let mut labels_only = tiny_trainer();
         labels_only.config.packing = Packing::Trunk;
