@@ -16,6 +16,8 @@ pub struct LearnerConfig {
     /// `min_lr_ratio × learning_rate` at `total_steps`.
     pub schedule: ScheduleKind,
     /// Optimizer steps of the whole run (the cosine's length); unused by `"constant"`.
+    /// In a run config, 0 with `"cosine"` means `[coordinator] iterations ×
+    /// max_steps_per_iteration` (filled in by `tutor` when it loads the file).
     pub total_steps: u64,
     /// Floor of the cosine as a fraction of the peak (0 decays to 0).
     pub min_lr_ratio: f64,

@@ -202,10 +202,25 @@ impl RunConfig {
                     path.display()
                 )
             })?;
+        let merged = merged.resolved();
         merged
             .validate()
             .map_err(|e| anyhow!("{}: {e}", path.display()))?;
         Ok((merged, text))
+    }
+
+    /// Fills what one section derives from another: a cosine schedule with `[learner]
+    /// total_steps = 0` (or unset) decays over the most optimizer steps the run can take,
+    /// `[coordinator] iterations × max_steps_per_iteration`, so changing the run's length
+    /// keeps the decay ending with it. (An upper bound: an iteration with less data takes
+    /// fewer steps, and the run then ends a little above the floor.)
+    pub fn resolved(mut self) -> Self {
+        let l = &mut self.learner;
+        if l.schedule == tutor_learner::schedule::ScheduleKind::Cosine && l.total_steps == 0 {
+            let c = &self.coordinator;
+            l.total_steps = c.iterations as u64 * c.max_steps_per_iteration.max(1) as u64;
+        }
+        self
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -398,11 +413,35 @@ mod tests {
     }
 
     #[test]
+    fn a_cosine_without_total_steps_decays_over_the_runs_longest_length() {
+        let (_d, p) = write(
+            "[coordinator]\niterations = 8\nmax_steps_per_iteration = 150\n\
+             [learner]\nschedule = \"cosine\"\nwarmup_steps = 20\n",
+        );
+        let (c, _) = RunConfig::load(&p).unwrap();
+        assert_eq!(c.learner.total_steps, 1200);
+        // Given, it is kept; the constant schedule does not use it and is left alone.
+        let (_d, p) = write("[learner]\nschedule = \"cosine\"\ntotal_steps = 700\n");
+        assert_eq!(RunConfig::load(&p).unwrap().0.learner.total_steps, 700);
+        let (_d, p) = write("[coordinator]\niterations = 8\n");
+        assert_eq!(RunConfig::load(&p).unwrap().0.learner.total_steps, 0);
+        // Too short a run for its warmup is still refused, naming the field.
+        let (_d, p) = write(
+            "[coordinator]\niterations = 1\nmax_steps_per_iteration = 10\n\
+             [learner]\nschedule = \"cosine\"\nwarmup_steps = 20\n",
+        );
+        let e = format!("{:#}", RunConfig::load(&p).unwrap_err());
+        assert!(e.contains("total_steps"), "{e}");
+    }
+
+    #[test]
     fn defaults_and_validation() {
         let (_d, p) = write("");
         let (c, _) = RunConfig::load(&p).unwrap();
         assert_eq!(c.run.workers, 2);
-        let (_d, p) = write("[learner]\nschedule = \"cosine\"\nwarmup_steps = 10\n");
+        let (_d, p) = write(
+            "[learner]\nschedule = \"cosine\"\nwarmup_steps = 10\ntotal_steps = 10\n",
+        );
         let e = format!("{:#}", RunConfig::load(&p).unwrap_err());
         assert!(e.contains("total_steps"), "{e}");
         let (_d, p) = write("[coordinator]\niterations = 0\n");

@@ -273,6 +273,7 @@ impl Experiment {
                     .map(|src| format!("<the run directory of arm {}>", arms[src].name));
                 fill_managed(&mut config, &arm.name, seed, Path::new("runs"), stand_in)?;
                 let checked = parse_run_config(&config)
+                    .map(RunConfig::resolved)
                     .and_then(|c| c.validate().map(|_| c))
                     .map_err(|err| {
                         anyhow!(
