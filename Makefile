@@ -107,14 +107,16 @@ image-gpu: setup images
 	PYTHON=$(VENV)/bin/python deploy/docker/build-image.sh gpu $(IMAGE_GPU) target/gpu/release/tutor
 
 # docker-compose: Debian's docker-compose 1.x or the `docker compose` plugin, whichever is
-# installed. The stack's token is made once and kept in .tutor/compose-token, the workers'
-# (derived from it) in .tutor/compose-worker-token.
+# installed. The stack's token is made once and kept in .tutor/compose-token, the
+# learner's and the workers' (derived from it) in .tutor/compose-learner-token and
+# .tutor/compose-worker-token.
 COMPOSE := $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 COMPOSE_FILE := deploy/compose/docker-compose.yml
 COMPOSE_PROJECT ?= tutor
 WORKERS ?= 3
 DOCKER_SOCKET ?= /var/run/docker.sock
-compose-env = TUTOR_AUTH_TOKEN="$$(cat .tutor/compose-token)" TUTOR_WORKER_TOKEN="$$(cat .tutor/compose-worker-token)" \
+compose-env = TUTOR_AUTH_TOKEN="$$(cat .tutor/compose-token)" TUTOR_LEARNER_TOKEN="$$(cat .tutor/compose-learner-token)" \
+	TUTOR_WORKER_TOKEN="$$(cat .tutor/compose-worker-token)" \
 	DOCKER_GID="$$(stat -c %g $(DOCKER_SOCKET))" \
 	DOCKER_SOCKET=$(DOCKER_SOCKET) TUTOR_RUN=$(COMPOSE_PROJECT) TUTOR_IMAGE=$(IMAGE)
 compose = $(compose-env) $(COMPOSE) -f $(COMPOSE_FILE) -p $(COMPOSE_PROJECT)
@@ -126,26 +128,30 @@ compose = $(compose-env) $(COMPOSE) -f $(COMPOSE_FILE) -p $(COMPOSE_PROJECT)
 .tutor/compose-worker-token: .tutor/compose-token
 	@umask 077 && docker run --rm -e TUTOR_AUTH_TOKEN="$$(cat $<)" $(IMAGE) worker-token > $@
 
-compose-up: image .tutor/compose-worker-token
+# The learner's token, derived from the run's (the coordinator calls the learner with it).
+.tutor/compose-learner-token: .tutor/compose-token
+	@umask 077 && docker run --rm -e TUTOR_AUTH_TOKEN="$$(cat $<)" $(IMAGE) learner-token > $@
+
+compose-up: image .tutor/compose-learner-token .tutor/compose-worker-token
 	$(compose) up -d --scale worker=$(WORKERS)
 	@echo "metrics: http://$$($(compose) port coordinator 9300)/metrics"
 	@echo "logs:    make compose-logs   (status: make compose-ps)"
 
-compose-logs: .tutor/compose-worker-token
+compose-logs: .tutor/compose-learner-token .tutor/compose-worker-token
 	$(compose) logs -f --tail 50
 
-compose-ps: .tutor/compose-worker-token
+compose-ps: .tutor/compose-learner-token .tutor/compose-worker-token
 	$(compose) ps
 
 # Down keeps the run's volume (the store, checkpoints, published versions); compose-clean
 # removes it too. Both remove the run's sandbox containers that are left: a worker removes
 # its own when it stops, but a killed worker's are only removed by a successor of the same
 # name, and a recreated container has a new name.
-compose-down: .tutor/compose-worker-token
+compose-down: .tutor/compose-learner-token .tutor/compose-worker-token
 	$(compose) down --remove-orphans
 	@docker ps -aq --filter label=tutor.run=$(COMPOSE_PROJECT) | xargs -r docker rm -f >/dev/null
 
-compose-clean: .tutor/compose-worker-token
+compose-clean: .tutor/compose-learner-token .tutor/compose-worker-token
 	$(compose) down -v --remove-orphans
 	@docker ps -aq --filter label=tutor.run=$(COMPOSE_PROJECT) | xargs -r docker rm -f >/dev/null
 

@@ -70,21 +70,26 @@ impl CollectiveSecret {
     }
 
     /// The key derived from the token `auth` sends to the coordinator; `None` when it
-    /// sends none (no token configured: the hello stays open). `with_workers`: the group
-    /// has rollout workers in it (the weights broadcast), who hold the workers' token
-    /// only, so the key comes from that token (derived from the run's token by the
-    /// learner, as sent by the workers).
+    /// sends none (no token configured: the hello stays open). The key comes from the
+    /// lowest role in the group, whatever token a member holds: the learner's token for
+    /// the learner ranks (a rank given the run's token derives it), and with
+    /// `with_workers` (the weights broadcast, whose receivers hold the workers' token
+    /// only) the workers' token.
     pub fn from_client_auth(auth: &ClientAuth, group: &str, with_workers: bool) -> Option<Self> {
+        use tutor_proto::auth::{AuthToken, Role};
         // `ClientAuth` keeps its token to itself; what it adds to a call is public.
         let request = auth.clone().call(tonic::Request::new(())).ok()?;
         let value = request.metadata().get(AUTHORIZATION)?.to_str().ok()?;
-        let token = value.strip_prefix("Bearer ").unwrap_or(value);
-        if with_workers {
-            let token = tutor_proto::auth::AuthToken::new(token).ok()?;
-            let worker = token.derive(tutor_proto::auth::Role::Worker);
-            return Some(Self::from_token(worker.expose().as_bytes(), group));
-        }
-        Some(Self::from_token(token.as_bytes(), group))
+        let token = AuthToken::new(value.strip_prefix("Bearer ").unwrap_or(value)).ok()?;
+        let role = if with_workers {
+            Role::Worker
+        } else {
+            Role::Learner
+        };
+        Some(Self::from_token(
+            token.derive(role).expose().as_bytes(),
+            group,
+        ))
     }
 
     fn mac(&self, context: &[u8], nonces: [&[u8; NONCE]; 2], rank: u64, world: u64) -> HmacSha256 {
@@ -541,20 +546,38 @@ mod tests {
         let token = AuthToken::new(TOKEN).unwrap();
         let auth = ClientAuth::new(Some(&token));
         let key = CollectiveSecret::from_client_auth(&auth, "", false).unwrap();
-        assert_eq!(key, CollectiveSecret::from_token(TOKEN.as_bytes(), ""));
+        // The learner ranks' key comes from the learner's token: a rank given the run's
+        // token and one given the learner's get the same key.
+        let learner = token.derive(tutor_proto::auth::Role::Learner);
+        assert_eq!(
+            key,
+            CollectiveSecret::from_token(learner.expose().as_bytes(), "")
+        );
+        assert_eq!(
+            key,
+            CollectiveSecret::from_client_auth(&ClientAuth::new(Some(&learner)), "", false)
+                .unwrap()
+        );
         assert_ne!(
             key,
             CollectiveSecret::from_client_auth(&auth, "weights", false).unwrap(),
             "each group has its own key"
         );
         // The weights group has workers in it, who hold the workers' token: the learner
-        // (run token) and a worker (worker token) get the same key.
+        // (run token or learner token) and a worker (worker token) get the same key.
         let worker = token.derive(tutor_proto::auth::Role::Worker);
-        assert_eq!(
-            CollectiveSecret::from_client_auth(&auth, "weights", true).unwrap(),
-            CollectiveSecret::from_client_auth(&ClientAuth::new(Some(&worker)), "weights", true)
+        for holder in [&token, &learner] {
+            assert_eq!(
+                CollectiveSecret::from_client_auth(&ClientAuth::new(Some(holder)), "weights", true)
+                    .unwrap(),
+                CollectiveSecret::from_client_auth(
+                    &ClientAuth::new(Some(&worker)),
+                    "weights",
+                    true
+                )
                 .unwrap(),
-        );
+            );
+        }
         assert_ne!(key, CollectiveSecret::from_token(b"another-token", ""));
         assert!(CollectiveSecret::from_client_auth(&ClientAuth::new(None), "", false).is_none());
         assert_eq!(format!("{key:?}"), "CollectiveSecret(<redacted>)");

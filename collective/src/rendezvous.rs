@@ -375,7 +375,7 @@ fn nccl_join(_opts: &GroupOptions, _rdv: &Rendezvous) -> Result<Box<dyn Collecti
 
 #[cfg(test)]
 mod tests {
-    use tutor_proto::auth::AuthToken;
+    use tutor_proto::auth::{AuthToken, Role};
 
     use super::*;
 
@@ -410,7 +410,11 @@ mod tests {
     fn the_group_secret_comes_from_the_run_token() {
         assert!(options(0, None, "").secret().is_none());
         let learner = options(0, Some("tok"), "").secret().unwrap();
-        assert_eq!(learner, CollectiveSecret::from_token(b"tok", ""));
+        let learner_token = AuthToken::new("tok").unwrap().derive(Role::Learner);
+        assert_eq!(
+            learner,
+            CollectiveSecret::from_token(learner_token.expose().as_bytes(), "")
+        );
         assert_ne!(
             learner,
             options(0, Some("tok"), "weights").secret().unwrap()

@@ -81,7 +81,18 @@ pub async fn serve(
     // TLS files are checked first: a typo fails before anything is written.
     let server_tls = opts.tls.server()?;
     let mut server_builder = tutor_proto::tls::server_builder(server_tls.as_ref())?;
-    let learner_auth = ClientAuth::new(opts.auth_token.as_ref()).with_tls(match opts.tls.ca {
+    if let Some(role) = opts.auth_token.as_ref().map(|t| t.role()) {
+        if role != Role::Operator {
+            anyhow::bail!(
+                "the coordinator was given a {} token: it needs the run's own token (it \
+                 checks every role's token, and derives the learner's and the workers')",
+                role.as_str()
+            );
+        }
+    }
+    // The learner is called with the learner's token, the one it serves with.
+    let learner_token = opts.auth_token.as_ref().map(|t| t.derive(Role::Learner));
+    let learner_auth = ClientAuth::new(learner_token.as_ref()).with_tls(match opts.tls.ca {
         Some(_) => opts.tls.client()?,
         None => None,
     });
@@ -196,7 +207,8 @@ pub async fn serve(
                 metrics::MetricsSource {
                     scheduler: scheduler.clone(),
                     events: counters.clone(),
-                    auth: auth.clone(),
+                    // A scrape that must carry a token carries the run's.
+                    auth: auth.allowing(&[]),
                     run_events: events.clone(),
                     require_token: opts.config.metrics_require_token,
                 },
@@ -255,7 +267,8 @@ pub async fn serve(
     let server = server_builder
         .add_service(health_service)
         // Workers' tokens reach Rollout and the rendezvous (the weights broadcast's
-        // receivers); Control (watching, shutting down) takes the run's token only.
+        // receivers), the learner's the rendezvous only; Control (watching, shutting
+        // down) takes the run's token only.
         .add_service(
             auth.allowing(&[Role::Worker]).intercept(
                 RolloutServer::new(rollout)
@@ -265,12 +278,9 @@ pub async fn serve(
         )
         .add_service(auth.allowing(&[]).intercept(ControlServer::new(control)))
         // Data-parallel learner ranks find rank 0's collective here.
-        .add_service(
-            auth.allowing(&[Role::Worker])
-                .intercept(LearnerGroupServer::new(
-                    learner_group::LearnerGroupService::default(),
-                )),
-        )
+        .add_service(auth.allowing(&[Role::Learner, Role::Worker]).intercept(
+            LearnerGroupServer::new(learner_group::LearnerGroupService::default()),
+        ))
         .serve_with_incoming_shutdown(
             listener.incoming(),
             tutor_proto::net::not_serving_after(

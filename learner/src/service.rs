@@ -967,6 +967,12 @@ pub async fn serve(
             broadcast_stop.clone(),
         )?;
     }
+    if opts.auth_token.as_ref().map(|t| t.role()) == Some(Role::Worker) {
+        anyhow::bail!(
+            "the learner was given a worker token: it needs the learner's token (`tutor \
+             learner-token`) or the run's"
+        );
+    }
     let auth = ServerAuth::new(opts.auth_token);
     let listener = GrpcListener::bind("learner", opts.listen).await?;
     listener.refuse_unprotected(
@@ -997,17 +1003,17 @@ pub async fn serve(
     };
     let server = server_builder
         .add_service(health_service)
-        // Training and publishing take the run's token only; workers' tokens may
-        // download weights.
+        // Training and publishing take the learner's token (what the coordinator sends)
+        // or the run's; workers' tokens may download weights.
         .add_service(
-            auth.allowing(&[]).intercept(
+            auth.allowing(&[Role::Learner]).intercept(
                 LearnerServer::new(handle)
                     .max_decoding_message_size(tutor_proto::MAX_MESSAGE_BYTES)
                     .max_encoding_message_size(tutor_proto::MAX_MESSAGE_BYTES),
             ),
         )
         .add_service(
-            auth.allowing(&[Role::Worker])
+            auth.allowing(&[Role::Learner, Role::Worker])
                 .intercept(WeightsServer::new(store)),
         )
         .serve_with_incoming_shutdown(

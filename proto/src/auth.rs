@@ -25,13 +25,22 @@ pub const AUTH_TOKEN_ENV: &str = "TUTOR_AUTH_TOKEN";
 pub const AUTHORIZATION: &str = "authorization";
 
 /// What a token may do. The run's token is the operator's: every call. A role's token is
-/// derived from it ([`AuthToken::derive`]) and allowed only the services that role needs,
-/// so a stolen worker token cannot shut the run down or train and publish weights.
+/// derived from it ([`AuthToken::derive`]) and allowed only the services that role needs:
+/// a stolen learner token cannot shut the run down or lease episodes, a stolen worker
+/// token cannot do that either, nor train and publish weights.
+///
+/// The roles form a chain, operator → learner → worker: the learner's token is derived
+/// from the run's, the workers' from the learner's. Whoever holds a token can derive (and
+/// so check) the tokens below it, and cannot get back to those above.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
-    /// The run's own token: the coordinator, the learner ranks, `tutor run`.
+    /// The run's own token: the coordinator, `tutor run`, the operator's tools.
     Operator,
-    /// A rollout worker: the Rollout service, the weights (download, broadcast group).
+    /// The learner ranks: the learner's services (training, publishing, weights), the
+    /// coordinator's rendezvous.
+    Learner,
+    /// A rollout worker: the Rollout service, the rendezvous of the weights broadcast,
+    /// the weights.
     Worker,
 }
 
@@ -39,13 +48,29 @@ impl Role {
     pub fn as_str(self) -> &'static str {
         match self {
             Role::Operator => "operator",
+            Role::Learner => "learner",
             Role::Worker => "worker",
         }
     }
-}
 
-/// The prefix of a worker's token; the rest is the HMAC that proves it.
-const WORKER_PREFIX: &str = "worker.";
+    /// The prefix of this role's tokens; the rest is the HMAC that proves them.
+    fn prefix(self) -> &'static str {
+        match self {
+            Role::Operator => "",
+            Role::Learner => "learner.",
+            Role::Worker => "worker.",
+        }
+    }
+
+    /// Position in the chain: a token derives the tokens of higher ranks.
+    fn rank(self) -> u8 {
+        match self {
+            Role::Operator => 0,
+            Role::Learner => 1,
+            Role::Worker => 2,
+        }
+    }
+}
 
 /// A shared secret every process of one deployment holds: the run's (operator) token,
 /// or a role's token derived from it.
@@ -114,29 +139,34 @@ impl AuthToken {
 
     /// The role this token is for: a derived role token says so in its prefix.
     pub fn role(&self) -> Role {
-        if self.0.starts_with(WORKER_PREFIX) {
-            Role::Worker
-        } else {
-            Role::Operator
-        }
+        [Role::Learner, Role::Worker]
+            .into_iter()
+            .find(|r| self.0.starts_with(r.prefix()))
+            .unwrap_or(Role::Operator)
     }
 
-    /// The token of `role` derived from this run (operator) token:
-    /// `worker.<hex HMAC-SHA256(run token, "tutor role token v1: worker")>`. Whoever holds
-    /// the run token can derive (and so check) it; whoever holds it cannot get back to
-    /// the run token. The operator's role is this token itself; deriving from a role
-    /// token gives it back unchanged.
+    /// The token of `role` derived from this one, down the chain operator → learner →
+    /// worker: the learner's is `learner.<hex HMAC-SHA256(run token, "tutor role token v1:
+    /// learner")>`, the workers' `worker.<hex HMAC-SHA256(learner token, "tutor role token
+    /// v1: worker")>`. So the run token and the learner token give the same worker token.
+    /// A token of `role` itself, or of a role below it (which cannot get back up the
+    /// chain), is given back unchanged.
     pub fn derive(&self, role: Role) -> AuthToken {
-        if self.role() != Role::Operator || role == Role::Operator {
-            return self.clone();
+        let mut token = self.clone();
+        while token.role().rank() < role.rank() {
+            let next = match token.role() {
+                Role::Operator => Role::Learner,
+                _ => Role::Worker,
+            };
+            use hmac::Mac;
+            let mut mac = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(token.0.as_bytes())
+                .expect("HMAC takes a key of any length");
+            mac.update(b"tutor role token v1: ");
+            mac.update(next.as_str().as_bytes());
+            let tag = hex::encode(mac.finalize().into_bytes());
+            token = AuthToken(format!("{}{tag}", next.prefix()).into());
         }
-        use hmac::Mac;
-        let mut mac = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(self.0.as_bytes())
-            .expect("HMAC takes a key of any length");
-        mac.update(b"tutor role token v1: ");
-        mac.update(role.as_str().as_bytes());
-        let tag = hex::encode(mac.finalize().into_bytes());
-        AuthToken(format!("{WORKER_PREFIX}{tag}").into())
+        token
     }
 }
 
@@ -198,9 +228,10 @@ fn warn_if_readable_by_others(_path: &Path) {}
 #[derive(Clone)]
 pub struct ServerAuth {
     token: Option<AuthToken>,
-    /// The worker token derived from `token`, checked when workers are allowed.
-    worker: Option<AuthToken>,
-    /// Roles besides the operator this service takes calls from.
+    /// The tokens of the roles below `token`'s (derived from it), each checked when its
+    /// role is allowed.
+    below: Vec<(Role, AuthToken)>,
+    /// Roles besides the token's own this service takes calls from.
     allowed: &'static [Role],
     rejected: Arc<AtomicU64>,
 }
@@ -215,20 +246,31 @@ impl fmt::Debug for ServerAuth {
 }
 
 impl ServerAuth {
-    /// A server holding the run's token: every role's token is checked against it.
-    /// Until [`Self::allowing`] narrows it, it takes every role.
+    /// A server holding `token` (the run's, or a role's: a learner serves with the
+    /// learner token): the tokens of the roles below it are derived from it and checked
+    /// against it. Until [`Self::allowing`] narrows it, it takes every role it can check.
     pub fn new(token: Option<AuthToken>) -> Self {
-        let worker = token.as_ref().map(|t| t.derive(Role::Worker));
+        let below = token
+            .as_ref()
+            .map(|t| {
+                [Role::Learner, Role::Worker]
+                    .into_iter()
+                    .filter(|r| r.rank() > t.role().rank())
+                    .map(|r| (r, t.derive(r)))
+                    .collect()
+            })
+            .unwrap_or_default();
         Self {
             token,
-            worker,
-            allowed: &[Role::Worker],
+            below,
+            allowed: &[Role::Learner, Role::Worker],
             rejected: Default::default(),
         }
     }
 
     /// The same check (and rejection count) for a service that takes calls from the
-    /// operator and `roles` only; another role's valid token gets PERMISSION_DENIED.
+    /// server's own token and `roles` only; another role's valid token gets
+    /// PERMISSION_DENIED.
     pub fn allowing(&self, roles: &'static [Role]) -> Self {
         Self {
             allowed: roles,
@@ -238,6 +280,22 @@ impl ServerAuth {
 
     pub fn is_enabled(&self) -> bool {
         self.token.is_some()
+    }
+
+    /// Whose tokens this service takes, for PERMISSION_DENIED messages.
+    fn takes(&self) -> String {
+        let own = self.token.as_ref().map_or(Role::Operator, |t| t.role());
+        let mut names = vec![match own {
+            Role::Operator => "the run's (operator) token".to_string(),
+            r => format!("the {} token", r.as_str()),
+        }];
+        names.extend(
+            self.below
+                .iter()
+                .filter(|(r, _)| self.allowed.contains(r))
+                .map(|(r, _)| format!("the {} token", r.as_str())),
+        );
+        names.join(" and ")
     }
 
     /// Calls rejected so far (for metrics).
@@ -261,22 +319,21 @@ impl ServerAuth {
             Some(value) => match bearer(value.as_bytes()) {
                 None => Err("the authorization metadata is not `Bearer <token>`"),
                 Some(sent) if bool::from(sent.ct_eq(token.expose().as_bytes())) => Ok(()),
-                Some(sent)
-                    if self
-                        .worker
-                        .as_ref()
-                        .is_some_and(|w| bool::from(sent.ct_eq(w.expose().as_bytes()))) =>
+                Some(sent) => match self
+                    .below
+                    .iter()
+                    .find(|(_, t)| bool::from(sent.ct_eq(t.expose().as_bytes())))
                 {
-                    if self.allowed.contains(&Role::Worker) {
-                        Ok(())
-                    } else {
-                        return Err(Status::permission_denied(
-                            "a worker's token may not call this service: it takes the \
-                             run's (operator) token only",
-                        ));
+                    Some((role, _)) if self.allowed.contains(role) => Ok(()),
+                    Some((role, _)) => {
+                        return Err(Status::permission_denied(format!(
+                            "a {} token may not call this service: it takes {}",
+                            role.as_str(),
+                            self.takes()
+                        )));
                     }
-                }
-                Some(_) => Err("wrong bearer token"),
+                    None => Err("wrong bearer token"),
+                },
             },
         };
         verdict.map_err(|why| {
@@ -537,5 +594,70 @@ mod tests {
         assert_eq!(status.code(), tonic::Code::Unauthenticated);
         // The services share one rejection count.
         assert_eq!(server.rejected_count(), 1);
+    }
+
+    /// The learner's token sits between the run's and the workers': derived from the run
+    /// token, it derives the same worker token the run token does, so a learner serving
+    /// with it checks the workers' calls and the coordinator's (which sends it), and a
+    /// server holding the run token takes it only where learners are allowed.
+    #[test]
+    fn the_learner_token_sits_between_the_run_and_the_workers() {
+        let run = token("run-s3cret");
+        let learner = run.derive(Role::Learner);
+        let worker = run.derive(Role::Worker);
+        assert_eq!(learner.role(), Role::Learner);
+        assert!(learner.expose().starts_with("learner.") && learner.expose().len() == 72);
+        assert_eq!(learner.derive(Role::Worker).expose(), worker.expose());
+        // Nobody gets back up the chain.
+        assert_eq!(learner.derive(Role::Operator).expose(), learner.expose());
+        assert_eq!(worker.derive(Role::Learner).expose(), worker.expose());
+        assert_ne!(learner.expose(), worker.expose());
+        assert!(!learner.expose().contains("s3cret"));
+
+        let bearer = |t: &AuthToken| request_with(Some(&format!("Bearer {}", t.expose())));
+        // The coordinator holds the run token: its rendezvous takes learners and
+        // workers, Rollout workers only, Control the operator only.
+        let coordinator = ServerAuth::new(Some(run.clone()));
+        let mut rendezvous = coordinator.allowing(&[Role::Learner, Role::Worker]);
+        let mut rollout = coordinator.allowing(&[Role::Worker]);
+        let mut control = coordinator.allowing(&[]);
+        assert!(rendezvous.call(bearer(&learner)).is_ok());
+        assert!(rendezvous.call(bearer(&worker)).is_ok());
+        for denied in [
+            rollout.call(bearer(&learner)),
+            control.call(bearer(&learner)),
+        ] {
+            let status = denied.unwrap_err();
+            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+            assert!(status.message().contains("learner token"), "{status:?}");
+        }
+        let status = control.call(bearer(&worker)).unwrap_err();
+        assert!(
+            status.message().contains("operator") && !status.message().contains("s3cret"),
+            "{status:?}"
+        );
+
+        // A learner serving with its own token: training takes that token (what the
+        // coordinator sends), the weights the workers' too; the run token, which it
+        // cannot check, is no token to it.
+        let served = ServerAuth::new(Some(learner.clone()));
+        let mut training = served.allowing(&[Role::Learner]);
+        let mut weights = served.allowing(&[Role::Learner, Role::Worker]);
+        assert!(training.call(bearer(&learner)).is_ok());
+        assert_eq!(
+            training.call(bearer(&worker)).unwrap_err().code(),
+            tonic::Code::PermissionDenied
+        );
+        assert!(weights.call(bearer(&worker)).is_ok());
+        assert_eq!(
+            training.call(bearer(&run)).unwrap_err().code(),
+            tonic::Code::Unauthenticated
+        );
+        // A made-up learner token is no token either.
+        let forged = token(&format!("learner.{}", "ab".repeat(32)));
+        assert_eq!(
+            rendezvous.call(bearer(&forged)).unwrap_err().code(),
+            tonic::Code::Unauthenticated
+        );
     }
 }

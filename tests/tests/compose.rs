@@ -254,10 +254,28 @@ fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
     .trim()
     .to_string();
     assert!(!worker_token.is_empty() && worker_token != token);
+    // The learner's too: the coordinator calls it with this one.
+    let learner_token = ok(
+        &run(Command::new("docker")
+            .args([
+                "run",
+                "--rm",
+                "-e",
+                "TUTOR_AUTH_TOKEN",
+                IMAGE,
+                "learner-token",
+            ])
+            .env("TUTOR_AUTH_TOKEN", &token)),
+        "tutor learner-token",
+    )
+    .trim()
+    .to_string();
+    assert!(learner_token.starts_with("learner.") && learner_token != token);
     let mut stack = Stack {
         tool: compose_tool(),
         env: vec![
             ("TUTOR_AUTH_TOKEN".into(), token),
+            ("TUTOR_LEARNER_TOKEN".into(), learner_token),
             ("TUTOR_WORKER_TOKEN".into(), worker_token),
             ("DOCKER_GID".into(), gid.to_string()),
             ("TUTOR_RUN".into(), project.clone()),

@@ -1638,14 +1638,44 @@ fn overlays_render_to_api_objects_whose_references_resolve() {
                 );
             }
         }
-        // The secret came from the placeholder example: all three keys, no real token.
+        // Each role mounts its own token only: the run's for the coordinator, the
+        // derived learner and worker tokens for the others (a stolen learner or worker
+        // token cannot shut the run down).
+        for (name, keys) in [
+            ("coordinator", vec!["auth-token"]),
+            ("learner", vec!["learner-token"]),
+            ("worker", vec!["worker-token"]),
+        ] {
+            let mounted: Vec<String> = role(name)
+                .template
+                .spec
+                .as_ref()
+                .and_then(|s| s.volumes.clone())
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|v| v.secret)
+                .filter(|s| s.secret_name.as_deref() == Some("tutor-secrets"))
+                .flat_map(|s| s.items.unwrap_or_default())
+                .map(|i| i.key)
+                .collect();
+            assert_eq!(mounted, keys, "{overlay}: the {name}'s Secret keys");
+        }
+        // The secret came from the placeholder example: all four keys, no real token.
         let secret = r
             .secrets
             .iter()
             .find(|s| name_of(&s.metadata) == "tutor-secrets")
             .unwrap();
         let keys: Vec<&String> = secret.data.as_ref().unwrap().keys().collect();
-        assert_eq!(keys, ["auth-token", "teacher-api-key", "worker-token"]);
+        assert_eq!(
+            keys,
+            [
+                "auth-token",
+                "learner-token",
+                "teacher-api-key",
+                "worker-token"
+            ]
+        );
     }
 }
 

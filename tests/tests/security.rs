@@ -487,6 +487,126 @@ async fn a_worker_token_reaches_rollout_and_weights_only() {
     assert!(!learner.log().contains(worker_token.expose()));
 }
 
+/// The learner ranks' token (what `tutor run`, the compose stack and the manifests give
+/// the learner) reaches the learner's services and the coordinator's rendezvous, and is
+/// refused by Control (watching, shutting down) and Rollout (leases, events); a learner
+/// serving with it takes the coordinator's calls (which carry it) and the workers'
+/// downloads, and refuses a worker's call to train. A learner given a worker's token
+/// refuses to start.
+#[tokio::test]
+async fn a_learner_token_reaches_the_learner_and_the_rendezvous_only() {
+    use tutor_proto::auth::{AuthToken, Role};
+    use tutor_proto::learner_group_client::LearnerGroupClient;
+    let run = AuthToken::new(TOKEN).unwrap();
+    let learner_token = run.derive(Role::Learner);
+    let worker_token = run.derive(Role::Worker);
+    let learner_tok = Some(learner_token.expose());
+
+    let dir = tempfile::tempdir().unwrap();
+    let (coord, _metrics) = start_coordinator(dir.path());
+    let mut control = ControlClient::new(coord.channel().await);
+    let status = control
+        .shutdown(with_token(tutor_proto::ShutdownRequest {}, learner_tok))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    let mut rollout = RolloutClient::new(coord.channel().await);
+    let status = rollout
+        .register(with_token(register("l"), learner_tok))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    let mut group = LearnerGroupClient::new(coord.channel().await);
+    let answer = group
+        .get_rendezvous(with_token(
+            tutor_proto::GetRendezvousRequest {
+                after_generation: 0,
+                wait_ms: 10,
+                group: String::new(),
+            },
+            learner_tok,
+        ))
+        .await;
+    // No rank has published one: whatever the answer, it is not a refusal of the token.
+    if let Err(status) = &answer {
+        assert!(
+            !matches!(
+                status.code(),
+                Code::PermissionDenied | Code::Unauthenticated
+            ),
+            "{status:?}"
+        );
+    }
+
+    // A learner serving with the learner's token.
+    let ldir = tempfile::tempdir().unwrap();
+    let mut args = learner_args(ldir.path());
+    let own = ldir.path().join("learner-token");
+    std::fs::write(&own, learner_token.expose()).unwrap();
+    *args.last_mut().unwrap() = own.display().to_string();
+    let learner = Server::start(ldir.path(), "learner", &args);
+    let mut client = LearnerClient::new(learner.channel().await);
+    client
+        .status(with_token(LearnerStatusRequest {}, learner_tok))
+        .await
+        .expect("the coordinator's calls carry the learner's token");
+    let status = client
+        .status(with_token(
+            LearnerStatusRequest {},
+            Some(worker_token.expose()),
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    let mut weights = WeightsClient::new(learner.channel().await);
+    let mut stream = weights
+        .fetch(with_token(
+            FetchWeightsRequest { version: 0 },
+            Some(worker_token.expose()),
+        ))
+        .await
+        .expect("a worker's token may download the weights from it")
+        .into_inner();
+    assert!(stream.message().await.unwrap().is_some());
+    assert!(!learner.log().contains(learner_token.expose()));
+
+    // Given a worker's token, a learner says so and stops.
+    let wdir = tempfile::tempdir().unwrap();
+    let mut args = learner_args(wdir.path());
+    let wrong = wdir.path().join("worker-token");
+    std::fs::write(&wrong, worker_token.expose()).unwrap();
+    *args.last_mut().unwrap() = wrong.display().to_string();
+    let log = wdir.path().join("refused.log");
+    let mut child = Command::new(common::tutor_bin())
+        .args(&args)
+        .env_remove("TUTOR_AUTH_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!(
+                "a learner given a worker's token kept running\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let stderr = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("worker token") && stderr.contains("learner-token"),
+        "{stderr}"
+    );
+}
+
 /// Fail closed: a coordinator on an address other machines can reach, with no token and
 /// no client certificates, refuses to start and says how to start safely; `--insecure`
 /// is the operator's explicit "yes". Before, it served anyone with a warning.

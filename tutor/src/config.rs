@@ -439,9 +439,8 @@ mod tests {
         let (_d, p) = write("");
         let (c, _) = RunConfig::load(&p).unwrap();
         assert_eq!(c.run.workers, 2);
-        let (_d, p) = write(
-            "[learner]\nschedule = \"cosine\"\nwarmup_steps = 10\ntotal_steps = 10\n",
-        );
+        let (_d, p) =
+            write("[learner]\nschedule = \"cosine\"\nwarmup_steps = 10\ntotal_steps = 10\n");
         let e = format!("{:#}", RunConfig::load(&p).unwrap_err());
         assert!(e.contains("total_steps"), "{e}");
         let (_d, p) = write("[coordinator]\niterations = 0\n");

@@ -13,7 +13,7 @@ mod roles;
 mod run;
 mod tasks;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -142,6 +142,32 @@ enum Cmd {
         #[arg(long, value_name = "PATH")]
         auth_token_file: Option<PathBuf>,
     },
+    /// Print the learner ranks' token derived from the run's token (--auth-token-file,
+    /// else TUTOR_AUTH_TOKEN), for the learner's Secret: it reaches the learner's own
+    /// services and the coordinator's rendezvous, but not Control (shutdown) or Rollout.
+    /// The coordinator calls the learner with it.
+    LearnerToken {
+        /// File holding the run's token.
+        #[arg(long, value_name = "PATH")]
+        auth_token_file: Option<PathBuf>,
+    },
+}
+
+/// Prints `role`'s token derived from the run's token (`tutor worker-token`,
+/// `tutor learner-token`).
+fn print_role_token(auth_token_file: Option<&Path>, role: tutor_proto::auth::Role) -> Result<()> {
+    use tutor_proto::auth::Role;
+    let token = tutor_proto::auth::load_token(auth_token_file)?.ok_or_else(|| {
+        anyhow::anyhow!("no run token: give --auth-token-file or TUTOR_AUTH_TOKEN")
+    })?;
+    if token.role() != Role::Operator {
+        anyhow::bail!(
+            "that is already a {} token: give the run's token",
+            token.role().as_str()
+        );
+    }
+    println!("{}", token.derive(role).expose());
+    Ok(())
 }
 
 #[derive(Subcommand)]
@@ -211,15 +237,10 @@ async fn dispatch(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::WorkerToken { auth_token_file } => {
-            let token =
-                tutor_proto::auth::load_token(auth_token_file.as_deref())?.ok_or_else(|| {
-                    anyhow::anyhow!("no run token: give --auth-token-file or TUTOR_AUTH_TOKEN")
-                })?;
-            if token.role() != tutor_proto::auth::Role::Operator {
-                anyhow::bail!("that is already a worker's token: give the run's token");
-            }
-            println!("{}", token.derive(tutor_proto::auth::Role::Worker).expose());
-            Ok(())
+            print_role_token(auth_token_file.as_deref(), tutor_proto::auth::Role::Worker)
+        }
+        Cmd::LearnerToken { auth_token_file } => {
+            print_role_token(auth_token_file.as_deref(), tutor_proto::auth::Role::Learner)
         }
         Cmd::Experiment(args) => experiment::run(args, cli.log_format).await,
         Cmd::Coordinator(args) => roles::coordinator::run(args).await,

@@ -50,20 +50,27 @@ fn write_token_file(path: &Path, token: &AuthToken) -> Result<()> {
         .with_context(|| format!("writing the auth token file {}", path.display()))
 }
 
-/// Flags every child gets: the log format and a token file: the run's, or for the
-/// workers the workers' token derived from it (which cannot shut the run down or train).
+/// Flags every child gets: the log format and a token file: the run's for the
+/// coordinator, and for the learner ranks and the workers their role's token derived
+/// from it (neither can shut the run down; a worker cannot train either).
 struct ChildFlags {
     common: Vec<String>,
+    learner_token_file: String,
     worker_token_file: String,
 }
 
 impl ChildFlags {
     fn for_role(&self, role: &str) -> Vec<String> {
         let mut flags = self.common.clone();
-        if role.starts_with("worker") {
-            if let Some(i) = flags.iter().position(|f| f == "--auth-token-file") {
-                flags[i + 1] = self.worker_token_file.clone();
-            }
+        let own = if role.starts_with("worker") {
+            Some(&self.worker_token_file)
+        } else if role.starts_with("learner") {
+            Some(&self.learner_token_file)
+        } else {
+            None
+        };
+        if let (Some(file), Some(i)) = (own, flags.iter().position(|f| f == "--auth-token-file")) {
+            flags[i + 1] = file.clone();
         }
         flags
     }
@@ -254,6 +261,8 @@ pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
     );
     let token_file = prepared.dir.join("auth-token");
     let token = write_run_token(&token_file)?;
+    let learner_token_file = prepared.dir.join("learner-token");
+    write_token_file(&learner_token_file, &token.derive(Role::Learner))?;
     let worker_token_file = prepared.dir.join("worker-token");
     write_token_file(&worker_token_file, &token.derive(Role::Worker))?;
     let mut flags = vec![
@@ -274,6 +283,7 @@ pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
     }
     let flags = ChildFlags {
         common: flags,
+        learner_token_file: learner_token_file.display().to_string(),
         worker_token_file: worker_token_file.display().to_string(),
     };
     let client = ClientAuth::new(Some(&token)).with_tls(client_tls);
