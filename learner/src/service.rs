@@ -932,6 +932,13 @@ pub async fn serve(
     opts: ServeOptions,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<()> {
+    // A worker's token could neither check the coordinator's calls nor train.
+    if opts.auth_token.as_ref().map(|t| t.role()) == Some(Role::Worker) {
+        anyhow::bail!(
+            "the learner was given a worker token: it needs the learner's token (`tutor \
+             learner-token`) or the run's"
+        );
+    }
     // TLS files are checked first: a typo fails before the model is loaded.
     let server_tls = opts.tls.server()?;
     let mut server_builder = tutor_proto::tls::server_builder(server_tls.as_ref())?;
@@ -966,12 +973,6 @@ pub async fn serve(
             tokio::runtime::Handle::current(),
             broadcast_stop.clone(),
         )?;
-    }
-    if opts.auth_token.as_ref().map(|t| t.role()) == Some(Role::Worker) {
-        anyhow::bail!(
-            "the learner was given a worker token: it needs the learner's token (`tutor \
-             learner-token`) or the run's"
-        );
     }
     let auth = ServerAuth::new(opts.auth_token);
     let listener = GrpcListener::bind("learner", opts.listen).await?;
