@@ -237,40 +237,21 @@ fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
             .unwrap();
         b.iter().map(|x| format!("{x:02x}")).collect()
     };
-    // The workers get their own token, derived from the run's by the image's binary.
-    let worker_token = ok(
-        &run(Command::new("docker")
-            .args([
-                "run",
-                "--rm",
-                "-e",
-                "TUTOR_AUTH_TOKEN",
-                IMAGE,
-                "worker-token",
-            ])
-            .env("TUTOR_AUTH_TOKEN", &token)),
-        "tutor worker-token",
-    )
-    .trim()
-    .to_string();
-    assert!(!worker_token.is_empty() && worker_token != token);
-    // The learner's too: the coordinator calls it with this one.
-    let learner_token = ok(
-        &run(Command::new("docker")
-            .args([
-                "run",
-                "--rm",
-                "-e",
-                "TUTOR_AUTH_TOKEN",
-                IMAGE,
-                "learner-token",
-            ])
-            .env("TUTOR_AUTH_TOKEN", &token)),
-        "tutor learner-token",
-    )
-    .trim()
-    .to_string();
-    assert!(learner_token.starts_with("learner.") && learner_token != token);
+    // The learner and the workers get their own tokens, derived from the run's by the
+    // image's binary (`tutor learner-token`, `tutor worker-token`).
+    let role_token = |command: &str| {
+        ok(
+            &run(Command::new("docker")
+                .args(["run", "--rm", "-e", "TUTOR_AUTH_TOKEN", IMAGE, command])
+                .env("TUTOR_AUTH_TOKEN", &token)),
+            &format!("tutor {command}"),
+        )
+        .trim()
+        .to_string()
+    };
+    let learner_token = role_token("learner-token");
+    let worker_token = role_token("worker-token");
+    assert!(learner_token.starts_with("learner.") && worker_token.starts_with("worker."));
     let mut stack = Stack {
         tool: compose_tool(),
         env: vec![
