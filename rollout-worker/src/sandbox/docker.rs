@@ -1131,11 +1131,14 @@ impl DockerSandbox {
                 scanned = tail.len();
             }
         };
-        let mut text = String::from_utf8_lossy(&head).into_owned();
-        if dropped > 0 {
-            text.push_str(&format!("\n<... {dropped} bytes dropped ...>\n"));
-        }
-        text.push_str(&String::from_utf8_lossy(&tail));
+        let text = if dropped > 0 {
+            let (head, tail, cut) = super::cut_at_chars(&head, &tail);
+            format!("{head}\n<... {} bytes dropped ...>\n{tail}", dropped + cut)
+        } else {
+            let mut all = String::from_utf8_lossy(&head).into_owned();
+            all.push_str(&String::from_utf8_lossy(&tail));
+            all
+        };
         if let Some(cwd) = new_cwd {
             self.cwd = cwd;
         }

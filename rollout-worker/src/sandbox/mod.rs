@@ -218,6 +218,30 @@ pub struct CommandOutput {
     pub timed_out: bool,
 }
 
+/// The head and tail kept of an output whose middle was dropped, cut at whole
+/// characters: the head loses an incomplete UTF-8 sequence at its end, the tail the
+/// continuation bytes at its start (a cap counts bytes, and would otherwise leave a
+/// character's halves on either side of the gap, each shown as U+FFFD). Returns the
+/// text of each and the bytes cut, to add to the count dropped.
+pub(crate) fn cut_at_chars(head: &[u8], tail: &[u8]) -> (String, String, usize) {
+    let head_end = match std::str::from_utf8(head) {
+        // An incomplete sequence at the very end: cut before it. Invalid bytes elsewhere
+        // are the program's own, shown as U+FFFD as before.
+        Err(e) if e.error_len().is_none() => e.valid_up_to(),
+        _ => head.len(),
+    };
+    let tail_start = tail
+        .iter()
+        .take(3)
+        .take_while(|&&b| b & 0b1100_0000 == 0b1000_0000)
+        .count();
+    (
+        String::from_utf8_lossy(&head[..head_end]).into_owned(),
+        String::from_utf8_lossy(&tail[tail_start..]).into_owned(),
+        head.len() - head_end + tail_start,
+    )
+}
+
 /// Quotes `s` for bash with single quotes.
 pub fn shell_quote(s: &str) -> String {
     if !s.is_empty()

@@ -231,11 +231,10 @@ impl Capture {
             all.extend_from_slice(&tail);
             return String::from_utf8_lossy(&all).into_owned();
         }
+        let (head, tail, cut) = super::cut_at_chars(&self.head, &tail);
         format!(
-            "{}\n<... {} bytes of output dropped ...>\n{}",
-            String::from_utf8_lossy(&self.head),
-            self.dropped,
-            String::from_utf8_lossy(&tail)
+            "{head}\n<... {} bytes of output dropped ...>\n{tail}",
+            self.dropped + cut as u64,
         )
     }
 }
@@ -325,4 +324,28 @@ fn live_user_process(proc_dir: &Path) -> bool {
         .and_then(|f| f.parse().ok())
         .unwrap_or(PF_KTHREAD);
     !matches!(state, "Z" | "X" | "x") && flags & PF_KTHREAD == 0
+}
+
+#[cfg(test)]
+mod capture_tests {
+    use super::Capture;
+
+    /// A cap counts bytes; the kept head and tail are cut at whole characters, so no
+    /// half of a character shows up as U+FFFD beside the gap, and the count of bytes
+    /// dropped includes the halves cut.
+    #[test]
+    fn a_capped_capture_cuts_at_whole_characters() {
+        // "é" is two bytes: a cap of 10 keeps the first 5 and the last 5 of 80, so both
+        // cuts fall mid-character.
+        let text = "é".repeat(40);
+        let mut c = Capture::new(10);
+        c.push(text.as_bytes());
+        let out = c.finish();
+        assert!(!out.contains('\u{fffd}'), "{out:?}");
+        assert_eq!(out, "éé\n<... 72 bytes of output dropped ...>\néé");
+        // Output that fits, or that is not UTF-8 at all, is shown as before.
+        let mut c = Capture::new(100);
+        c.push(&[b'a', 0xff, b'b']);
+        assert_eq!(c.finish(), "a\u{fffd}b");
+    }
 }
