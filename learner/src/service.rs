@@ -928,17 +928,23 @@ pub struct ServeOptions {
 }
 
 /// Runs the learner until `shutdown` resolves.
-pub async fn serve(
-    opts: ServeOptions,
-    shutdown: impl std::future::Future<Output = ()> + Send,
-) -> Result<()> {
-    // A worker's token could neither check the coordinator's calls nor train.
-    if opts.auth_token.as_ref().map(|t| t.role()) == Some(Role::Worker) {
+/// A learner rank's token must be the learner's or the run's: a worker's could neither
+/// check the coordinator's calls nor train.
+pub fn refuse_worker_token(token: Option<&AuthToken>) -> Result<()> {
+    if token.map(|t| t.role()) == Some(Role::Worker) {
         anyhow::bail!(
             "the learner was given a worker token: it needs the learner's token (`tutor \
              learner-token`) or the run's"
         );
     }
+    Ok(())
+}
+
+pub async fn serve(
+    opts: ServeOptions,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<()> {
+    refuse_worker_token(opts.auth_token.as_ref())?;
     // TLS files are checked first: a typo fails before the model is loaded.
     let server_tls = opts.tls.server()?;
     let mut server_builder = tutor_proto::tls::server_builder(server_tls.as_ref())?;

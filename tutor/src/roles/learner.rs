@@ -105,12 +105,7 @@ pub async fn run(args: LearnerArgs) -> Result<()> {
         cfg.learner.device = format!("cuda:{gpu}");
     }
     let auth_token = load_token(auth_token_file.as_deref())?;
-    if auth_token.as_ref().map(|t| t.role()) == Some(tutor_proto::auth::Role::Worker) {
-        anyhow::bail!(
-            "the learner was given a worker token: it needs the learner's token (`tutor \
-             learner-token`) or the run's"
-        );
-    }
+    tutor_learner::service::refuse_worker_token(auth_token.as_ref())?;
     let world_size = world_size.unwrap_or(cfg.learner.world_size);
     if world_size == 0 {
         anyhow::bail!("--world-size must be at least 1");
