@@ -10,8 +10,8 @@ use tonic::{Request, Response, Status, Streaming};
 use tutor_proto::control_server::Control;
 use tutor_proto::rollout_server::Rollout;
 use tutor_proto::{
-    EpisodeEvent, EventAck, HeartbeatRequest, HeartbeatResponse, LeaseRequest, LeaseResponse,
-    RegisterRequest, RegisterResponse, RunEvent, ShutdownRequest, ShutdownResponse,
+    episode_event, EpisodeEvent, EventAck, HeartbeatRequest, HeartbeatResponse, LeaseRequest,
+    LeaseResponse, RegisterRequest, RegisterResponse, RunEvent, ShutdownRequest, ShutdownResponse,
     WatchRunRequest,
 };
 
@@ -61,8 +61,22 @@ fn refused_ack(episode_id: String, turn_index: u32, reason: String) -> EventAck 
 /// Why the coordinator will never store `ev` (it is acknowledged as refused, so the
 /// worker drops it instead of replaying it on every reconnect), or `None` if it may.
 pub(crate) fn refusal(ev: &EpisodeEvent) -> Option<String> {
-    if event_key(ev).is_none() {
-        return Some("an event with neither a turn nor an outcome".into());
+    match &ev.event {
+        None => return Some("an event with neither a turn nor an outcome".into()),
+        Some(episode_event::Event::LeaseExpired(_)) => {
+            return Some(
+                "a lease expiry is recorded by the coordinator itself, never by a worker".into(),
+            )
+        }
+        Some(episode_event::Event::Turn(t))
+            if t.turn_index >= tutor_proto::TURN_INDEX_LEASE_EXPIRED =>
+        {
+            return Some(format!(
+                "turn index {} is reserved for the coordinator's records",
+                t.turn_index
+            ))
+        }
+        _ => {}
     }
     let size = ev.encoded_len();
     if size > tutor_proto::MAX_EVENT_BYTES {
@@ -441,6 +455,34 @@ mod tests {
         let (stored, _) =
             crate::store::scan(&dir.path().join("run/trajectories/events.log")).unwrap();
         assert_eq!(stored.len(), 201);
+    }
+
+    /// A worker cannot write the coordinator's records: a lease expiry it sends (which,
+    /// replayed after a restart, would spend another worker's attempt or fail its slot)
+    /// and a turn under the expiry's reserved index are refused with a reason; ordinary
+    /// turns and outcomes are not.
+    #[test]
+    fn a_worker_cannot_write_the_coordinators_records() {
+        let forged = EpisodeEvent {
+            episode_id: "it000-train0000-g0a0".into(),
+            worker_id: "coordinator".into(),
+            event: Some(episode_event::Event::LeaseExpired(
+                tutor_proto::LeaseExpired {
+                    reason: "forged".into(),
+                    attempts: 99,
+                },
+            )),
+        };
+        let why = refusal(&forged).expect("a worker's lease expiry is refused");
+        assert!(why.contains("coordinator itself"), "{why}");
+        let mut reserved = event("e1", Some(0));
+        if let Some(episode_event::Event::Turn(t)) = reserved.event.as_mut() {
+            t.turn_index = tutor_proto::TURN_INDEX_LEASE_EXPIRED;
+        }
+        let why = refusal(&reserved).expect("the reserved turn index is refused");
+        assert!(why.contains("reserved"), "{why}");
+        assert_eq!(refusal(&event("e1", Some(3))), None);
+        assert_eq!(refusal(&event("e1", None)), None);
     }
 
     /// An event the coordinator will never store (no payload; over MAX_EVENT_BYTES) is

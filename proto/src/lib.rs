@@ -14,6 +14,10 @@ pub use v1::*;
 /// Turn index used in acks and idempotency keys for an episode's outcome event.
 pub const TURN_INDEX_OUTCOME: u32 = u32::MAX;
 
+/// Turn index in idempotency keys for the coordinator's record that an attempt's lease
+/// expired (`LeaseExpired`).
+pub const TURN_INDEX_LEASE_EXPIRED: u32 = u32::MAX - 1;
+
 /// Largest gRPC message any Tutor service accepts or sends (weights travel chunked).
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
@@ -40,11 +44,15 @@ pub const WORKER_SECRET_METADATA: &str = "tutor-worker-secret";
 pub const WEIGHTS_CHUNK_BYTES: usize = 1024 * 1024;
 
 /// Idempotency key of an episode event: (episode id, turn index), with
-/// TURN_INDEX_OUTCOME for the outcome. The worker keeps unacked events by it and the
+/// TURN_INDEX_OUTCOME for the outcome (TURN_INDEX_LEASE_EXPIRED for a lease expiry the
+/// coordinator recorded). The worker keeps unacked events by it and the
 /// coordinator's store deduplicates by it. `None` for an event with neither payload.
 pub fn event_key(ev: &EpisodeEvent) -> Option<(String, u32)> {
     match ev.event.as_ref()? {
         episode_event::Event::Turn(t) => Some((ev.episode_id.clone(), t.turn_index)),
         episode_event::Event::Outcome(_) => Some((ev.episode_id.clone(), TURN_INDEX_OUTCOME)),
+        episode_event::Event::LeaseExpired(_) => {
+            Some((ev.episode_id.clone(), TURN_INDEX_LEASE_EXPIRED))
+        }
     }
 }

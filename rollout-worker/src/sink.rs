@@ -128,7 +128,8 @@ pub fn fit_event(mut ev: EpisodeEvent) -> Result<EpisodeEvent, String> {
                 *text = cut(text, CUT_TEXT_BYTES);
             }
         }
-        None => {}
+        // The coordinator's own record, never sent by a worker; nothing to cut.
+        Some(episode_event::Event::LeaseExpired(_)) | None => {}
     }
     let now = ev.encoded_len();
     if now <= MAX_EVENT_BYTES {

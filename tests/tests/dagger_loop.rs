@@ -127,6 +127,9 @@ fn dagger_iteration_across_processes() {
                     "outcome stored twice"
                 );
             }
+            Event::LeaseExpired(e) => {
+                panic!("no lease expires in this run: {} {e:?}", ev.episode_id)
+            }
         }
     }
     assert_eq!(

@@ -174,6 +174,9 @@ fn dapo_run_across_processes_reports_groups_and_a_finite_loss() {
                 let resolved = o.status == OutcomeStatus::Resolved as i32;
                 rewards.insert(ev.episode_id.clone(), if resolved { 1.0 } else { 0.0 });
             }
+            Event::LeaseExpired(e) => {
+                panic!("no lease expires in this run: {} {e:?}", ev.episode_id)
+            }
         }
     }
     assert!(turns > 0);

@@ -71,6 +71,8 @@ pub fn report(run_dir: &Path, episodes: bool) -> Result<()> {
                     })
                     .unwrap_or_else(|_| format!("status {}", o.status));
             }
+            // The attempt never finished: the coordinator took its lease back.
+            Some(Event::LeaseExpired(_)) => e.status = "LEASE_EXPIRED".into(),
             None => {}
         }
     }
@@ -108,16 +110,18 @@ pub fn transcript(run_dir: &Path, episode_id: &str) -> Result<()> {
     let (events, _) = tutor_coordinator::store::scan(&store)?;
     let mut turns: BTreeMap<u32, tutor_proto::TurnRecord> = BTreeMap::new();
     let mut outcome = None;
+    let mut expired = None;
     for ev in events.into_iter().filter(|e| e.episode_id == episode_id) {
         match ev.event {
             Some(Event::Turn(t)) => {
                 turns.insert(t.turn_index, t);
             }
             Some(Event::Outcome(o)) => outcome = Some(o),
+            Some(Event::LeaseExpired(e)) => expired = Some(e),
             None => {}
         }
     }
-    if turns.is_empty() && outcome.is_none() {
+    if turns.is_empty() && outcome.is_none() && expired.is_none() {
         anyhow::bail!(
             "no episode {episode_id} in {} (`tutor report {} --episodes` lists them)",
             store.display(),
@@ -155,6 +159,13 @@ pub fn transcript(run_dir: &Path, episode_id: &str) -> Result<()> {
         if !o.patch.is_empty() {
             println!("{}", o.patch);
         }
+    }
+    if let Some(e) = expired {
+        println!(
+            "===== {episode_id}: lease expired ({}), attempt {} of its slot; the coordinator \
+             gave the slot to another attempt or failed it =====",
+            e.reason, e.attempts
+        );
     }
     Ok(())
 }

@@ -32,8 +32,9 @@ use crate::episode_id::{EpisodeId, Purpose};
 pub use crate::rollouts::IterationRollouts;
 use crate::store::StoreRequest;
 
-/// The `worker_id` of the outcomes the coordinator stores for slots whose attempts ran out.
-pub const FAILED_SLOT_WRITER: &str = "coordinator";
+/// The `worker_id` of the events the coordinator stores itself: the outcomes of slots
+/// whose attempts ran out, and the lease expiries that used those attempts up.
+pub const COORDINATOR_WRITER: &str = "coordinator";
 
 enum Cmd {
     Register {
@@ -584,7 +585,8 @@ impl Scheduler {
 
     /// Feeds stored events of the planned iteration through `on_stored`, as if they had
     /// just arrived, in store order (so the first outcome of a slot is the counted one,
-    /// as it was). Episodes with turns and no outcome stay leased to their worker.
+    /// as it was). Episodes with turns and no outcome (nor lease expiry) stay leased to
+    /// their worker; recorded expiries count against the slot's attempts.
     fn replay(&mut self, events: Vec<EpisodeEvent>) {
         let deadline = Instant::now() + Duration::from_secs_f64(self.config.lease_timeout_s);
         let hard_deadline = Instant::now() + Duration::from_secs_f64(self.config.lease_max_s);
@@ -593,7 +595,10 @@ impl Scheduler {
             let Some((id, slot)) = self.adopt(&ev) else {
                 continue;
             };
-            if matches!(ev.event, Some(episode_event::Event::Outcome(_))) {
+            if matches!(
+                ev.event,
+                Some(episode_event::Event::Outcome(_) | episode_event::Event::LeaseExpired(_))
+            ) {
                 open.remove(&id);
             } else {
                 open.insert(id, (slot, ev.worker_id.clone()));
@@ -665,17 +670,16 @@ impl Scheduler {
     }
 
     /// Leases past their deadline (unrenewed, or held past `lease_max_s`): the slot goes
-    /// back to the queue as its next attempt, or, after `max_attempts`, is failed.
+    /// back to the queue as its next attempt, or, after `max_attempts`, is failed. Each
+    /// expiry is recorded in the store, so a restarted coordinator counts it too.
     fn expire_leases(&mut self) {
         let now = Instant::now();
         for (id, o) in self.leases.take_expired(now) {
             self.rollouts.expired_leases += 1;
             self.turns.remove(&id);
-            let slot = &mut self.plan.slots[o.slot];
-            if slot.done {
+            if self.plan.slots[o.slot].done {
                 continue;
             }
-            slot.attempt += 1;
             let why = if o.hard_deadline <= now {
                 format!("held past lease_max_s = {} s", self.config.lease_max_s)
             } else {
@@ -684,31 +688,60 @@ impl Scheduler {
                     self.config.lease_timeout_s
                 )
             };
-            if slot.attempt >= self.config.max_attempts {
-                let attempts = slot.attempt;
+            let attempts = self.plan.slots[o.slot].attempt + 1;
+            let expiry = EpisodeEvent {
+                episode_id: id.to_string(),
+                worker_id: COORDINATOR_WRITER.into(),
+                event: Some(episode_event::Event::LeaseExpired(
+                    tutor_proto::LeaseExpired {
+                        reason: why.clone(),
+                        attempts,
+                    },
+                )),
+            };
+            if attempts >= self.config.max_attempts {
                 tracing::error!(episode = %id, worker = %o.worker_id, attempts, "lease expired ({why}) on the last attempt: the slot is recorded as failed");
-                self.fail_slot(
-                    o.slot,
-                    format!(
-                        "no attempt of this slot finished: {attempts} leases expired (the last \
-                         {why}; max_attempts = {attempts})"
-                    ),
-                );
             } else {
-                tracing::warn!(episode = %id, worker = %o.worker_id, attempt = slot.attempt, "lease expired ({why}): episode goes to another worker");
-                self.leases.queue([o.slot]);
+                tracing::warn!(episode = %id, worker = %o.worker_id, attempt = attempts, "lease expired ({why}): episode goes to another worker");
             }
+            let failure = self.attempt_expired(o.slot, &why);
+            self.record(std::iter::once(expiry).chain(failure).collect());
         }
         self.workers.forget_silent();
+    }
+
+    /// Counts an expired attempt of `slot` (live, or replayed from the store): the slot
+    /// is queued for its next attempt, or, its attempts run out, failed; then the failed
+    /// slot's outcome, for the store, is returned.
+    fn attempt_expired(&mut self, slot: usize, why: &str) -> Option<EpisodeEvent> {
+        let state = &mut self.plan.slots[slot];
+        state.attempt += 1;
+        let attempts = state.attempt;
+        if attempts < self.config.max_attempts {
+            self.leases.queue([slot]);
+            return None;
+        }
+        Some(self.fail_slot(
+            slot,
+            format!(
+                "no attempt of this slot finished: {attempts} leases expired (the last \
+                 {why}; max_attempts = {})",
+                self.config.max_attempts
+            ),
+        ))
     }
 
     /// Records `slot` as failed, its attempts run out: an unresolved outcome
     /// (SANDBOX_ERROR, `error`) counts in the iteration's rollouts (so solve rates count
     /// it as unsolved), no training examples. A later outcome of any attempt of the slot
-    /// is acknowledged and dropped, as for any completed slot.
-    fn fail_slot(&mut self, slot: usize, error: String) {
+    /// is acknowledged and dropped, as for any completed slot. Returns the outcome to
+    /// store, under an attempt id no lease had (the attempt after the last), written by
+    /// "coordinator": replayed after a restart, it completes the slot as any first
+    /// outcome does.
+    fn fail_slot(&mut self, slot: usize, error: String) -> EpisodeEvent {
         let task = self.task_of(slot).instance_id.clone();
         let purpose = self.plan.slots[slot].purpose;
+        let episode_id = self.plan.episode_id(slot, self.generation).to_string();
         self.plan.slots[slot].fail();
         let outcome = tutor_proto::EpisodeOutcome {
             status: tutor_proto::OutcomeStatus::SandboxError as i32,
@@ -720,7 +753,11 @@ impl Scheduler {
             ..Default::default()
         };
         self.rollouts.failed_slots += 1;
-        self.record_failure(slot, &outcome);
+        let event = EpisodeEvent {
+            episode_id,
+            worker_id: COORDINATOR_WRITER.into(),
+            event: Some(episode_event::Event::Outcome(outcome.clone())),
+        };
         match purpose {
             Purpose::Train => {
                 self.rollouts.train.push(outcome);
@@ -732,35 +769,33 @@ impl Scheduler {
             }
         }
         self.check_iteration_done();
+        event
     }
 
-    /// Stores a failed slot's outcome under an attempt id no lease had (the attempt after
-    /// the last), written by "coordinator". Replayed after a restart, it completes the
-    /// slot as any first outcome does. In the background: the slot is failed here at
-    /// once; a crash before the write gives it fresh attempts, as before this record.
-    fn record_failure(&self, slot: usize, outcome: &tutor_proto::EpisodeOutcome) {
+    /// Stores the coordinator's own `events` (lease expiries, failed slots), in order,
+    /// in the background: the scheduler has counted them already. A crash before the
+    /// write loses them, and the restarted coordinator gives those attempts again.
+    fn record(&self, events: Vec<EpisodeEvent>) {
         let Some(store) = self.store.as_ref().and_then(mpsc::WeakSender::upgrade) else {
             return;
         };
-        let event = EpisodeEvent {
-            episode_id: self.plan.episode_id(slot, self.generation).to_string(),
-            worker_id: FAILED_SLOT_WRITER.into(),
-            event: Some(episode_event::Event::Outcome(outcome.clone())),
-        };
         tokio::spawn(async move {
-            let episode = event.episode_id.clone();
-            let (reply, answer) = oneshot::channel();
-            let written = match store.send(StoreRequest { event, reply }).await {
-                Ok(()) => match answer.await {
-                    Ok(r) => r.result.map(drop).map_err(|e| e.to_string()),
+            for event in events {
+                let episode = event.episode_id.clone();
+                let (reply, answer) = oneshot::channel();
+                let written = match store.send(StoreRequest { event, reply }).await {
+                    Ok(()) => match answer.await {
+                        Ok(r) => r.result.map(drop).map_err(|e| e.to_string()),
+                        Err(_) => Err("the store stopped".to_string()),
+                    },
                     Err(_) => Err("the store stopped".to_string()),
-                },
-                Err(_) => Err("the store stopped".to_string()),
-            };
-            match written {
-                Ok(()) => tracing::debug!(episode, "failed slot recorded in the store"),
-                Err(e) => {
-                    tracing::warn!(episode, error = %e, "could not record a failed slot: after a restart it gets fresh attempts")
+                };
+                match written {
+                    Ok(()) => tracing::debug!(episode, "coordinator's record stored"),
+                    Err(e) => {
+                        tracing::warn!(episode, error = %e, "could not store a lease expiry or failed slot: after a restart that attempt is given again");
+                        return;
+                    }
                 }
             }
         });
@@ -873,8 +908,23 @@ impl Scheduler {
             (Some(episode_event::Event::Outcome(_)), None) => {
                 tracing::warn!(episode = %event.episode_id, "outcome for an episode of another iteration: stored, not counted");
             }
+            // A lease expiry recorded before a restart: the attempt is spent.
+            (Some(episode_event::Event::LeaseExpired(e)), Some((id, slot))) => {
+                self.leases.finish(&id);
+                self.turns.remove(&id);
+                if self.plan.slots[slot].done {
+                    return;
+                }
+                tracing::debug!(episode = %id, reason = %e.reason, "replayed lease expiry: counts as a spent attempt");
+                // Set when the restart came between the expiry's record and the failed
+                // slot's: the slot fails now, and the record is written.
+                if let Some(failure) = self.attempt_expired(slot, &e.reason) {
+                    self.record(vec![failure]);
+                }
+            }
             // Turns of an episode of another iteration: stored, not part of this dataset.
-            (Some(episode_event::Event::Turn(_)), None) | (None, _) => {}
+            (Some(episode_event::Event::Turn(_) | episode_event::Event::LeaseExpired(_)), None)
+            | (None, _) => {}
         }
     }
 

@@ -327,10 +327,18 @@ async fn a_failed_slot_stays_failed_after_a_restart() {
         recovery.history.push_stored(at, &ev)
     })
     .unwrap();
-    assert_eq!(stored.len(), 1, "{stored:?}");
-    assert_eq!(stored[0].worker_id, FAILED_SLOT_WRITER);
+    // The lease's expiry, then the failed slot's outcome.
+    assert_eq!(stored.len(), 2, "{stored:?}");
+    assert!(stored.iter().all(|e| e.worker_id == COORDINATOR_WRITER));
+    assert_eq!(stored[0].episode_id, leased[0].episode_id);
+    assert!(matches!(
+        stored[0].event,
+        Some(episode_event::Event::LeaseExpired(
+            tutor_proto::LeaseExpired { attempts: 1, .. }
+        ))
+    ));
     assert_ne!(
-        stored[0].episode_id, leased[0].episode_id,
+        stored[1].episode_id, leased[0].episode_id,
         "an attempt no lease had"
     );
 
@@ -354,4 +362,192 @@ async fn a_failed_slot_stays_failed_after_a_restart() {
     );
     let s = restarted.snapshot().await.unwrap();
     assert_eq!((s.pending_episodes, s.outstanding_leases), (0, 0), "{s:?}");
+}
+
+/// Runs a scheduler on the store in `dir` until `until` says its snapshot is far enough,
+/// then stops it as a crash would (its iteration left unfinished) and returns what the
+/// store holds, as a restarted coordinator reads it.
+async fn run_until_crash(
+    config: &CoordinatorConfig,
+    dir: &std::path::Path,
+    recovery: Recovery,
+    leases_to_take: usize,
+) -> (Vec<String>, Vec<EpisodeEvent>, Recovery) {
+    use crate::store::{log_path, spawn_writer, StoreOptions, TrajectoryStore};
+    let generation = recovery.generation;
+    let (store_tx, store_thread) =
+        spawn_writer(TrajectoryStore::open(dir).unwrap(), Default::default());
+    let sched = SchedulerHandle::spawn_with_store(
+        config.clone(),
+        vec![Task::default()],
+        Vec::new(),
+        recovery,
+        Some(&store_tx),
+    );
+    let (worker, _) = sched.register("w".into(), 1).await.unwrap();
+    let runner = sched.clone();
+    let iteration = tokio::spawn(async move { runner.run_iteration(0, 1.0).await });
+    let mut leased = Vec::new();
+    // Each lease is left to expire (the worker is silent) before the next is taken.
+    for _ in 0..500 {
+        if leased.len() == leases_to_take {
+            let s = sched.snapshot().await.unwrap();
+            if s.outstanding_leases == 0 {
+                break;
+            }
+        } else if let Some(l) = sched.lease(worker.clone(), 1).await.unwrap().leases.pop() {
+            leased.push(l.episode_id);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(leased.len(), leases_to_take, "{leased:?}");
+    // The records are written in the background; then the "crash".
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    iteration.abort();
+    sched.finish().await;
+    drop(store_tx);
+    tokio::task::spawn_blocking(move || store_thread.join())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let mut recovery = Recovery::in_store(&log_path(dir));
+    let mut stored = Vec::new();
+    TrajectoryStore::open_for_each(dir, StoreOptions::default(), |at, ev| {
+        stored.push(ev.clone());
+        recovery.history.push_stored(at, &ev)
+    })
+    .unwrap();
+    recovery.generation = generation + 1;
+    (leased, stored, recovery)
+}
+
+/// Attempts spent before a coordinator restart stay spent: each lease expiry is
+/// recorded in the store, and the restarted scheduler counts the recorded ones against
+/// `max_attempts`. Here the slot's first attempt expires before the restart and its
+/// second after: with max_attempts = 2 the slot fails and the iteration ends. Before,
+/// expiries lived in memory only, so every restart gave the slot all its attempts again
+/// (a task whose episode brings the coordinator down could hold a run forever).
+#[tokio::test]
+async fn attempts_spent_before_a_restart_stay_spent() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = CoordinatorConfig {
+        episodes_per_iteration: 1,
+        heldout_episodes: 0,
+        lease_timeout_s: 0.2,
+        max_attempts: 2,
+        ..Default::default()
+    };
+    let (leased, stored, recovery) =
+        run_until_crash(&config, dir.path(), Recovery::default(), 1).await;
+    assert_eq!(stored.len(), 1, "only the expiry: {stored:?}");
+    assert_eq!(stored[0].episode_id, leased[0]);
+    assert_eq!(stored[0].worker_id, COORDINATOR_WRITER);
+    match &stored[0].event {
+        Some(episode_event::Event::LeaseExpired(e)) => {
+            assert_eq!(e.attempts, 1);
+            assert!(e.reason.contains("lease_timeout_s"), "{}", e.reason);
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // The restarted coordinator leases the slot once more; that attempt is its last.
+    let (leased_after, stored, _) = run_until_crash(&config, dir.path(), recovery, 1).await;
+    assert_ne!(leased_after[0], leased[0], "a new attempt id");
+    let failed: Vec<_> = stored
+        .iter()
+        .filter_map(|e| match &e.event {
+            Some(episode_event::Event::Outcome(o)) => Some(o),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        failed.len(),
+        1,
+        "the slot failed after its second attempt: {stored:?}"
+    );
+    assert!(
+        failed[0].error.contains("2 leases expired"),
+        "{}",
+        failed[0].error
+    );
+    assert!(matches!(
+        stored[1].event,
+        Some(episode_event::Event::LeaseExpired(
+            tutor_proto::LeaseExpired { attempts: 2, .. }
+        ))
+    ));
+}
+
+/// What a restart finds in the store of an attempt that expired: its turns and the
+/// expiry. The attempt is not waited for again as one in progress (before, its turns
+/// made it "leased to its worker" until a second expiry), and a store whose last
+/// expiry used the slot's attempts up but whose failure record never got written (the
+/// crash came between the two) fails the slot at once and writes the record.
+#[tokio::test]
+async fn a_replayed_expiry_closes_its_attempt_and_can_fail_the_slot() {
+    let config = |max_attempts| CoordinatorConfig {
+        episodes_per_iteration: 1,
+        heldout_episodes: 0,
+        max_attempts,
+        ..Default::default()
+    };
+    let id = "it000-train0000-g0a0";
+    let turn = EpisodeEvent {
+        episode_id: id.into(),
+        worker_id: "w-0".into(),
+        event: Some(episode_event::Event::Turn(TurnRecord::default())),
+    };
+    let expiry = EpisodeEvent {
+        episode_id: id.into(),
+        worker_id: COORDINATOR_WRITER.into(),
+        event: Some(episode_event::Event::LeaseExpired(
+            tutor_proto::LeaseExpired {
+                reason: "not renewed for lease_timeout_s = 60 s".into(),
+                attempts: 1,
+            },
+        )),
+    };
+    let spawn = |max_attempts| {
+        SchedulerHandle::spawn_recovered(
+            config(max_attempts),
+            vec![Task::default()],
+            Vec::new(),
+            Recovery {
+                generation: 1,
+                history: vec![turn.clone(), expiry.clone()].into(),
+                ..Default::default()
+            },
+        )
+    };
+
+    let sched = spawn(2);
+    let runner = sched.clone();
+    let iteration = tokio::spawn(async move { runner.run_iteration(0, 1.0).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let s = sched.snapshot().await.unwrap();
+    assert_eq!(
+        (s.outstanding_leases, s.pending_episodes),
+        (0, 1),
+        "the expired attempt is not waited for; the slot waits for its second: {s:?}"
+    );
+    let (worker, _) = sched.register("w".into(), 1).await.unwrap();
+    let lease = sched.lease(worker, 1).await.unwrap().leases;
+    assert_eq!(
+        lease[0].episode_id, "it000-train0000-g1a1",
+        "the second attempt"
+    );
+    iteration.abort();
+    sched.finish().await;
+
+    let rollouts = tokio::time::timeout(Duration::from_secs(5), spawn(1).run_iteration(0, 1.0))
+        .await
+        .expect("the slot's only attempt expired before the restart: it fails at once")
+        .unwrap();
+    assert_eq!(rollouts.failed_slots, 1);
+    assert!(
+        rollouts.train[0].error.contains("max_attempts = 1"),
+        "{}",
+        rollouts.train[0].error
+    );
 }

@@ -309,6 +309,7 @@ pub fn check_store(run_dir: &Path) -> StoredRun {
     let mut turns: BTreeMap<String, BTreeSet<u32>> = BTreeMap::new();
     let mut outcomes = BTreeMap::new();
     let mut turn_events = 0;
+    let mut expired = BTreeSet::new();
     for ev in &events {
         match ev.event.as_ref().unwrap() {
             Event::Turn(t) => {
@@ -328,6 +329,15 @@ pub fn check_store(run_dir: &Path) -> StoredRun {
                 "outcome stored twice: {}",
                 ev.episode_id
             ),
+            // The coordinator's record that an attempt's lease expired: written once.
+            Event::LeaseExpired(_) => {
+                assert_eq!(ev.worker_id, "coordinator", "{ev:?}");
+                assert!(
+                    expired.insert(ev.episode_id.clone()),
+                    "lease expiry stored twice: {}",
+                    ev.episode_id
+                );
+            }
         }
     }
     let slot = |id: &str| id.rsplit_once('-').unwrap().0.to_string();
