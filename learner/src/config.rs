@@ -63,6 +63,13 @@ pub struct LearnerConfig {
     /// `"tree"`: the most slots in one packed row (a prefix tree larger than this gets a
     /// row of its own). Attention in a row is dense [L, L].
     pub pack_row_tokens: usize,
+    /// The most full-vocabulary float32 logits (MiB) one forward pass may hold: a pass
+    /// whose positions (padding included) × vocabulary × 4 bytes would exceed it computes
+    /// its loss at the positions it trains on only, the output head run on as many of
+    /// them at a time as fit (same loss and gradients; `loss::chunked`). At 32k tokens
+    /// and a 152k vocabulary one sequence's logits are 19 GiB. 0: no limit (always the
+    /// full logits, the layout before this setting).
+    pub logits_budget_mb: usize,
     /// Data-parallel learner ranks (`tutor learner --world-size` overrides it; each
     /// process's rank comes from `--rank`). 1: one learner, no rendezvous.
     pub world_size: usize,
@@ -137,6 +144,7 @@ impl Default for LearnerConfig {
             packing: Packing::None,
             context_loss_weight: 0.0,
             pack_row_tokens: 4096,
+            logits_budget_mb: 1024,
             world_size: 1,
             collective: CollectiveChoice::Cpu,
             rendezvous_timeout_s: 300.0,

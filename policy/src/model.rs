@@ -848,6 +848,15 @@ impl Policy {
     /// explicit mask with positions counted over real tokens only. Logits at padding
     /// positions are meaningless; mask them out of the loss.
     pub fn forward(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Tensor {
+        self.model
+            .logits(&self.forward_hidden(input_ids, attention_mask))
+    }
+
+    /// [`Policy::forward`] up to the output head: the final normalized hidden states
+    /// `[B, T, hidden]` (the parameters' kind). With [`Policy::head_weight`] a loss can
+    /// compute logits for the positions it trains on only, a few at a time, instead of
+    /// `[B, T, vocab]` at once.
+    pub fn forward_hidden(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Tensor {
         let device = self.device();
         let ids = input_ids.to_device(device).to_kind(Kind::Int64);
         let (b, t) = ids.size2().expect("input_ids must be [B, T]");
@@ -878,8 +887,20 @@ impl Policy {
                 AttnMask::Explicit(causal_mask(&valid, &valid, 0)),
             )
         };
-        let hidden = self.model.hidden_states(&ids, &positions, &mask, None);
-        self.model.logits(&hidden)
+        self.model.hidden_states(&ids, &positions, &mask, None)
+    }
+
+    /// The output head's weight `[vocab, hidden]` (the embedding where they are tied):
+    /// logits are `hidden · Wᵀ`, as float32. A handle to the parameter itself, so
+    /// gradients through it reach the parameter.
+    pub fn head_weight(&self) -> Tensor {
+        self.model.head().shallow_clone()
+    }
+
+    /// Float32 logits `[.., vocab]` of final hidden states `[.., hidden]` (from
+    /// `forward_hidden` and its siblings): the last step of every forward.
+    pub fn logits(&self, hidden: &Tensor) -> Tensor {
+        self.model.logits(hidden)
     }
 
     /// Forward over rows with an explicit attention structure, for training on packed
@@ -901,6 +922,17 @@ impl Policy {
         position_ids: &Tensor,
         allowed: &Tensor,
     ) -> Tensor {
+        self.model
+            .logits(&self.forward_tree_hidden(input_ids, position_ids, allowed))
+    }
+
+    /// [`Policy::forward_tree`] up to the output head (see [`Policy::forward_hidden`]).
+    pub fn forward_tree_hidden(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        allowed: &Tensor,
+    ) -> Tensor {
         let device = self.device();
         let ids = input_ids.to_device(device).to_kind(Kind::Int64);
         let (b, l) = ids.size2().expect("input_ids must be [B, L]");
@@ -914,8 +946,7 @@ impl Policy {
         assert_eq!(allowed.size(), [b, l, l], "allowed must be [B, L, L]");
         let own = Tensor::eye(l, (Kind::Bool, device)).unsqueeze(0);
         let mask = AttnMask::Explicit(allowed.ne(0).logical_or(&own).unsqueeze(1));
-        let hidden = self.model.hidden_states(&ids, &positions, &mask, None);
-        self.model.logits(&hidden)
+        self.model.hidden_states(&ids, &positions, &mask, None)
     }
 }
 
@@ -933,6 +964,22 @@ impl Policy {
     /// kernels' rounding); the trunk's attention costs half of dense `[S, S]` and runs
     /// fused.
     pub fn forward_trunk(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        trunk: i64,
+        branch_allowed: &Tensor,
+    ) -> Tensor {
+        self.model.logits(&self.forward_trunk_hidden(
+            input_ids,
+            position_ids,
+            trunk,
+            branch_allowed,
+        ))
+    }
+
+    /// [`Policy::forward_trunk`] up to the output head (see [`Policy::forward_hidden`]).
+    pub fn forward_trunk_hidden(
         &self,
         input_ids: &Tensor,
         position_ids: &Tensor,
@@ -964,8 +1011,7 @@ impl Policy {
         .unsqueeze(0);
         let branches = allowed.ne(0).logical_or(&own).unsqueeze(1);
         let mask = AttnMask::Trunk { trunk, branches };
-        let hidden = self.model.hidden_states(&ids, &positions, &mask, None);
-        self.model.logits(&hidden)
+        self.model.hidden_states(&ids, &positions, &mask, None)
     }
 }
 

@@ -8,6 +8,7 @@ use std::time::Instant;
 use tch::{Kind, Tensor};
 
 use crate::config::Packing;
+use crate::loss::chunked::{chunk_rows, chunked_weighted_nll, over_budget, shifted_positions};
 use crate::packing::{pack_examples, pack_trunks, PackedBatch, TrunkBatch, TRUNK_BRANCH_DEPTH};
 use crate::trainer::{micro_batch_ranges, micro_batches, StepError, StepReport, Trainer};
 
@@ -130,6 +131,41 @@ pub fn trunk_nll_sum(logits: &Tensor, batch: &TrunkBatch, context_scale: f64) ->
     (nll * weight).sum(Kind::Float)
 }
 
+/// `masked_nll_sum` (plus `context_nll_term` where `context_weight > 0`) of a padded
+/// batch, computed at its trained positions only, the head run on the rows that fit in
+/// `budget_mb` at a time (`chunked`): the same value and gradients.
+pub fn chunked_padded_nll_sum(
+    policy: &tutor_policy::Policy,
+    batch: &PaddedBatch,
+    context_weight: f64,
+    budget_mb: usize,
+) -> Tensor {
+    let t = batch.input_ids.size()[1];
+    if t < 2 {
+        return Tensor::zeros([], (Kind::Float, batch.input_ids.device()));
+    }
+    // Column j: the weight of token j + 1's NLL, predicted at position j.
+    let labels = batch.loss_mask.narrow(1, 1, t - 1);
+    let mut weight = labels.shallow_clone();
+    if context_weight > 0.0 {
+        let context = batch.attention_mask.to_kind(Kind::Float).narrow(1, 1, t - 1) - &labels;
+        let count = context.sum(Kind::Float).double_value(&[]).max(1.0);
+        weight = weight + context * (context_weight * batch.label_tokens as f64 / count);
+    }
+    let (rows, shifted, targets) = shifted_positions(&batch.input_ids, &weight);
+    let weight = weight.reshape([-1]).index_select(0, &shifted);
+    let hidden = policy.forward_hidden(&batch.input_ids, &batch.attention_mask);
+    let vocab = policy.config().vocab_size as i64;
+    chunked_weighted_nll(
+        policy,
+        &hidden,
+        &rows,
+        &targets,
+        &weight,
+        chunk_rows(budget_mb, vocab),
+    )
+}
+
 impl Trainer {
     /// One optimizer step on this rank's share of a batch: summed label-token
     /// cross-entropy, backward, gradients and label counts summed over the ranks, divided
@@ -150,12 +186,20 @@ impl Trainer {
         }
         let device = self.policy().device();
         let context_weight = self.config().context_loss_weight;
+        let budget = self.config().logits_budget_mb;
         let batches = micro_batches(examples, self.config().micro_batch_tokens)
             .into_iter()
             .map(|micro| PaddedBatch::new(micro, device));
         self.run_passes(start, batches, |policy, batch| {
             if batch.label_tokens == 0 {
                 return None;
+            }
+            let vocab = policy.config().vocab_size as i64;
+            if over_budget(budget, batch.input_ids.numel() as i64, vocab) {
+                return Some((
+                    chunked_padded_nll_sum(policy, batch, context_weight, budget),
+                    batch.label_tokens,
+                ));
             }
             let logits = policy.forward(&batch.input_ids, &batch.attention_mask);
             let mut nll = masked_nll_sum(&logits, &batch.input_ids, &batch.loss_mask);
@@ -184,9 +228,28 @@ impl Trainer {
         let batches = ranges
             .into_iter()
             .map(|range| PackedBatch::new(&rows[range], device));
+        let budget = self.config().logits_budget_mb;
         self.run_passes(start, batches, |policy, batch| {
             if batch.label_tokens == 0 {
                 return None;
+            }
+            let vocab = policy.config().vocab_size as i64;
+            if over_budget(budget, batch.input_ids.numel() as i64, vocab) {
+                let hidden = policy.forward_tree_hidden(
+                    &batch.input_ids,
+                    &batch.position_ids,
+                    &batch.allowed,
+                );
+                let ones = Tensor::ones_like(&batch.targets).to_kind(Kind::Float);
+                let nll = chunked_weighted_nll(
+                    policy,
+                    &hidden,
+                    &batch.pred_index,
+                    &batch.targets,
+                    &ones,
+                    chunk_rows(budget, vocab),
+                );
+                return Some((nll, batch.label_tokens));
             }
             let logits = policy.forward_tree(&batch.input_ids, &batch.position_ids, &batch.allowed);
             Some((packed_nll_sum(&logits, batch), batch.label_tokens))
@@ -214,9 +277,29 @@ impl Trainer {
         };
         let device = self.policy().device();
         let batches = rows.iter().map(|row| TrunkBatch::new(row, device));
+        let budget = self.config().logits_budget_mb;
         self.run_passes(start, batches, |policy, batch| {
             if batch.label_tokens == 0 && (context_scale == 0.0 || batch.context_tokens == 0) {
                 return None;
+            }
+            let vocab = policy.config().vocab_size as i64;
+            if over_budget(budget, batch.input_ids.numel() as i64, vocab) {
+                let hidden = policy.forward_trunk_hidden(
+                    &batch.input_ids,
+                    &batch.position_ids,
+                    batch.trunk,
+                    &batch.branch_allowed,
+                );
+                let weight = &batch.label_weight + &batch.context_weight * context_scale;
+                let nll = chunked_weighted_nll(
+                    policy,
+                    &hidden,
+                    &batch.pred_index,
+                    &batch.targets,
+                    &weight,
+                    chunk_rows(budget, vocab),
+                );
+                return Some((nll, batch.label_tokens));
             }
             let logits = policy.forward_trunk(
                 &batch.input_ids,

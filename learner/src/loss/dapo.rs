@@ -6,6 +6,7 @@
 
 use tch::{Device, Kind, Tensor};
 
+use crate::loss::chunked::{chunk_rows, chunked_logprob_loss, over_budget, shifted_positions};
 use crate::trainer::{micro_batch_ranges, StepError, StepReport, Trainer};
 
 /// Advantages as a `[B, 1]` or `[B, T]` tensor of `logprobs`' kind, detached.
@@ -169,6 +170,35 @@ pub fn token_logprobs(logits: &Tensor, input_ids: &Tensor) -> Tensor {
         .reshape([b, t - 1])
 }
 
+/// `dapo_loss × label_tokens` of a batch (the surrogate summed over its trained tokens),
+/// computed at the trained positions only, the head run on the rows that fit in
+/// `budget_mb` at a time (`chunked`): the same value and gradients.
+pub fn chunked_dapo_sum(
+    policy: &tutor_policy::Policy,
+    batch: &RlBatch,
+    eps_low: f64,
+    eps_high: f64,
+    budget_mb: usize,
+) -> Tensor {
+    let (rows, shifted, targets) = shifted_positions(&batch.input_ids, &batch.mask);
+    let pick = |t: &Tensor| {
+        t.reshape([-1])
+            .index_select(0, &shifted)
+            .to_kind(Kind::Float)
+    };
+    let old = pick(&batch.old_logprobs);
+    let adv = pick(&batch.advantages);
+    let hidden = policy.forward_hidden(&batch.input_ids, &batch.attention_mask);
+    let chunk = chunk_rows(budget_mb, policy.config().vocab_size as i64);
+    chunked_logprob_loss(policy, &hidden, &rows, &targets, chunk, |lp, start, len| {
+        let ratio = (lp - old.narrow(0, start, len)).exp();
+        let a = adv.narrow(0, start, len);
+        let unclipped = &ratio * &a;
+        let clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * &a;
+        -unclipped.minimum(&clipped).sum(Kind::Float)
+    })
+}
+
 impl Trainer {
     /// One DAPO optimizer step on this rank's share of a batch: the clipped surrogate
     /// −Σ min(r·Â, clip(r, 1 − ε_low, 1 + ε_high)·Â), r = exp(ℓ_θ − ℓ_old), summed over
@@ -189,9 +219,15 @@ impl Trainer {
         let batches = runs
             .into_iter()
             .map(|run| RlBatch::new(&examples[run], device));
+        let budget = self.config().logits_budget_mb;
         self.run_passes(start, batches, |policy, batch| {
             if batch.label_tokens == 0 {
                 return None;
+            }
+            let vocab = policy.config().vocab_size as i64;
+            if over_budget(budget, batch.input_ids.numel() as i64, vocab) {
+                let sum = chunked_dapo_sum(policy, batch, eps_low, eps_high, budget);
+                return Some((sum, batch.label_tokens));
             }
             let logits = policy.forward(&batch.input_ids, &batch.attention_mask);
             let lp = token_logprobs(&logits, &batch.input_ids);

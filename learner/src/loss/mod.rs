@@ -18,6 +18,7 @@
 //! built on `Trainer::run_passes`) and a variant of `StepExamples`; `trainer` names no
 //! objective.
 
+pub mod chunked;
 pub mod cross_entropy;
 pub mod dapo;
 pub mod distill;

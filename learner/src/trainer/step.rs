@@ -356,7 +356,7 @@ mod tests {
     fn assert_same_step(a: &StepReport, b: &StepReport) {
         assert_eq!(a.label_tokens, b.label_tokens, "every label counted once");
         assert!(
-            (a.loss - b.loss).abs() <= 1e-5 * a.loss,
+            (a.loss - b.loss).abs() <= 1e-5 * a.loss.abs(),
             "{} vs {}",
             a.loss,
             b.loss
@@ -373,6 +373,72 @@ mod tests {
         }
         let rel = (num / den).sqrt();
         assert!(rel <= 1e-5, "relative error {rel}");
+    }
+
+    /// A trainer on a 65,536-token vocabulary (so that a 1 MiB logits budget is 4 rows).
+    fn wide_vocab_trainer(logits_budget_mb: usize) -> Trainer {
+        let mut mc = tutor_policy::ModelConfig::tiny(1 << 16);
+        mc.hidden_size = 32;
+        mc.intermediate_size = 64;
+        mc.head_dim = 8;
+        let policy = Policy::new(mc, tch::Device::Cpu, 5);
+        let config = crate::config::LearnerConfig {
+            learning_rate: 1e-2,
+            warmup_steps: 0,
+            logits_budget_mb,
+            ..Default::default()
+        };
+        Trainer::new(policy, config).unwrap()
+    }
+
+    /// Over `logits_budget_mb` a pass computes its loss at the trained positions only, 4
+    /// rows of logits at a time here: every objective and layout trains the same weights
+    /// as with the full `[B, T, vocab]` logits (budget 0), context term included.
+    #[test]
+    fn steps_over_the_logits_budget_equal_full_logits_steps() {
+        let ex = dagger_shaped_examples();
+        for (packing, context) in [
+            (Packing::None, 0.5),
+            (Packing::None, 0.0),
+            (Packing::Tree, 0.0),
+            (Packing::Trunk, 0.5),
+        ] {
+            let mut full = wide_vocab_trainer(0);
+            let mut chunked = wide_vocab_trainer(1);
+            for t in [&mut full, &mut chunked] {
+                t.config.packing = packing;
+                t.config.context_loss_weight = context;
+                t.config.micro_batch_tokens = 200;
+            }
+            for _ in 0..2 {
+                let a = full.step(&ex).unwrap();
+                let b = chunked.step(&ex).unwrap();
+                assert_same_step(&a, &b);
+            }
+            assert_same_weights(&full, &chunked);
+        }
+        // DAPO: advantages of both signs, old log-probs about the untrained model's (so
+        // ratios near 1, some clipped after the first step).
+        let rl: Vec<crate::loss::RlExample> = ex
+            .iter()
+            .enumerate()
+            .map(|(i, (tokens, mask))| crate::loss::RlExample {
+                advantages: vec![if i % 2 == 0 { 1.0 } else { -0.5 }; tokens.len()],
+                old_logprobs: (0..tokens.len())
+                    .map(|j| -11.09 + 0.05 * ((i + j) % 5) as f32)
+                    .collect(),
+                tokens: tokens.clone(),
+                loss_mask: mask.clone(),
+            })
+            .collect();
+        let mut full = wide_vocab_trainer(0);
+        let mut chunked = wide_vocab_trainer(1);
+        for _ in 0..3 {
+            let a = full.dapo_step(&rl).unwrap();
+            let b = chunked.dapo_step(&rl).unwrap();
+            assert_same_step(&a, &b);
+        }
+        assert_same_weights(&full, &chunked);
     }
 
     #[test]
