@@ -67,7 +67,10 @@ pub fn chunked_logprob_loss(
     let mut start = 0;
     while start < n {
         let len = chunk.min(n - start);
-        let leaf = detached.narrow(0, start, len).detach().set_requires_grad(true);
+        let leaf = detached
+            .narrow(0, start, len)
+            .detach()
+            .set_requires_grad(true);
         let logprobs = leaf
             .linear(&head_leaf, None::<Tensor>)
             .to_kind(Kind::Float)

@@ -148,7 +148,11 @@ pub fn chunked_padded_nll_sum(
     let labels = batch.loss_mask.narrow(1, 1, t - 1);
     let mut weight = labels.shallow_clone();
     if context_weight > 0.0 {
-        let context = batch.attention_mask.to_kind(Kind::Float).narrow(1, 1, t - 1) - &labels;
+        let context = batch
+            .attention_mask
+            .to_kind(Kind::Float)
+            .narrow(1, 1, t - 1)
+            - &labels;
         let count = context.sum(Kind::Float).double_value(&[]).max(1.0);
         weight = weight + context * (context_weight * batch.label_tokens as f64 / count);
     }
