@@ -146,16 +146,19 @@ pub fn chunked_padded_nll_sum(
     }
     // Column j: the weight of token j + 1's NLL, predicted at position j.
     let labels = batch.loss_mask.narrow(1, 1, t - 1);
-    let mut weight = labels.shallow_clone();
-    if context_weight > 0.0 {
+    // A new tensor where the context adds to it (never in place: `labels` shares the
+    // batch's storage).
+    let weight = if context_weight > 0.0 {
         let context = batch
             .attention_mask
             .to_kind(Kind::Float)
             .narrow(1, 1, t - 1)
             - &labels;
         let count = context.sum(Kind::Float).double_value(&[]).max(1.0);
-        weight = weight + context * (context_weight * batch.label_tokens as f64 / count);
-    }
+        &labels + context * (context_weight * batch.label_tokens as f64 / count)
+    } else {
+        labels
+    };
     let (rows, shifted, targets) = shifted_positions(&batch.input_ids, &weight);
     let weight = weight.reshape([-1]).index_select(0, &shifted);
     let hidden = policy.forward_hidden(&batch.input_ids, &batch.attention_mask);
