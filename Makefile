@@ -64,8 +64,11 @@ $(SANDBOX_VENV)/.ready: requirements-sandbox.txt
 	@$(SANDBOX_VENV)/bin/python -c "import pytest; print('sandbox venv ready: pytest', pytest.__version__)"
 	@touch $@
 
+# The test build has the `nccl` feature (libnccl is loaded at run time, so it builds with
+# no CUDA present): the NCCL paths compile, lint and run their device-free tests on every
+# `make test`, and the binary the cross-process tests start is the same build.
 build: setup
-	cargo build --bin tutor
+	cargo build --bin tutor --features nccl
 
 release: setup
 	cargo build --release --bin tutor
@@ -172,10 +175,11 @@ check-layout:
 	@$(PYTHON) build/check-architecture-doc.py
 
 test: check-layout build image
+	cargo clippy -p tutor-collective --features nccl --all-targets -- -D warnings
 	@if cargo nextest --version >/dev/null 2>&1; then \
-		cargo nextest run --workspace --no-fail-fast; \
+		cargo nextest run --workspace --features tutor/nccl --no-fail-fast; \
 	else \
-		cargo test --workspace --no-fail-fast; \
+		cargo test --workspace --features tutor/nccl --no-fail-fast; \
 	fi
 
 # Coordinator ingest throughput over loopback, fsync on (bench/README.md). Not part of

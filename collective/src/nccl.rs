@@ -289,3 +289,29 @@ impl Drop for NcclCollective {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Built with the `nccl` feature on a machine without a GPU (as `make test` is):
+    /// where libnccl cannot be loaded, asking for a group is an error that says what to
+    /// put where, never cudarc's panic; where it can be (a GPU machine with
+    /// LD_LIBRARY_PATH set), rank 0's unique id is made without a device.
+    #[test]
+    fn without_libnccl_a_group_is_an_error_that_says_where_to_put_it() {
+        match NcclCollective::unique_id() {
+            Ok(id) => assert!(id.iter().any(|&b| b != 0), "a unique id of zeros"),
+            Err(e) => {
+                let msg = e.to_string();
+                assert!(
+                    msg.contains("libnccl.so") && msg.contains("LD_LIBRARY_PATH"),
+                    "{msg}"
+                );
+                let joined = NcclCollective::new(&[0u8; 128], 0, 2, 0);
+                let msg = joined.err().expect("no group without libnccl").to_string();
+                assert!(msg.contains("libnccl.so"), "{msg}");
+            }
+        }
+    }
+}
