@@ -897,12 +897,6 @@ impl Policy {
         self.model.head().shallow_clone()
     }
 
-    /// Float32 logits `[.., vocab]` of final hidden states `[.., hidden]` (from
-    /// `forward_hidden` and its siblings): the last step of every forward.
-    pub fn logits(&self, hidden: &Tensor) -> Tensor {
-        self.model.logits(hidden)
-    }
-
     /// Forward over rows with an explicit attention structure, for training on packed
     /// rows where several sequences share a prefix (a tree of token sequences).
     ///

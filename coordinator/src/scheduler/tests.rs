@@ -271,7 +271,6 @@ async fn a_restarted_coordinator_checks_the_secrets_its_predecessor_gave() {
 /// slot was queued again with fresh attempts.
 #[tokio::test]
 async fn a_failed_slot_stays_failed_after_a_restart() {
-    use crate::store::{log_path, spawn_writer, StoreOptions, TrajectoryStore};
     let dir = tempfile::tempdir().unwrap();
     let config = CoordinatorConfig {
         episodes_per_iteration: 1,
@@ -280,17 +279,8 @@ async fn a_failed_slot_stays_failed_after_a_restart() {
         max_attempts: 1,
         ..Default::default()
     };
-    let (store_tx, store_thread) = spawn_writer(
-        TrajectoryStore::open(dir.path()).unwrap(),
-        Default::default(),
-    );
-    let sched = SchedulerHandle::spawn_with_store(
-        config.clone(),
-        vec![Task::default()],
-        Vec::new(),
-        Recovery::default(),
-        Some(&store_tx),
-    );
+    let on_store = OnStore::start(&config, dir.path(), Recovery::default());
+    let sched = on_store.sched.clone();
     let (worker, _) = sched.register("w".into(), 1).await.unwrap();
     let runner = sched.clone();
     let iteration = tokio::spawn(async move { runner.run_iteration(0, 1.0).await });
@@ -310,23 +300,7 @@ async fn a_failed_slot_stays_failed_after_a_restart() {
         .unwrap()
         .unwrap();
     assert_eq!(rollouts.failed_slots, 1);
-    // The record is written in the background; the store's writer ends with its sender.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    sched.finish().await;
-    drop(store_tx);
-    tokio::task::spawn_blocking(move || store_thread.join())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-
-    let mut recovery = Recovery::in_store(&log_path(dir.path()));
-    let mut stored = Vec::new();
-    TrajectoryStore::open_for_each(dir.path(), StoreOptions::default(), |at, ev| {
-        stored.push(ev.clone());
-        recovery.history.push_stored(at, &ev)
-    })
-    .unwrap();
+    let (stored, recovery) = on_store.stop(dir.path()).await;
     // The lease's expiry, then the failed slot's outcome.
     assert_eq!(stored.len(), 2, "{stored:?}");
     assert!(stored.iter().all(|e| e.worker_id == COORDINATOR_WRITER));
@@ -364,26 +338,70 @@ async fn a_failed_slot_stays_failed_after_a_restart() {
     assert_eq!((s.pending_episodes, s.outstanding_leases), (0, 0), "{s:?}");
 }
 
-/// Runs a scheduler on the store in `dir` until `until` says its snapshot is far enough,
-/// then stops it as a crash would (its iteration left unfinished) and returns what the
-/// store holds, as a restarted coordinator reads it.
+/// A scheduler writing to the trajectory store in a directory, as a coordinator's does.
+struct OnStore {
+    sched: SchedulerHandle,
+    store_tx: tokio::sync::mpsc::Sender<crate::store::StoreRequest>,
+    store_thread: std::thread::JoinHandle<Result<(), crate::store::StoreError>>,
+}
+
+impl OnStore {
+    fn start(config: &CoordinatorConfig, dir: &std::path::Path, recovery: Recovery) -> Self {
+        use crate::store::{spawn_writer, TrajectoryStore};
+        let (store_tx, store_thread) =
+            spawn_writer(TrajectoryStore::open(dir).unwrap(), Default::default());
+        let sched = SchedulerHandle::spawn_with_store(
+            config.clone(),
+            vec![Task::default()],
+            Vec::new(),
+            recovery,
+            Some(&store_tx),
+        );
+        Self {
+            sched,
+            store_tx,
+            store_thread,
+        }
+    }
+
+    /// Stops the scheduler once its background records are written (the store's writer
+    /// ends with its sender) and returns what the store holds, with the recovery a
+    /// restarted coordinator reads from it.
+    async fn stop(self, dir: &std::path::Path) -> (Vec<EpisodeEvent>, Recovery) {
+        use crate::store::{log_path, StoreOptions, TrajectoryStore};
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        self.sched.finish().await;
+        drop(self.store_tx);
+        let thread = self.store_thread;
+        tokio::task::spawn_blocking(move || thread.join())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let mut recovery = Recovery::in_store(&log_path(dir));
+        let mut stored = Vec::new();
+        TrajectoryStore::open_for_each(dir, StoreOptions::default(), |at, ev| {
+            stored.push(ev.clone());
+            recovery.history.push_stored(at, &ev)
+        })
+        .unwrap();
+        (stored, recovery)
+    }
+}
+
+/// Runs a scheduler on the store in `dir` until it has leased `leases_to_take`
+/// attempts and each has expired (its worker is silent), then stops it as a crash would
+/// (its iteration left unfinished) and returns the attempts' ids and what the store
+/// holds, with the recovery of the next generation.
 async fn run_until_crash(
     config: &CoordinatorConfig,
     dir: &std::path::Path,
     recovery: Recovery,
     leases_to_take: usize,
 ) -> (Vec<String>, Vec<EpisodeEvent>, Recovery) {
-    use crate::store::{log_path, spawn_writer, StoreOptions, TrajectoryStore};
     let generation = recovery.generation;
-    let (store_tx, store_thread) =
-        spawn_writer(TrajectoryStore::open(dir).unwrap(), Default::default());
-    let sched = SchedulerHandle::spawn_with_store(
-        config.clone(),
-        vec![Task::default()],
-        Vec::new(),
-        recovery,
-        Some(&store_tx),
-    );
+    let on_store = OnStore::start(config, dir, recovery);
+    let sched = on_store.sched.clone();
     let (worker, _) = sched.register("w".into(), 1).await.unwrap();
     let runner = sched.clone();
     let iteration = tokio::spawn(async move { runner.run_iteration(0, 1.0).await });
@@ -401,23 +419,9 @@ async fn run_until_crash(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(leased.len(), leases_to_take, "{leased:?}");
-    // The records are written in the background; then the "crash".
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The "crash": the iteration never ends.
     iteration.abort();
-    sched.finish().await;
-    drop(store_tx);
-    tokio::task::spawn_blocking(move || store_thread.join())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    let mut recovery = Recovery::in_store(&log_path(dir));
-    let mut stored = Vec::new();
-    TrajectoryStore::open_for_each(dir, StoreOptions::default(), |at, ev| {
-        stored.push(ev.clone());
-        recovery.history.push_stored(at, &ev)
-    })
-    .unwrap();
+    let (stored, mut recovery) = on_store.stop(dir).await;
     recovery.generation = generation + 1;
     (leased, stored, recovery)
 }

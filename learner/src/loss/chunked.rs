@@ -28,6 +28,14 @@ pub fn over_budget(budget_mb: usize, positions: i64, vocab: i64) -> bool {
     budget_mb > 0 && positions > chunk_rows(budget_mb, vocab)
 }
 
+/// The chunk size (rows of logits) of a pass over `positions` hidden rows of `policy`
+/// when it should be chunked under `budget_mb` (see [`over_budget`]), else `None` (the
+/// full logits fit).
+pub fn pass_chunk(budget_mb: usize, policy: &Policy, positions: i64) -> Option<i64> {
+    let vocab = policy.config().vocab_size as i64;
+    over_budget(budget_mb, positions, vocab).then(|| chunk_rows(budget_mb, vocab))
+}
+
 /// The loss `Σ_i f(ℓ_i)` over selected positions, with ℓ_i = log π(`targets[i]` |
 /// hidden row `index[i]`): `hidden` is `[.., H]` from one of `Policy`'s `*_hidden`
 /// forwards (any leading shape; rows are counted over all of them), `index` and
@@ -63,7 +71,8 @@ pub fn chunked_logprob_loss(
     let chunk = chunk.max(1);
     let mut row_grads = Vec::with_capacity(((n + chunk - 1) / chunk) as usize);
     let mut head_grad = Tensor::zeros(head.size(), (Kind::Float, device));
-    let mut total = 0.0f64;
+    // Summed on the device: no host sync per chunk (the step reads the pass's sum once).
+    let mut total = Tensor::zeros([], (Kind::Float, device));
     let mut start = 0;
     while start < n {
         let len = chunk.min(n - start);
@@ -78,7 +87,7 @@ pub fn chunked_logprob_loss(
             .gather(1, &targets.narrow(0, start, len).unsqueeze(1), false)
             .squeeze_dim(1);
         let loss = loss_of(&logprobs, start, len).to_kind(Kind::Float);
-        total += loss.double_value(&[]);
+        total += loss.detach();
         let mut grads = Tensor::run_backward(&[&loss], &[&leaf, &head_leaf], false, false);
         let g_head = grads.pop().expect("two gradients");
         let g_rows = grads.pop().expect("two gradients");

@@ -8,7 +8,7 @@ use std::time::Instant;
 use tch::{Kind, Tensor};
 
 use crate::config::Packing;
-use crate::loss::chunked::{chunk_rows, chunked_weighted_nll, over_budget, shifted_positions};
+use crate::loss::chunked::{chunked_weighted_nll, pass_chunk, shifted_positions};
 use crate::packing::{pack_examples, pack_trunks, PackedBatch, TrunkBatch, TRUNK_BRANCH_DEPTH};
 use crate::trainer::{micro_batch_ranges, micro_batches, StepError, StepReport, Trainer};
 
@@ -127,18 +127,23 @@ pub fn trunk_nll_sum(logits: &Tensor, batch: &TrunkBatch, context_scale: f64) ->
         .log_softmax(-1, Kind::Float)
         .gather(1, &batch.targets.unsqueeze(1), false)
         .squeeze_dim(1);
-    let weight = &batch.label_weight + &batch.context_weight * context_scale;
-    (nll * weight).sum(Kind::Float)
+    (nll * trunk_weights(batch, context_scale)).sum(Kind::Float)
+}
+
+/// Each owned prediction's weight in a trunk row's loss: its label multiplicity plus
+/// `context_scale` × its context multiplicity.
+fn trunk_weights(batch: &TrunkBatch, context_scale: f64) -> Tensor {
+    &batch.label_weight + &batch.context_weight * context_scale
 }
 
 /// `masked_nll_sum` (plus `context_nll_term` where `context_weight > 0`) of a padded
-/// batch, computed at its trained positions only, the head run on the rows that fit in
-/// `budget_mb` at a time (`chunked`): the same value and gradients.
+/// batch, computed at its trained positions only, the head run on `chunk` rows at a
+/// time (`chunked`): the same value and gradients.
 pub fn chunked_padded_nll_sum(
     policy: &tutor_policy::Policy,
     batch: &PaddedBatch,
     context_weight: f64,
-    budget_mb: usize,
+    chunk: i64,
 ) -> Tensor {
     let t = batch.input_ids.size()[1];
     if t < 2 {
@@ -162,15 +167,7 @@ pub fn chunked_padded_nll_sum(
     let (rows, shifted, targets) = shifted_positions(&batch.input_ids, &weight);
     let weight = weight.reshape([-1]).index_select(0, &shifted);
     let hidden = policy.forward_hidden(&batch.input_ids, &batch.attention_mask);
-    let vocab = policy.config().vocab_size as i64;
-    chunked_weighted_nll(
-        policy,
-        &hidden,
-        &rows,
-        &targets,
-        &weight,
-        chunk_rows(budget_mb, vocab),
-    )
+    chunked_weighted_nll(policy, &hidden, &rows, &targets, &weight, chunk)
 }
 
 impl Trainer {
@@ -201,10 +198,9 @@ impl Trainer {
             if batch.label_tokens == 0 {
                 return None;
             }
-            let vocab = policy.config().vocab_size as i64;
-            if over_budget(budget, batch.input_ids.numel() as i64, vocab) {
+            if let Some(chunk) = pass_chunk(budget, policy, batch.input_ids.numel() as i64) {
                 return Some((
-                    chunked_padded_nll_sum(policy, batch, context_weight, budget),
+                    chunked_padded_nll_sum(policy, batch, context_weight, chunk),
                     batch.label_tokens,
                 ));
             }
@@ -240,8 +236,7 @@ impl Trainer {
             if batch.label_tokens == 0 {
                 return None;
             }
-            let vocab = policy.config().vocab_size as i64;
-            if over_budget(budget, batch.input_ids.numel() as i64, vocab) {
+            if let Some(chunk) = pass_chunk(budget, policy, batch.input_ids.numel() as i64) {
                 let hidden = policy.forward_tree_hidden(
                     &batch.input_ids,
                     &batch.position_ids,
@@ -254,7 +249,7 @@ impl Trainer {
                     &batch.pred_index,
                     &batch.targets,
                     &ones,
-                    chunk_rows(budget, vocab),
+                    chunk,
                 );
                 return Some((nll, batch.label_tokens));
             }
@@ -289,22 +284,20 @@ impl Trainer {
             if batch.label_tokens == 0 && (context_scale == 0.0 || batch.context_tokens == 0) {
                 return None;
             }
-            let vocab = policy.config().vocab_size as i64;
-            if over_budget(budget, batch.input_ids.numel() as i64, vocab) {
+            if let Some(chunk) = pass_chunk(budget, policy, batch.input_ids.numel() as i64) {
                 let hidden = policy.forward_trunk_hidden(
                     &batch.input_ids,
                     &batch.position_ids,
                     batch.trunk,
                     &batch.branch_allowed,
                 );
-                let weight = &batch.label_weight + &batch.context_weight * context_scale;
                 let nll = chunked_weighted_nll(
                     policy,
                     &hidden,
                     &batch.pred_index,
                     &batch.targets,
-                    &weight,
-                    chunk_rows(budget, vocab),
+                    &trunk_weights(batch, context_scale),
+                    chunk,
                 );
                 return Some((nll, batch.label_tokens));
             }

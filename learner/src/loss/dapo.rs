@@ -6,7 +6,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::loss::chunked::{chunk_rows, chunked_logprob_loss, over_budget, shifted_positions};
+use crate::loss::chunked::{chunked_logprob_loss, pass_chunk, shifted_positions};
 use crate::trainer::{micro_batch_ranges, StepError, StepReport, Trainer};
 
 /// Advantages as a `[B, 1]` or `[B, T]` tensor of `logprobs`' kind, detached.
@@ -171,31 +171,37 @@ pub fn token_logprobs(logits: &Tensor, input_ids: &Tensor) -> Tensor {
 }
 
 /// `dapo_loss × label_tokens` of a batch (the surrogate summed over its trained tokens),
-/// computed at the trained positions only, the head run on the rows that fit in
-/// `budget_mb` at a time (`chunked`): the same value and gradients.
+/// computed at the trained positions only, the head run on `chunk` rows at a time
+/// (`chunked`; each chunk's sum is `dapo_loss` on it times its length): the same value
+/// and gradients.
 pub fn chunked_dapo_sum(
     policy: &tutor_policy::Policy,
     batch: &RlBatch,
     eps_low: f64,
     eps_high: f64,
-    budget_mb: usize,
+    chunk: i64,
 ) -> Tensor {
     let (rows, shifted, targets) = shifted_positions(&batch.input_ids, &batch.mask);
+    // Each a [1, N] row of the trained positions, as `dapo_loss` takes it.
     let pick = |t: &Tensor| {
         t.reshape([-1])
             .index_select(0, &shifted)
             .to_kind(Kind::Float)
+            .unsqueeze(0)
     };
     let old = pick(&batch.old_logprobs);
     let adv = pick(&batch.advantages);
     let hidden = policy.forward_hidden(&batch.input_ids, &batch.attention_mask);
-    let chunk = chunk_rows(budget_mb, policy.config().vocab_size as i64);
     chunked_logprob_loss(policy, &hidden, &rows, &targets, chunk, |lp, start, len| {
-        let ratio = (lp - old.narrow(0, start, len)).exp();
-        let a = adv.narrow(0, start, len);
-        let unclipped = &ratio * &a;
-        let clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * &a;
-        -unclipped.minimum(&clipped).sum(Kind::Float)
+        let mask = Tensor::ones([1, len], (Kind::Float, lp.device()));
+        dapo_loss(
+            &lp.unsqueeze(0),
+            &old.narrow(1, start, len),
+            &adv.narrow(1, start, len),
+            &mask,
+            eps_low,
+            eps_high,
+        ) * len as f64
     })
 }
 
@@ -224,9 +230,8 @@ impl Trainer {
             if batch.label_tokens == 0 {
                 return None;
             }
-            let vocab = policy.config().vocab_size as i64;
-            if over_budget(budget, batch.input_ids.numel() as i64, vocab) {
-                let sum = chunked_dapo_sum(policy, batch, eps_low, eps_high, budget);
+            if let Some(chunk) = pass_chunk(budget, policy, batch.input_ids.numel() as i64) {
+                let sum = chunked_dapo_sum(policy, batch, eps_low, eps_high, chunk);
                 return Some((sum, batch.label_tokens));
             }
             let logits = policy.forward(&batch.input_ids, &batch.attention_mask);
