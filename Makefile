@@ -19,7 +19,7 @@ export TUTOR_PYTHON := $(VENV)/bin/python
 export TUTOR_SANDBOX_PYTHON := $(SANDBOX_VENV)/bin/python
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: setup sandbox-tools build release images image image-gpu compose-test compose-up compose-down compose-clean compose-logs compose-ps quickstart test check-layout bench-ingest bench-policy clean-runs help
+.PHONY: setup sandbox-tools build release images image image-gpu compose-test compose-up compose-down compose-clean compose-logs compose-ps quickstart test check-layout bench-ingest bench-policy gpu-check clean-runs help
 
 help:
 	@echo "make quickstart   set up, build (release) and run configs/quickstart.toml"
@@ -32,6 +32,7 @@ help:
 	@echo "make check-layout no unused dependencies, no files of a crate importing each other"
 	@echo "make bench-ingest coordinator ingest throughput (release; BENCH_ARGS=... to change)"
 	@echo "make bench-policy generation and training step against transformers/PyTorch (CPU)"
+	@echo "make gpu-check    on a CUDA machine: every GPU path against PyTorch, one report (scripts/gpu-check.sh)"
 
 setup: $(VENV)/.ready $(SANDBOX_VENV)/.ready sandbox-tools
 
@@ -196,6 +197,13 @@ bench-ingest: setup
 bench-policy: setup
 	cargo build --release -p tutor-bench --bin policy
 	./target/release/policy $(BENCH_ARGS)
+
+# Every GPU path in one go (issue 17): bf16 parity against PyTorch, NCCL, training MFU,
+# generation and broadcast figures; report in gpu-check-report/. On a GPU machine without
+# Rust, build here (`scripts/gpu-check.sh build`) and run `scripts/gpu-check.sh run OUT` there.
+gpu-check: setup
+	scripts/gpu-check.sh build
+	GPU_CHECK_PYTHON=$(VENV)/bin/python scripts/gpu-check.sh run gpu-check-report $(BENCH_ARGS)
 
 clean-runs:
 	rm -rf runs
