@@ -70,6 +70,12 @@ pub struct LearnerConfig {
     /// and a 152k vocabulary one sequence's logits are 19 GiB. 0: no limit (always the
     /// full logits, the layout before this setting).
     pub logits_budget_mb: usize,
+    /// Activation checkpointing: a training pass keeps only each decoder layer's input
+    /// and recomputes the layer's activations in the backward pass (same gradients, up to
+    /// rounding; `Policy::set_checkpoint_activations`). Activation memory falls from every
+    /// layer's intermediate tensors to one hidden state per layer, for about a third more
+    /// compute. For long contexts and large models; off by default.
+    pub checkpoint_activations: bool,
     /// Data-parallel learner ranks (`tutor learner --world-size` overrides it; each
     /// process's rank comes from `--rank`). 1: one learner, no rendezvous.
     pub world_size: usize,
@@ -145,6 +151,7 @@ impl Default for LearnerConfig {
             context_loss_weight: 0.0,
             pack_row_tokens: 4096,
             logits_budget_mb: 1024,
+            checkpoint_activations: false,
             world_size: 1,
             collective: CollectiveChoice::Cpu,
             rendezvous_timeout_s: 300.0,

@@ -524,6 +524,39 @@ pub(crate) struct Decoder {
     rope_scale: f64,
 }
 
+/// What a checkpointed forward pass kept (see `Decoder::checkpointed_hidden`): the
+/// embedding's output (with its graph to the embedding), each layer's input (no graph),
+/// and the leaf that stands for the last layer's output.
+struct Recompute {
+    embedded: Tensor,
+    inputs: Vec<Tensor>,
+    last: Tensor,
+    rope: Rope,
+    mask: AttnMask,
+}
+
+impl Recompute {
+    /// The layers' part of the backward pass, last layer first: each layer is run again
+    /// from its saved input, with gradients, and backpropagated from the gradient its
+    /// output received (through `sum(output · gradient)`, whose gradient with respect to
+    /// the output is exactly that gradient); what reaches its input goes on to the layer
+    /// before, and finally into the embedding. Parameters' gradients accumulate in
+    /// `.grad` as in the ordinary backward pass, which they equal up to rounding.
+    fn backward(self, decoder: &Decoder) {
+        let mut grad = self.last.grad();
+        if !grad.defined() {
+            return; // the loss did not reach the decoder
+        }
+        for (layer, input) in decoder.layers.iter().zip(self.inputs).rev() {
+            let x = input.set_requires_grad(true);
+            let y = decoder.layer_forward(layer, &x, &self.rope, &self.mask);
+            (y * &grad).sum(Kind::Float).backward();
+            grad = x.grad();
+        }
+        (&self.embedded * &grad).sum(Kind::Float).backward();
+    }
+}
+
 impl Decoder {
     fn new(root: &Path, c: &ModelConfig) -> Self {
         let model = root / "model";
@@ -712,6 +745,66 @@ impl Decoder {
         self.norm.forward(&h)
     }
 
+    /// One decoder layer over the whole sequence, no cache (training).
+    fn layer_forward(
+        &self,
+        layer: &DecoderLayer,
+        h: &Tensor,
+        rope: &Rope,
+        mask: &AttnMask,
+    ) -> Tensor {
+        let a = layer
+            .self_attn
+            .forward(&layer.input_layernorm.forward(h), rope, mask, Kv::None);
+        let h = h + a;
+        let m = layer
+            .mlp
+            .forward(&layer.post_attention_layernorm.forward(&h));
+        &h + m
+    }
+
+    /// [`Decoder::hidden_states`] without a cache, keeping only each layer's input for
+    /// the backward pass instead of every activation inside the layers (activation
+    /// checkpointing). The layers run without gradients; the final norm runs with them,
+    /// on a leaf that stands for the last layer's output. The returned [`Recompute`]
+    /// finishes the backward pass once the loss's backward has reached that leaf
+    /// ([`Recompute::backward`]). Where gradients are off (evaluation, `no_grad`) there
+    /// is nothing to recompute: `None`, and the states are computed as usual.
+    fn checkpointed_hidden(
+        &self,
+        input_ids: &Tensor,
+        positions: &Tensor,
+        mask: AttnMask,
+    ) -> (Tensor, Option<Recompute>) {
+        let rope = self.rope(positions);
+        let embedded = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+        if !embedded.requires_grad() {
+            let mut h = embedded;
+            for layer in &self.layers {
+                h = self.layer_forward(layer, &h, &rope, &mask);
+            }
+            return (self.norm.forward(&h), None);
+        }
+        let mut inputs = Vec::with_capacity(self.layers.len());
+        let mut h = embedded.detach();
+        tch::no_grad(|| {
+            for layer in &self.layers {
+                let next = self.layer_forward(layer, &h, &rope, &mask);
+                inputs.push(std::mem::replace(&mut h, next));
+            }
+        });
+        let last = h.set_requires_grad(true);
+        let hidden = self.norm.forward(&last);
+        let recompute = Recompute {
+            embedded,
+            inputs,
+            last,
+            rope,
+            mask,
+        };
+        (hidden, Some(recompute))
+    }
+
     /// Projects hidden states to float32 logits over the vocabulary.
     pub(crate) fn logits(&self, hidden: &Tensor) -> Tensor {
         match self.head_packed.as_ref().and_then(|g| g.forward(hidden)) {
@@ -727,6 +820,10 @@ pub struct Policy {
     pub(crate) config: ModelConfig,
     pub(crate) vs: VarStore,
     pub(crate) model: Decoder,
+    /// See [`Policy::set_checkpoint_activations`].
+    checkpoint_activations: bool,
+    /// The checkpointed passes whose layers' backward is still to run.
+    pending: Mutex<Vec<Recompute>>,
 }
 
 /// libtorch has one global random generator, so concurrent `Policy::new` calls would
@@ -765,11 +862,71 @@ impl Policy {
         }
         let vs = VarStore::new(device);
         let model = Decoder::new(&vs.root(), &config);
-        Policy { config, vs, model }
+        Policy {
+            config,
+            vs,
+            model,
+            checkpoint_activations: false,
+            pending: Mutex::new(Vec::new()),
+        }
     }
 
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Activation checkpointing for training (`[learner] checkpoint_activations`): the
+    /// training forwards ([`Policy::forward`], [`Policy::forward_tree`],
+    /// [`Policy::forward_trunk`] and their `_hidden` forms), where gradients are on, keep
+    /// only each decoder layer's input instead of every activation inside the layers, and
+    /// recompute a layer's activations during the backward pass. Memory for activations
+    /// falls from all of them to one hidden state per layer plus one layer's worth; the
+    /// cost is a second forward pass through the layers.
+    ///
+    /// The caller must call [`Policy::backward_checkpointed`] after each `backward()` of
+    /// a loss computed from such a forward: that runs the layers' part of the backward
+    /// pass. Gradients then equal those without checkpointing, up to rounding.
+    pub fn set_checkpoint_activations(&mut self, on: bool) {
+        self.checkpoint_activations = on;
+        self.clear_checkpointed();
+    }
+
+    /// Whether activation checkpointing is on (see [`Policy::set_checkpoint_activations`]).
+    pub fn checkpoint_activations(&self) -> bool {
+        self.checkpoint_activations
+    }
+
+    /// Finishes the backward pass of every checkpointed forward since the last call
+    /// (nothing without checkpointing): call it after the loss's `backward()`.
+    pub fn backward_checkpointed(&self) {
+        let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        for recompute in pending.into_iter().rev() {
+            recompute.backward(&self.model);
+        }
+    }
+
+    /// Drops what checkpointed forwards kept for a backward pass that will not come.
+    pub fn clear_checkpointed(&self) {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
+    /// The final hidden states of a training forward without a cache: checkpointed when
+    /// that is on (see [`Policy::set_checkpoint_activations`]).
+    fn train_hidden(&self, ids: &Tensor, positions: &Tensor, mask: AttnMask) -> Tensor {
+        if !self.checkpoint_activations {
+            return self.model.hidden_states(ids, positions, &mask, None);
+        }
+        let (hidden, recompute) = self.model.checkpointed_hidden(ids, positions, mask);
+        if let Some(r) = recompute {
+            self.pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(r);
+        }
+        hidden
     }
 
     pub fn var_store(&self) -> &VarStore {
@@ -887,7 +1044,7 @@ impl Policy {
                 AttnMask::Explicit(causal_mask(&valid, &valid, 0)),
             )
         };
-        self.model.hidden_states(&ids, &positions, &mask, None)
+        self.train_hidden(&ids, &positions, mask)
     }
 
     /// The output head's weight `[vocab, hidden]` (the embedding where they are tied):
@@ -940,7 +1097,7 @@ impl Policy {
         assert_eq!(allowed.size(), [b, l, l], "allowed must be [B, L, L]");
         let own = Tensor::eye(l, (Kind::Bool, device)).unsqueeze(0);
         let mask = AttnMask::Explicit(allowed.ne(0).logical_or(&own).unsqueeze(1));
-        self.model.hidden_states(&ids, &positions, &mask, None)
+        self.train_hidden(&ids, &positions, mask)
     }
 }
 
@@ -1005,7 +1162,7 @@ impl Policy {
         .unsqueeze(0);
         let branches = allowed.ne(0).logical_or(&own).unsqueeze(1);
         let mask = AttnMask::Trunk { trunk, branches };
-        self.model.hidden_states(&ids, &positions, &mask, None)
+        self.train_hidden(&ids, &positions, mask)
     }
 }
 
@@ -1038,6 +1195,128 @@ pub(crate) mod tests {
         c.head_dim = 16;
         c.max_position_embeddings = 256;
         Policy::new(c, Device::Cpu, seed)
+    }
+
+    /// Gradients of every parameter after `loss(policy).backward()` (and the
+    /// checkpointed part of the backward pass).
+    fn gradients(policy: &Policy, loss: impl Fn(&Policy) -> Tensor) -> Vec<(String, Tensor)> {
+        for mut v in policy.var_store().trainable_variables() {
+            v.zero_grad();
+        }
+        loss(policy).backward();
+        policy.backward_checkpointed();
+        let mut g: Vec<(String, Tensor)> = policy
+            .var_store()
+            .variables()
+            .into_iter()
+            .map(|(n, v)| (n, v.grad().copy()))
+            .collect();
+        g.sort_by(|a, b| a.0.cmp(&b.0));
+        g
+    }
+
+    /// Activation checkpointing recomputes the layers in the backward pass: same loss,
+    /// same gradient for every parameter (tied embeddings too), for the plain, left-padded
+    /// (explicit mask), tree and trunk forwards; a forward without gradients keeps
+    /// nothing for a backward pass.
+    #[test]
+    fn checkpointed_activations_give_the_same_gradients() {
+        for tied in [false, true] {
+            let make = || {
+                let mut c = tiny_policy(0).config().clone();
+                c.tie_word_embeddings = tied;
+                Policy::new(c, Device::Cpu, 11)
+            };
+            let plain = make();
+            let mut checkpointed = make();
+            checkpointed.set_checkpoint_activations(true);
+            assert!(checkpointed.checkpoint_activations());
+            let ids = Tensor::from_slice(&[5i64, 9, 3, 7, 1, 4, 8, 2, 6, 6, 0, 0]).view([2, 6]);
+            let right = Tensor::from_slice(&[1i64, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]).view([2, 6]);
+            let left = Tensor::from_slice(&[0i64, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]).view([2, 6]);
+            // A fixed, uneven weighting of the logits, so every position and token counts.
+            let w = Tensor::arange(2 * 6 * 64, (Kind::Float, Device::Cpu))
+                .view([2, 6, 64])
+                .sin();
+            let causal = Tensor::ones([6, 6], (Kind::Bool, Device::Cpu))
+                .tril(0)
+                .unsqueeze(0)
+                .expand([2, 6, 6], true);
+            let positions = Tensor::arange(6, (Kind::Int64, Device::Cpu))
+                .unsqueeze(0)
+                .expand([2, 6], true);
+            let none = Tensor::zeros([2, 0, 6], (Kind::Bool, Device::Cpu));
+            type Forward = Box<dyn Fn(&Policy) -> Tensor>;
+            let forwards: Vec<(&str, Forward)> = vec![
+                (
+                    "right-padded",
+                    Box::new({
+                        let (ids, m) = (ids.shallow_clone(), right.shallow_clone());
+                        move |p: &Policy| p.forward(&ids, &m)
+                    }),
+                ),
+                (
+                    "left-padded",
+                    Box::new({
+                        let (ids, m) = (ids.shallow_clone(), left.shallow_clone());
+                        move |p: &Policy| p.forward(&ids, &m)
+                    }),
+                ),
+                (
+                    "tree",
+                    Box::new({
+                        let (ids, pos, a) = (
+                            ids.shallow_clone(),
+                            positions.shallow_clone(),
+                            causal.shallow_clone(),
+                        );
+                        move |p: &Policy| p.forward_tree(&ids, &pos, &a)
+                    }),
+                ),
+                (
+                    "trunk",
+                    Box::new({
+                        let (ids, pos, b) = (
+                            ids.shallow_clone(),
+                            positions.shallow_clone(),
+                            none.shallow_clone(),
+                        );
+                        move |p: &Policy| p.forward_trunk(&ids, &pos, 6, &b)
+                    }),
+                ),
+            ];
+            for (what, forward) in &forwards {
+                let loss = |p: &Policy| (forward(p) * &w).sum(Kind::Float);
+                let a = gradients(&plain, &loss);
+                let b = gradients(&checkpointed, &loss);
+                let (la, lb) = (
+                    tch::no_grad(|| loss(&plain)).double_value(&[]),
+                    tch::no_grad(|| loss(&checkpointed)).double_value(&[]),
+                );
+                assert!(
+                    (la - lb).abs() < 1e-5 * la.abs().max(1.0),
+                    "{what}: {la} vs {lb}"
+                );
+                assert_eq!(a.len(), b.len());
+                for ((name, ga), (_, gb)) in a.iter().zip(&b) {
+                    assert!(
+                        ga.defined() && gb.defined(),
+                        "{what} tied={tied}: no gradient for {name}"
+                    );
+                    let scale = ga.abs().max().double_value(&[]).max(1e-6);
+                    let diff = (ga - gb).abs().max().double_value(&[]);
+                    assert!(
+                        diff <= 1e-5 * scale,
+                        "{what} tied={tied}: {name} differs by {diff} (scale {scale})"
+                    );
+                }
+            }
+            let _ = tch::no_grad(|| checkpointed.forward(&ids, &right));
+            assert!(
+                checkpointed.pending.lock().unwrap().is_empty(),
+                "a forward without gradients keeps nothing"
+            );
+        }
     }
 
     #[test]

@@ -113,6 +113,7 @@ impl Trainer {
         if policy.device() != device {
             policy.var_store_mut().set_device(device);
         }
+        policy.set_checkpoint_activations(config.checkpoint_activations);
         let mut named: Vec<(String, Tensor)> = policy.var_store().variables().into_iter().collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
         let (param_names, mut params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();

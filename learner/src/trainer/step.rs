@@ -99,6 +99,7 @@ impl Trainer {
         if self.collective.world_size() == 1 && no_examples {
             return None;
         }
+        self.policy.clear_checkpointed();
         for p in self.params.iter_mut() {
             p.zero_grad();
         }
@@ -115,6 +116,9 @@ impl Trainer {
     /// and `.grad` cleared, so the sum over micro-batches is not rounded to bf16.
     pub(crate) fn backward(&mut self, loss: &Tensor) {
         loss.backward();
+        // With activation checkpointing the loss's backward stops at the last layer's
+        // output: the layers' part runs now, before the gradients are read.
+        self.policy.backward_checkpointed();
         if let Some(m) = &mut self.master {
             tch::no_grad(|| {
                 for (p, sum) in self.params.iter().zip(m.grads.iter_mut()) {
@@ -377,6 +381,10 @@ mod tests {
 
     /// A trainer on a 65,536-token vocabulary (so that a 1 MiB logits budget is 4 rows).
     fn wide_vocab_trainer(logits_budget_mb: usize) -> Trainer {
+        wide_vocab_trainer_with(logits_budget_mb, false)
+    }
+
+    fn wide_vocab_trainer_with(logits_budget_mb: usize, checkpoint_activations: bool) -> Trainer {
         let mut mc = tutor_policy::ModelConfig::tiny(1 << 16);
         mc.hidden_size = 32;
         mc.intermediate_size = 64;
@@ -386,9 +394,58 @@ mod tests {
             learning_rate: 1e-2,
             warmup_steps: 0,
             logits_budget_mb,
+            checkpoint_activations,
             ..Default::default()
         };
         Trainer::new(policy, config).unwrap()
+    }
+
+    /// `[learner] checkpoint_activations` recomputes each layer in the backward pass: every
+    /// layout and objective trains the same weights as without it, with full logits and
+    /// within the logits budget, across micro-batches.
+    #[test]
+    fn checkpointed_steps_equal_plain_steps() {
+        let ex = dagger_shaped_examples();
+        for budget in [0, 1] {
+            for (packing, context) in [
+                (Packing::None, 0.5),
+                (Packing::Tree, 0.0),
+                (Packing::Trunk, 0.5),
+            ] {
+                let mut plain = wide_vocab_trainer_with(budget, false);
+                let mut checkpointed = wide_vocab_trainer_with(budget, true);
+                assert!(checkpointed.policy().checkpoint_activations());
+                for t in [&mut plain, &mut checkpointed] {
+                    t.config.packing = packing;
+                    t.config.context_loss_weight = context;
+                    t.config.micro_batch_tokens = 200;
+                }
+                for _ in 0..2 {
+                    let a = plain.step(&ex).unwrap();
+                    let b = checkpointed.step(&ex).unwrap();
+                    assert_same_step(&a, &b);
+                }
+                assert_same_weights(&plain, &checkpointed);
+            }
+        }
+        let rl: Vec<crate::loss::RlExample> = ex
+            .iter()
+            .enumerate()
+            .map(|(i, (tokens, mask))| crate::loss::RlExample {
+                advantages: vec![if i % 2 == 0 { 1.0 } else { -0.5 }; tokens.len()],
+                old_logprobs: vec![-11.0; tokens.len()],
+                tokens: tokens.clone(),
+                loss_mask: mask.clone(),
+            })
+            .collect();
+        let mut plain = wide_vocab_trainer_with(1, false);
+        let mut checkpointed = wide_vocab_trainer_with(1, true);
+        for _ in 0..2 {
+            let a = plain.dapo_step(&rl).unwrap();
+            let b = checkpointed.dapo_step(&rl).unwrap();
+            assert_same_step(&a, &b);
+        }
+        assert_same_weights(&plain, &checkpointed);
     }
 
     /// Over `logits_budget_mb` a pass computes its loss at the trained positions only, 4
