@@ -76,6 +76,10 @@ pub struct LearnerConfig {
     /// layer's intermediate tensors to one hidden state per layer, for about a third more
     /// compute. For long contexts and large models; off by default.
     pub checkpoint_activations: bool,
+    /// Memory of each rank's GPU in GiB (80 for an H100, 141 for an H200): `tutor plan`
+    /// says whether the run fits, and a learner on a GPU refuses to start a run whose plan
+    /// does not fit (`learner::plan`). 0: unknown (no check).
+    pub gpu_memory_gib: f64,
     /// Data-parallel learner ranks (`tutor learner --world-size` overrides it; each
     /// process's rank comes from `--rank`). 1: one learner, no rendezvous.
     pub world_size: usize,
@@ -152,6 +156,7 @@ impl Default for LearnerConfig {
             pack_row_tokens: 4096,
             logits_budget_mb: 1024,
             checkpoint_activations: false,
+            gpu_memory_gib: 0.0,
             world_size: 1,
             collective: CollectiveChoice::Cpu,
             rendezvous_timeout_s: 300.0,
@@ -236,6 +241,11 @@ impl LearnerConfig {
                 warmup: self.warmup_steps,
             });
         }
+        if !(self.gpu_memory_gib.is_finite() && self.gpu_memory_gib >= 0.0) {
+            return Err(ConfigError::GpuMemory {
+                got: self.gpu_memory_gib,
+            });
+        }
         Ok(())
     }
 }
@@ -266,6 +276,8 @@ pub enum ConfigError {
     Timeouts { rendezvous: f64, collective: f64 },
     #[error("learner.schedule = \"cosine\" needs total_steps ({total}) > warmup_steps ({warmup})")]
     Cosine { total: u64, warmup: u32 },
+    #[error("learner.gpu_memory_gib must be a number of GiB, 0 or more (0: unknown), got {got}")]
+    GpuMemory { got: f64 },
 }
 
 #[cfg(test)]

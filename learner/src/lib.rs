@@ -7,6 +7,7 @@ pub mod group;
 pub mod loss;
 pub mod optim;
 pub mod packing;
+pub mod plan;
 pub mod schedule;
 pub mod service;
 pub mod trainer;

@@ -1287,8 +1287,8 @@ pub(crate) mod tests {
             ];
             for (what, forward) in &forwards {
                 let loss = |p: &Policy| (forward(p) * &w).sum(Kind::Float);
-                let a = gradients(&plain, &loss);
-                let b = gradients(&checkpointed, &loss);
+                let a = gradients(&plain, loss);
+                let b = gradients(&checkpointed, loss);
                 let (la, lb) = (
                     tch::no_grad(|| loss(&plain)).double_value(&[]),
                     tch::no_grad(|| loss(&checkpointed)).double_value(&[]),

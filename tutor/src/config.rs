@@ -360,28 +360,19 @@ mod tests {
         let (_d, oracle) = write(&text);
         let e = RunConfig::load(&oracle).unwrap_err().to_string();
         assert!(e.contains("distill") && e.contains("endpoint"), "{e}");
-        // The paper-scale record parses and says what PAPERS.md says (DAPO stage 1).
+        // The paper-scale config: the DAgger paper's Qwen3-4B student on a node of 8
+        // H200s (its plan is checked in plan::tests).
         let paper = load("paper-scale.toml");
         let c = &paper.coordinator;
-        assert_eq!(c.algorithm, Algorithm::Dapo);
-        assert_eq!(
-            (
-                c.group_size,
-                c.tasks_per_iteration,
-                c.max_turns,
-                c.max_seq_len
-            ),
-            (10, 300, 40, 65536)
-        );
+        assert_eq!(c.algorithm, Algorithm::Dagger);
+        assert_eq!(c.max_seq_len, 32768);
         let l = &paper.learner;
+        assert_eq!(l.device(0), Ok(tch::Device::Cuda(0)));
+        assert_eq!((l.world_size, l.gpu_memory_gib), (8, 140.0));
+        assert!(l.checkpoint_activations);
         assert_eq!(
-            (
-                l.learning_rate,
-                l.grad_clip,
-                l.clip_eps_low,
-                l.clip_eps_high
-            ),
-            (1e-6, 1.0, 0.2, 0.3)
+            paper.model.init_from.as_deref(),
+            Some(Path::new("models/Qwen3-4B"))
         );
     }
 

@@ -6,6 +6,7 @@ mod config;
 mod experiment;
 mod export;
 mod logging;
+mod plan;
 mod plots;
 mod prepare;
 mod report;
@@ -82,6 +83,12 @@ enum Cmd {
     /// must resolve every valid task and `--agent noop` none: a check of tasks and
     /// sandboxes end to end.
     Eval(roles::eval::EvalArgs),
+    /// What the run's learner needs on each rank before it starts: memory of the weights,
+    /// gradients, fp32 masters, AdamW moments, activations (with and without
+    /// checkpoint_activations) and logits under each sharding mode, the largest pass that
+    /// fits, and FLOPs per pass and step. Exits 1 when the run as configured cannot fit
+    /// (the learner refuses it at start too).
+    Plan(plan::PlanArgs),
     /// Serve a checkpoint over an OpenAI-compatible HTTP API (GET /v1/models, POST
     /// /v1/chat/completions with streaming, logprobs, stop strings, seeds), batching
     /// concurrent requests in one engine.
@@ -247,6 +254,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
         Cmd::Learner(args) => roles::learner::run(args).await,
         Cmd::Worker(args) => roles::worker::run(args).await,
         Cmd::Eval(args) => roles::eval::eval(args).await,
+        Cmd::Plan(args) => plan::run(args),
         Cmd::Serve(args) => roles::serve::serve(args, roles::shutdown_signal()).await,
         Cmd::Tasks {
             command:

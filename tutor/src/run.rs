@@ -224,6 +224,44 @@ fn row_labelled(label: &str, s: &IterationSummary) -> String {
     )
 }
 
+/// The GPU of each learner rank `tutor run` starts (`None`: the learner trains on the
+/// CPU). With `[learner] device = "cuda"` rank r gets GPU r, so K ranks need K GPUs that
+/// libtorch sees (`visible`); one rank may name its GPU (`"cuda:N"`), several may not
+/// (they would all share it, and NCCL refuses two ranks on one GPU).
+fn learner_gpus(
+    learner: &tutor_learner::LearnerConfig,
+    world: usize,
+    visible: i64,
+) -> Result<Option<Vec<usize>>> {
+    let device = learner.device.trim();
+    if learner.device(0)? == tch::Device::Cpu {
+        return Ok(None);
+    }
+    let gpus: Vec<usize> = if device == "cuda" {
+        (0..world).collect()
+    } else if world == 1 {
+        match learner.device(0)? {
+            tch::Device::Cuda(n) => vec![n],
+            _ => Vec::new(),
+        }
+    } else {
+        bail!(
+            "learner.device = {device:?} would put all {world} ranks on one GPU: use device = \
+             \"cuda\" (rank r trains on GPU r)"
+        );
+    };
+    if let Some(&top) = gpus.iter().max() {
+        if top as i64 >= visible {
+            bail!(
+                "{world} learner rank(s) on {device:?} need GPU {top}, but libtorch sees {visible} \
+                 GPU(s) (a CPU-only libtorch, no driver, or CUDA_VISIBLE_DEVICES hides them): \
+                 lower learner.world_size or use device = \"cpu\""
+            );
+        }
+    }
+    Ok(Some(gpus))
+}
+
 pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
     let (config, text) = RunConfig::load(config_path)?;
     let broadcast =
@@ -245,6 +283,13 @@ pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
     tls_files
         .server()
         .with_context(|| format!("the [tls] section of {}", config_path.display()))?;
+    // Each learner rank's GPU, checked against what libtorch sees before anything starts.
+    learner_gpus(
+        &config.learner,
+        config.learner.world_size.max(1),
+        tch::Cuda::device_count(),
+    )
+    .with_context(|| format!("the [learner] settings of {}", config_path.display()))?;
     // What every worker would refuse to start without, said before anything is made.
     config
         .worker
@@ -332,6 +377,7 @@ async fn orchestrate(
     } else {
         "127.0.0.1:0".into()
     };
+    let gpus = learner_gpus(&config.learner, world, tch::Cuda::device_count())?;
     let group_flags = |rank: usize| -> Vec<String> {
         let coordinator = vec!["--coordinator".into(), format!("{scheme}://{coord_listen}")];
         if world == 1 {
@@ -344,6 +390,9 @@ async fn orchestrate(
             "--world-size".into(),
             world.to_string(),
         ];
+        if let Some(gpus) = &gpus {
+            flags.extend(["--gpu".into(), gpus[rank].to_string()]);
+        }
         flags.extend(coordinator);
         flags
     };
@@ -558,4 +607,47 @@ async fn watch(coordinator: &str, config: &RunConfig, auth: &ClientAuth) -> Resu
         }
     }
     bail!("the coordinator closed its event stream before the run finished")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn learner(device: &str) -> tutor_learner::LearnerConfig {
+        tutor_learner::LearnerConfig {
+            device: device.into(),
+            ..Default::default()
+        }
+    }
+
+    /// `tutor run` gives learner rank r GPU r, and refuses, naming the setting, a run with
+    /// fewer GPUs than ranks or several ranks pinned to one GPU.
+    #[test]
+    fn each_learner_rank_gets_its_own_gpu() {
+        assert_eq!(learner_gpus(&learner("cpu"), 4, 0).unwrap(), None);
+        assert_eq!(
+            learner_gpus(&learner("cuda"), 4, 8).unwrap(),
+            Some(vec![0, 1, 2, 3])
+        );
+        assert_eq!(
+            learner_gpus(&learner("cuda:3"), 1, 4).unwrap(),
+            Some(vec![3])
+        );
+        let e = learner_gpus(&learner("cuda"), 2, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("sees 1 GPU") && e.contains("world_size"), "{e}");
+        let e = learner_gpus(&learner("cuda:1"), 2, 4)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("one GPU") && e.contains("\"cuda\""), "{e}");
+        let e = learner_gpus(&learner("cuda:2"), 1, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("need GPU 2"), "{e}");
+        let e = learner_gpus(&learner("cuda"), 1, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("sees 0 GPU"), "{e}");
+    }
 }

@@ -589,7 +589,11 @@ fn check_train(ctx: &Ctx, c: &mut Check) -> Result<()> {
     // memory in use after each run is the largest peak so far (checkpointed activations
     // with the chunked loss, then the chunked loss alone, then full logits).
     for (label, budget, checkpoint) in [
-        ("logits budget 1024 MiB, checkpointed activations", 1024usize, true),
+        (
+            "logits budget 1024 MiB, checkpointed activations",
+            1024usize,
+            true,
+        ),
         ("logits budget 1024 MiB", 1024, false),
         ("full logits", 0, false),
     ] {

@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::ValueEnum;
 use tutor_proto::auth::{load_token, ClientAuth};
 
@@ -197,6 +197,23 @@ pub async fn run(args: LearnerArgs) -> Result<()> {
     let (Some(model_dir), Some(out_dir)) = (model_dir, out_dir) else {
         anyhow::bail!("the learner (rank 0) needs --model-dir and --out-dir");
     };
+    // A run that cannot fit is refused before anything loads (`tutor plan` shows why).
+    {
+        let mut planned = cfg.clone();
+        planned.learner.world_size = world_size;
+        let on_gpu = planned.learner.device(0).is_ok_and(|d| d.is_cuda());
+        let model_config = model_dir.join("config.json");
+        let model = tutor_policy::ModelConfig::load(&model_config)
+            .with_context(|| format!("reading {}", model_config.display()))?;
+        let plan = crate::plan::run_plan(&planned, model.clone(), (!on_gpu).then_some(0.0))?;
+        if let Some(why) = crate::plan::memory_refusal(&plan) {
+            anyhow::bail!(
+                "{}: {why} (`tutor plan --config {}` shows the arithmetic)",
+                config.display(),
+                config.display()
+            );
+        }
+    }
     tutor_learner::serve(
         tutor_learner::ServeOptions {
             listen,

@@ -1,0 +1,338 @@
+//! `tutor plan --config F`: what a run's learner needs on each rank before it starts
+//! (`tutor_learner::plan`): memory per sharding mode, the largest pass that fits, FLOPs.
+//! It refuses (exit status 1) a configuration that cannot fit; the learner makes the same
+//! check when it starts on a GPU whose memory the config names.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use tutor_learner::plan::{plan, Plan, PlanInput, Shard, USABLE_FRACTION};
+use tutor_policy::ModelConfig;
+
+use crate::config::RunConfig;
+
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// Run config (TOML); its `[model]` (or the model `[model] init_from` names),
+    /// `[coordinator] max_seq_len` and `batch_tokens`, and `[learner]` device,
+    /// precision, micro_batch_tokens, world_size, logits_budget_mb,
+    /// checkpoint_activations and gpu_memory_gib are what the plan is for.
+    #[arg(long, env = "TUTOR_CONFIG")]
+    config: PathBuf,
+    /// A Hugging Face config.json to plan for instead of the config's model (e.g. the
+    /// model `init_from` will name, before it is downloaded).
+    #[arg(long, value_name = "PATH")]
+    model_config: Option<PathBuf>,
+    /// Each rank's GPU memory in GiB (overrides `[learner] gpu_memory_gib`).
+    #[arg(long)]
+    gpu_memory_gib: Option<f64>,
+    /// Print the plan as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The model a run trains: `--model-config`, else what `[model] init_from` names (a
+/// Hugging Face directory's config.json, or a run directory's student), else the
+/// `[model]` sizes. Returns it and where it came from.
+pub fn run_model(cfg: &RunConfig, over: Option<&Path>) -> Result<(ModelConfig, String)> {
+    let load = |p: &Path, what: &str| -> Result<(ModelConfig, String)> {
+        let m = ModelConfig::load(p).with_context(|| format!("{what}: reading {}", p.display()))?;
+        Ok((m, format!("{what} {}", p.display())))
+    };
+    if let Some(p) = over {
+        return load(p, "--model-config");
+    }
+    if let Some(dir) = &cfg.model.init_from {
+        let hf = dir.join("config.json");
+        let run = dir.join("model").join("config.json");
+        if hf.is_file() {
+            return load(&hf, "model.init_from");
+        }
+        if run.is_file() {
+            return load(&run, "model.init_from (a run directory)");
+        }
+        bail!(
+            "model.init_from = {}: no config.json there (nor model/config.json of a run \
+             directory); download the model first or pass --model-config with its config.json",
+            dir.display()
+        );
+    }
+    Ok((
+        cfg.model.model_config(cfg.model.vocab_size),
+        "[model] (vocab_size at most; the tokenizer may make it smaller)".into(),
+    ))
+}
+
+/// The plan of a run's learner for `model`; `gpu_memory_gib` overrides the config's.
+pub fn run_plan(cfg: &RunConfig, model: ModelConfig, gpu_memory_gib: Option<f64>) -> Result<Plan> {
+    let l = &cfg.learner;
+    let device = l.device(0)?;
+    let world_size = l.world_size.max(1);
+    let seq_len = cfg.coordinator.max_seq_len;
+    let step_tokens = cfg.coordinator.batch_tokens.div_ceil(world_size);
+    let pass_tokens = if l.micro_batch_tokens > 0 {
+        l.micro_batch_tokens.min(step_tokens)
+    } else {
+        step_tokens
+    }
+    .max(seq_len);
+    let gib = gpu_memory_gib.unwrap_or(l.gpu_memory_gib);
+    Ok(plan(&PlanInput {
+        model,
+        seq_len,
+        pass_tokens,
+        step_tokens,
+        world_size,
+        mixed_precision: l.mixed_precision(device),
+        checkpoint_activations: l.checkpoint_activations,
+        logits_budget_mb: l.logits_budget_mb,
+        gpu_memory: (gib > 0.0).then_some((gib * (1u64 << 30) as f64) as u64),
+    }))
+}
+
+/// Why a run cannot start as configured (`None`: it can, or nothing is known to say
+/// otherwise): a context longer than the model's positions, or a plan over the GPU.
+pub fn refusal(cfg: &RunConfig, model: &ModelConfig, plan: &Plan) -> Option<String> {
+    if cfg.coordinator.max_seq_len > model.max_position_embeddings {
+        return Some(format!(
+            "coordinator.max_seq_len = {} is longer than the model's max_position_embeddings \
+             ({}): lower max_seq_len",
+            cfg.coordinator.max_seq_len, model.max_position_embeddings
+        ));
+    }
+    memory_refusal(plan)
+}
+
+/// Why the learner's plan cannot fit the GPU (`None`: it fits, or the GPU's memory is
+/// not known).
+pub fn memory_refusal(plan: &Plan) -> Option<String> {
+    let m = plan.mode(Shard::None);
+    if m.fits == Some(false) {
+        let gpu = plan.gpu_memory.unwrap_or(0) as f64;
+        let fix = match m.max_pass_tokens {
+            Some(t) if t >= plan.seq_len => format!(
+                "passes of at most {t} tokens fit: set [learner] micro_batch_tokens = {}",
+                t / plan.seq_len.max(1) * plan.seq_len.max(1)
+            ),
+            Some(t) => format!(
+                "not even one sequence of {} tokens fits (at most {t}): turn on \
+                 [learner] checkpoint_activations, lower max_seq_len, or shard the training state \
+                 (planned: tutor plan lists the modes)",
+                plan.seq_len
+            ),
+            None => "the training state alone does not fit: shard it across more GPUs \
+                     (planned: tutor plan lists the modes) or train a smaller model"
+                .into(),
+        };
+        return Some(format!(
+            "the learner needs {} per rank but {} of the GPU's {} are usable; {fix}",
+            gib(m.total),
+            gib(gpu * USABLE_FRACTION),
+            gib(gpu)
+        ));
+    }
+    None
+}
+
+fn gib(bytes: f64) -> String {
+    format!("{:.1} GiB", bytes / (1u64 << 30) as f64)
+}
+
+fn count(n: f64) -> String {
+    if n >= 1e9 {
+        format!("{:.2}B", n / 1e9)
+    } else if n >= 1e6 {
+        format!("{:.1}M", n / 1e6)
+    } else {
+        format!("{:.0}", n)
+    }
+}
+
+/// The plan as the text `tutor plan` prints.
+pub fn render(plan: &Plan, model_source: &str, model: &ModelConfig) -> String {
+    let mut s = String::new();
+    let gpu = plan
+        .gpu_memory
+        .map(|b| {
+            format!(
+                "{} ({} usable)",
+                gib(b as f64),
+                gib(b as f64 * USABLE_FRACTION)
+            )
+        })
+        .unwrap_or_else(|| "unknown (set [learner] gpu_memory_gib or --gpu-memory-gib)".into());
+    s += &format!(
+        "model: {} parameters ({} in matrix products), {} layers, hidden {}, vocab {}; from {model_source}\n",
+        count(plan.parameters as f64),
+        count(plan.matmul_parameters as f64),
+        model.num_hidden_layers,
+        model.hidden_size,
+        model.vocab_size
+    );
+    s += &format!(
+        "training: {} ranks, {}, sequences up to {} tokens, {} tokens per pass, {} per step and rank\n",
+        plan.world_size,
+        if plan.mixed_precision {
+            "bf16 with fp32 masters"
+        } else {
+            "fp32"
+        },
+        plan.seq_len,
+        plan.pass_tokens,
+        plan.step_tokens
+    );
+    s += &format!(
+        "activations: {:.0} KiB per token ({:.0} KiB with checkpoint_activations; it is {}); logits budget {}\n",
+        plan.activation_bytes_per_token / 1024.0,
+        plan.checkpointed_bytes_per_token / 1024.0,
+        if plan.checkpoint_activations { "on" } else { "off" },
+        if plan.logits_budget_mb > 0 {
+            format!("{} MiB", plan.logits_budget_mb)
+        } else {
+            "none (full logits)".into()
+        }
+    );
+    s += &format!("GPU memory per rank: {gpu}\n\n");
+    s += &format!(
+        "{:<11} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} | {:>9} {:>11} {:>9} | {:>9}  {:>4}  largest pass\n",
+        "per rank", "weights", "grads", "grad sums", "masters", "AdamW", "gathered", "state",
+        "activations", "logits", "total", "fits"
+    );
+    for m in &plan.memory {
+        let mode = format!("{}{}", m.shard.name(), if m.implemented { "" } else { "*" });
+        s += &format!(
+            "{mode:<11} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} | {:>9} {:>11} {:>9} | {:>9}  {:>4}  {}\n",
+            gib(m.weights),
+            gib(m.grads),
+            gib(m.grad_sums),
+            gib(m.masters),
+            gib(m.optimizer),
+            gib(m.gathered),
+            gib(m.state),
+            gib(m.activations),
+            gib(m.logits),
+            gib(m.total),
+            match m.fits {
+                Some(true) => "yes",
+                Some(false) => "NO",
+                None => "?",
+            },
+            m.max_pass_tokens
+                .map(|t| format!("{t} tokens"))
+                .unwrap_or_else(|| "-".into())
+        );
+    }
+    s += "(* planned, not trained with yet: `none` is what the learner does)\n\n";
+    s += &format!(
+        "FLOPs: {:.3} TFLOP per pass, {:.3} TFLOP per step and rank ({:.3} executed with the recomputation)\n",
+        plan.pass_flops / 1e12,
+        plan.step_flops / 1e12,
+        plan.step_flops_executed / 1e12
+    );
+    s
+}
+
+/// `tutor plan`.
+pub fn run(args: PlanArgs) -> Result<()> {
+    let (cfg, _) = RunConfig::load(&args.config)?;
+    let (model, source) = run_model(&cfg, args.model_config.as_deref())?;
+    let p = run_plan(&cfg, model.clone(), args.gpu_memory_gib)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&p)?);
+    } else {
+        print!("{}", render(&p, &source, &model));
+    }
+    if let Some(why) = refusal(&cfg, &model, &p) {
+        bail!("{}: this run cannot start: {why}", args.config.display());
+    }
+    if !args.json {
+        match p.mode(Shard::None).fits {
+            Some(true) => println!("fits: the run can start as configured"),
+            _ => println!("no GPU memory given: nothing to check it against"),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn configs() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../configs")
+    }
+
+    /// configs/paper-scale.toml (Qwen3-4B, 8 × H200, checkpointed activations, 32k
+    /// tokens) fits; the same run on 80 GB GPUs is refused (the unsharded state alone is
+    /// over them), and so is it without activation checkpointing, or with a context
+    /// beyond the model's positions.
+    #[test]
+    fn the_paper_scale_plan_fits_and_impossible_ones_are_refused() {
+        let (cfg, _) = RunConfig::load(&configs().join("paper-scale.toml")).unwrap();
+        let qwen = configs().join("models/qwen3-4b/config.json");
+        let (model, source) = run_model(&cfg, Some(&qwen)).unwrap();
+        assert!(source.contains("--model-config"), "{source}");
+        let p = run_plan(&cfg, model.clone(), None).unwrap();
+        assert_eq!(p.pass_tokens, 32768);
+        assert!(
+            (4.0e9..4.1e9).contains(&(p.parameters as f64)),
+            "{}",
+            p.parameters
+        );
+        let none = p.mode(Shard::None);
+        assert_eq!(none.fits, Some(true), "{}", render(&p, &source, &model));
+        assert!(refusal(&cfg, &model, &p).is_none());
+        assert!(none.max_pass_tokens.unwrap() >= 32768);
+        let text = render(&p, &source, &model);
+        for want in ["none ", "optimizer*", "full*", "TFLOP per pass", "yes"] {
+            assert!(text.contains(want), "{want:?} missing from\n{text}");
+        }
+
+        let h100 = run_plan(&cfg, model.clone(), Some(80.0)).unwrap();
+        let why = refusal(&cfg, &model, &h100).expect("75 GiB of state on an 80 GB GPU");
+        assert!(why.contains("training state alone"), "{why}");
+        assert_eq!(
+            h100.mode(Shard::Full).fits,
+            Some(true),
+            "sharded it would fit"
+        );
+
+        let mut plain = cfg.clone();
+        plain.learner.checkpoint_activations = false;
+        let p = run_plan(&plain, model.clone(), None).unwrap();
+        let why = refusal(&plain, &model, &p).expect("32k tokens of activations do not fit");
+        assert!(why.contains("checkpoint_activations"), "{why}");
+
+        let mut long = cfg.clone();
+        long.coordinator.max_seq_len = 65536;
+        let p = run_plan(&long, model.clone(), None).unwrap();
+        let why = refusal(&long, &model, &p).unwrap();
+        assert!(why.contains("max_position_embeddings"), "{why}");
+    }
+
+    /// Without --model-config the plan reads what `[model] init_from` names, and says
+    /// which file is missing when the model is not there yet.
+    #[test]
+    fn the_model_comes_from_init_from_or_the_model_section() {
+        let (mut cfg, _) = RunConfig::load(&configs().join("quickstart.toml")).unwrap();
+        let (m, source) = run_model(&cfg, None).unwrap();
+        assert_eq!(m.hidden_size, cfg.model.hidden_size);
+        assert!(source.starts_with("[model]"), "{source}");
+        cfg.model.init_from = Some(configs().join("models/qwen3-4b"));
+        let (m, _) = run_model(&cfg, None).unwrap();
+        assert_eq!(m.num_hidden_layers, 36);
+        cfg.model.init_from = Some(PathBuf::from("/nonexistent/model"));
+        let e = run_model(&cfg, None).unwrap_err().to_string();
+        assert!(
+            e.contains("/nonexistent/model") && e.contains("--model-config"),
+            "{e}"
+        );
+        // The quickstart on the CPU: no GPU memory, no verdict, nothing refused.
+        let (cfg, _) = RunConfig::load(&configs().join("quickstart.toml")).unwrap();
+        let (m, _) = run_model(&cfg, None).unwrap();
+        let p = run_plan(&cfg, m.clone(), None).unwrap();
+        assert_eq!(p.mode(Shard::None).fits, None);
+        assert!(refusal(&cfg, &m, &p).is_none());
+    }
+}
