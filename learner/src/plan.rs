@@ -366,7 +366,9 @@ mod tests {
 
     /// The plan's totals against what an H100 measured for Qwen3-0.6B's shape
     /// (bench/README.md, gpu_check `train`: the GPU memory in use after each run, which
-    /// also holds the CUDA context and the caching allocator's slack): within 25%.
+    /// also holds the CUDA context and the caching allocator's slack): within 25%. The
+    /// logit copies were read off the first five; the 32k-token rows were measured
+    /// afterwards, as a check.
     #[test]
     fn the_plan_is_close_to_what_an_h100_measured() {
         let m = qwen3_06b();
@@ -378,12 +380,14 @@ mod tests {
             (15992, true, 1024, 17.36),
             (15992, false, 1024, 46.59),
             (15992, false, 0, 77.80),
+            (31987, true, 1024, 18.86),
+            (31987, false, 1024, 76.76),
         ] {
             let p = plan(&input(m.clone(), tokens, checkpoint, budget));
             let planned = p.mode(Shard::None).total / GIB;
             let ratio = planned / measured_gib;
             assert!(
-                (0.75..=1.25).contains(&ratio),
+                (0.8..=1.25).contains(&ratio),
                 "{tokens} tokens, checkpoint {checkpoint}, budget {budget}: planned {planned:.2} GiB, measured {measured_gib} GiB"
             );
         }

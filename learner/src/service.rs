@@ -485,10 +485,18 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 
 /// A panic's message cut to `PANIC_SUMMARY_CHARS` for a gRPC status and `serve`'s error
 /// (a libtorch error carries its C++ stack, kilobytes; the log has it whole).
+/// An out-of-memory error (CUDA or the CPU allocator's) also says what to change.
 fn panic_summary(message: &str) -> String {
+    let hint = if message.contains("out of memory") || message.contains("DefaultCPUAllocator") {
+        " — a training pass did not fit in memory: `tutor plan --config F` shows what one \
+         needs; lower [learner] micro_batch_tokens, turn on checkpoint_activations, or keep \
+         logits_budget_mb above 0"
+    } else {
+        ""
+    };
     match message.char_indices().nth(PANIC_SUMMARY_CHARS) {
-        Some((cut, _)) => format!("{}… (cut; the log has it whole)", &message[..cut]),
-        None => message.to_string(),
+        Some((cut, _)) => format!("{}… (cut; the log has it whole){hint}", &message[..cut]),
+        None => format!("{message}{hint}"),
     }
 }
 

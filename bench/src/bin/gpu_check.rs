@@ -632,12 +632,14 @@ fn check_train(ctx: &Ctx, c: &mut Check) -> Result<()> {
         let (ours, first) = match outcome {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
-                c.line(format!("tutor ({label}): failed: {e:#}"));
-                results.push(json!({"label": label, "error": format!("{e:#}")}));
+                let m = first_line(&format!("{e:#}"));
+                c.line(format!("tutor ({label}): failed: {m}"));
+                results.push(json!({"label": label, "error": m}));
                 continue;
             }
             Err(p) => {
-                let m = panic_message(&*p);
+                // libtorch's errors carry a C++ backtrace: its first line says what failed.
+                let m = first_line(&panic_message(&*p));
                 c.line(format!("tutor ({label}): failed: {m}"));
                 results.push(json!({"label": label, "error": m}));
                 continue;
@@ -691,6 +693,12 @@ fn check_train(ctx: &Ctx, c: &mut Check) -> Result<()> {
         "tutor": results,
     });
     Ok(())
+}
+
+fn first_line(text: &str) -> String {
+    let line = text.lines().next().unwrap_or("");
+    // A Torch error's message is escaped inside one line: cut at its first "\n".
+    line.split("\\n").next().unwrap_or(line).to_string()
 }
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {

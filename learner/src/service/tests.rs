@@ -405,6 +405,18 @@ async fn a_trainer_panic_ends_serve_with_an_error() {
 #[test]
 fn a_long_panic_message_is_cut_for_statuses() {
     assert_eq!(panic_summary("short"), "short");
+    // Out of memory (as an H100 reported it) also says what to change.
+    let oom = panic_summary(&format!(
+        "called `Result::unwrap()` on an `Err` value: Torch(\"CUDA out of memory. Tried to \
+         allocate 9.05 GiB.{}\")",
+        " frame".repeat(500)
+    ));
+    assert!(
+        oom.contains("CUDA out of memory")
+            && oom.contains("tutor plan")
+            && oom.contains("checkpoint_activations"),
+        "{oom}"
+    );
     let long = format!("Torch(\"index out of range in self{}\")", "é".repeat(2000));
     let cut = panic_summary(&long);
     assert!(
