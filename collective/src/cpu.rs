@@ -22,6 +22,8 @@ enum Op {
     Broadcast = 2,
     Barrier = 3,
     BroadcastBytes = 4,
+    ReduceScatter = 5,
+    AllGather = 6,
 }
 
 impl Op {
@@ -36,6 +38,8 @@ impl Op {
             Op::Broadcast => "a broadcast",
             Op::Barrier => "a barrier",
             Op::BroadcastBytes => "a byte broadcast",
+            Op::ReduceScatter => "a reduce-scatter",
+            Op::AllGather => "an all-gather",
         }
     }
 }
@@ -405,11 +409,23 @@ impl CpuCollective {
         limits: Limits,
         combine: impl FnOnce(Vec<Vec<u8>>) -> Vec<u8>,
     ) -> Result<Vec<u8>, CollectiveError> {
+        self.exchange_each(op, payload, limits, |parts| Results::Same(combine(parts)))
+    }
+
+    /// `exchange` where rank 0 may send each rank a result of its own
+    /// (`Results::PerRank`, indexed by rank: a reduce-scatter's shares).
+    fn exchange_each(
+        &mut self,
+        op: Op,
+        payload: Vec<u8>,
+        limits: Limits,
+        combine: impl FnOnce(Vec<Vec<u8>>) -> Results,
+    ) -> Result<Vec<u8>, CollectiveError> {
         self.seq += 1;
         let seq = self.seq;
         let rank = self.rank;
         match &mut self.link {
-            Link::Solo => Ok(combine(vec![payload])),
+            Link::Solo => Ok(combine(vec![payload]).take(0)),
             Link::Root { peers } => {
                 let mut all = Vec::with_capacity(peers.len() + 1);
                 let own_len = payload.len();
@@ -467,17 +483,19 @@ impl CpuCollective {
                 if let Some(f) = failure {
                     return Err(f);
                 }
-                let result = combine(all);
+                let mut results = combine(all);
                 for (i, (stream, addr)) in peers.iter_mut().enumerate() {
-                    write_frame(stream, op, seq, &result).map_err(|e| CollectiveError::Peer {
-                        rank,
-                        peer: i + 1,
-                        addr: addr.to_string(),
-                        what: "sending a collective result",
-                        source: e,
+                    write_frame(stream, op, seq, results.get(i + 1)).map_err(|e| {
+                        CollectiveError::Peer {
+                            rank,
+                            peer: i + 1,
+                            addr: addr.to_string(),
+                            what: "sending a collective result",
+                            source: e,
+                        }
                     })?;
                 }
-                Ok(result)
+                Ok(results.take(0))
             }
             Link::Leaf { root, addr } => {
                 let addr = *addr;
@@ -510,6 +528,28 @@ impl CpuCollective {
                     Err(FrameError::Io(e)) => Err(peer_err("receiving a collective result", e)),
                 }
             }
+        }
+    }
+}
+
+/// What rank 0 sends back: the same bytes to every rank, or each rank its own.
+enum Results {
+    Same(Vec<u8>),
+    PerRank(Vec<Vec<u8>>),
+}
+
+impl Results {
+    fn get(&self, rank: usize) -> &[u8] {
+        match self {
+            Results::Same(v) => v,
+            Results::PerRank(v) => &v[rank],
+        }
+    }
+
+    fn take(&mut self, rank: usize) -> Vec<u8> {
+        match self {
+            Results::Same(v) => std::mem::take(v),
+            Results::PerRank(v) => std::mem::take(&mut v[rank]),
         }
     }
 }
@@ -568,7 +608,8 @@ fn oversized(
         };
     }
     // Both sides know the exact size of tensors (rank 0's broadcast ones included).
-    let exact = op == Op::AllReduceSum || (op == Op::Broadcast && peer == 0);
+    let exact = matches!(op, Op::AllReduceSum | Op::ReduceScatter | Op::AllGather)
+        || (op == Op::Broadcast && peer == 0);
     if exact {
         return CollectiveError::Mismatch {
             rank,
@@ -680,6 +721,66 @@ impl Collective for CpuCollective {
             return Ok(());
         }
         self.exchange(Op::Barrier, Vec::new(), Limits::exactly(0), |_| Vec::new())?;
+        Ok(())
+    }
+
+    /// Rank 0 sums the ranks' inputs (in rank order, as `all_reduce_sum`) and sends each
+    /// rank its share only.
+    fn reduce_scatter_sum(
+        &mut self,
+        input: &Tensor,
+        output: &mut Tensor,
+    ) -> Result<(), CollectiveError> {
+        crate::check_shares("reduce_scatter_sum", input, output, self.world_size)?;
+        let flat = [input.reshape([-1])];
+        let layout = WireLayout::of(&flat)?;
+        let share = WireLayout::of(std::slice::from_ref(output))?;
+        if share.items[0].1 != layout.items[0].1 {
+            return Err(CollectiveError::Setup(
+                "reduce_scatter_sum: input and output must both be f64 or both not".into(),
+            ));
+        }
+        let world = self.world_size;
+        let data = self.exchange_each(
+            Op::ReduceScatter,
+            layout.encode(&flat),
+            Limits {
+                from_peer: layout.bytes,
+                from_root: share.bytes,
+            },
+            |parts| {
+                let sum = layout.sum(parts);
+                Results::PerRank(
+                    (0..world)
+                        .map(|r| sum[r * share.bytes..(r + 1) * share.bytes].to_vec())
+                        .collect(),
+                )
+            },
+        )?;
+        share.decode_into(&data, std::slice::from_mut(output));
+        Ok(())
+    }
+
+    /// Rank 0 concatenates the ranks' inputs and sends the whole to every rank.
+    fn all_gather(&mut self, input: &Tensor, output: &mut Tensor) -> Result<(), CollectiveError> {
+        crate::check_shares("all_gather", output, input, self.world_size)?;
+        let share = WireLayout::of(std::slice::from_ref(input))?;
+        let whole = WireLayout::of(std::slice::from_ref(output))?;
+        if share.items[0].1 != whole.items[0].1 {
+            return Err(CollectiveError::Setup(
+                "all_gather: input and output must both be f64 or both not".into(),
+            ));
+        }
+        let data = self.exchange(
+            Op::AllGather,
+            share.encode(std::slice::from_ref(input)),
+            Limits {
+                from_peer: share.bytes,
+                from_root: whole.bytes,
+            },
+            |parts| parts.concat(),
+        )?;
+        whole.decode_into(&data, std::slice::from_mut(output));
         Ok(())
     }
 }
@@ -923,6 +1024,63 @@ mod tests {
         for h in handles {
             assert_eq!(h.join().unwrap(), want);
         }
+    }
+
+    /// Reduce-scatter gives each rank its share of the sum (bit-identical to slicing the
+    /// all-reduce's result), all-gather the ranks' shares in rank order; a solo rank
+    /// keeps its input; shapes that do not split into the ranks' shares are refused.
+    #[test]
+    fn reduce_scatter_and_all_gather_across_three_ranks() {
+        let ranks = group(3);
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|mut c| {
+                std::thread::spawn(move || {
+                    let r = c.rank() as f32;
+                    let input = Tensor::from_slice(&[0.1f32, 1.0, 2.0, 3.0, 4.0, 5.0])
+                        .reshape([2, 3])
+                        * (r as f64 + 1.0)
+                        + 10.0 * r as f64;
+                    let mut share = Tensor::zeros([2], (tch::Kind::Float, Device::Cpu));
+                    c.reduce_scatter_sum(&input, &mut share).unwrap();
+                    let mut all = [input.copy()];
+                    c.all_reduce_sum(&mut all).unwrap();
+                    let want = all[0].reshape([-1]).narrow(0, 2 * c.rank() as i64, 2);
+                    assert!(
+                        share.equal(&want),
+                        "rank {}: {share:?} vs {want:?}",
+                        c.rank()
+                    );
+
+                    let mine = Tensor::from_slice(&[r, r + 0.5]).to_kind(tch::Kind::BFloat16);
+                    let mut gathered = Tensor::zeros([3, 2], (tch::Kind::BFloat16, Device::Cpu));
+                    c.all_gather(&mine, &mut gathered).unwrap();
+                    let v: Vec<f32> =
+                        Vec::try_from(gathered.to_kind(tch::Kind::Float).reshape([-1])).unwrap();
+                    assert_eq!(v, vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5]);
+
+                    let mut wrong = Tensor::zeros([4], (tch::Kind::Float, Device::Cpu));
+                    let e = c
+                        .reduce_scatter_sum(&input, &mut wrong)
+                        .unwrap_err()
+                        .to_string();
+                    assert!(e.contains("not 3 ranks"), "{e}");
+                    // The group is still in step after a refused call (nothing was sent).
+                    c.barrier().unwrap();
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        let mut solo = CpuCollective::solo();
+        let x = Tensor::from_slice(&[1.5f32, 2.5]);
+        let mut out = Tensor::zeros([2], (tch::Kind::Float, Device::Cpu));
+        solo.reduce_scatter_sum(&x, &mut out).unwrap();
+        assert!(out.equal(&x));
+        let mut out = Tensor::zeros([2], (tch::Kind::Float, Device::Cpu));
+        solo.all_gather(&x, &mut out).unwrap();
+        assert!(out.equal(&x));
     }
 
     #[test]

@@ -85,6 +85,25 @@ pub enum CollectiveError {
     Nccl(String),
 }
 
+/// Checks the sizes `reduce_scatter_sum` (`full` = input, `share` = output) and
+/// `all_gather` (`full` = output, `share` = input) need: `full` is `world_size` shares.
+pub(crate) fn check_shares(
+    what: &str,
+    full: &Tensor,
+    share: &Tensor,
+    world_size: usize,
+) -> Result<(), CollectiveError> {
+    if full.numel() != share.numel() * world_size {
+        return Err(CollectiveError::Setup(format!(
+            "{what}: the whole tensor has {} elements, which is not {world_size} ranks × the \
+             share's {}",
+            full.numel(),
+            share.numel()
+        )));
+    }
+    Ok(())
+}
+
 fn refusals(refused: &[String]) -> String {
     if refused.is_empty() {
         String::new()
@@ -157,6 +176,21 @@ pub trait Collective: Send {
 
     /// Returns once every rank has called it.
     fn barrier(&mut self) -> Result<(), CollectiveError>;
+
+    /// Sums `input` over the ranks and writes this rank's share of the sum into `output`
+    /// (ZeRO's gradient reduce-scatter): `input` has the same shape on every rank and
+    /// `world_size × n` elements, n = `output.numel()`; rank r gets elements
+    /// `r·n .. (r+1)·n` of the flattened sum.
+    fn reduce_scatter_sum(
+        &mut self,
+        input: &Tensor,
+        output: &mut Tensor,
+    ) -> Result<(), CollectiveError>;
+
+    /// Writes every rank's `input` (n elements on every rank), in rank order, into
+    /// `output` (`world_size × n` elements, flattened) on every rank (ZeRO's parameter
+    /// all-gather).
+    fn all_gather(&mut self, input: &Tensor, output: &mut Tensor) -> Result<(), CollectiveError>;
 
     /// Sums host scalars over the ranks (counts, loss sums), exactly in f64.
     fn all_reduce_sum_f64(&mut self, values: &mut [f64]) -> Result<(), CollectiveError> {

@@ -188,6 +188,48 @@ impl NcclCollective {
     }
 }
 
+impl NcclCollective {
+    /// One NCCL operation from `input` into `output` (either may live on the host: staged
+    /// through this rank's GPU; `output` is written in place), `f(send, recv, kind)`.
+    fn into_output(
+        &self,
+        input: &Tensor,
+        output: &mut Tensor,
+        what: &str,
+        f: impl FnOnce(*const c_void, *mut c_void, sys::ncclDataType_t) -> sys::ncclResult_t,
+    ) -> Result<(), CollectiveError> {
+        let gpu = Device::Cuda(self.ordinal);
+        if input.kind() != output.kind() {
+            return Err(CollectiveError::Setup(format!(
+                "{what}: input is {:?}, output {:?}",
+                input.kind(),
+                output.kind()
+            )));
+        }
+        let send = input.to_device(gpu).contiguous();
+        let staged = output.device() != gpu || !output.is_contiguous();
+        let recv = if staged {
+            Tensor::empty(output.size(), (output.kind(), gpu))
+        } else {
+            output.shallow_clone()
+        };
+        let kind = self.check(&send)?;
+        self.check(&recv)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| CollectiveError::Nccl(format!("binding cuda:{}: {e:?}", self.ordinal)))?;
+        f(send.data_ptr(), recv.data_ptr(), kind)
+            .result()
+            .map_err(|e| nccl_err(what, e))?;
+        cudarc::driver::result::ctx::synchronize()
+            .map_err(|e| CollectiveError::Nccl(format!("synchronising after {what}: {e:?}")))?;
+        if staged {
+            tch::no_grad(|| output.copy_(&recv));
+        }
+        Ok(())
+    }
+}
+
 impl Collective for NcclCollective {
     fn rank(&self) -> usize {
         self.rank
@@ -270,6 +312,39 @@ impl Collective for NcclCollective {
                 .copy_data(data.as_mut_slice(), n);
         }
         Ok(())
+    }
+
+    fn reduce_scatter_sum(
+        &mut self,
+        input: &Tensor,
+        output: &mut Tensor,
+    ) -> Result<(), CollectiveError> {
+        crate::check_shares("reduce_scatter_sum", input, output, self.world_size)?;
+        let (comm, n) = (self.comm, output.numel());
+        self.into_output(
+            input,
+            output,
+            "ncclReduceScatter",
+            |send, recv, kind| unsafe {
+                sys::ncclReduceScatter(
+                    send,
+                    recv,
+                    n,
+                    kind,
+                    sys::ncclRedOp_t::ncclSum,
+                    comm,
+                    std::ptr::null_mut(),
+                )
+            },
+        )
+    }
+
+    fn all_gather(&mut self, input: &Tensor, output: &mut Tensor) -> Result<(), CollectiveError> {
+        crate::check_shares("all_gather", output, input, self.world_size)?;
+        let (comm, n) = (self.comm, input.numel());
+        self.into_output(input, output, "ncclAllGather", |send, recv, kind| unsafe {
+            sys::ncclAllGather(send, recv, n, kind, comm, std::ptr::null_mut())
+        })
     }
 
     fn barrier(&mut self) -> Result<(), CollectiveError> {

@@ -11,8 +11,9 @@
 //!   fp32 against PyTorch's fp32 (TF32 off), and with the model cast to bf16: Tutor's
 //!   bf16 error against the fp32 reference must be within twice PyTorch's own bf16 error.
 //! - `nccl`: a one-rank NCCL communicator on GPU 0 (NCCL refuses two ranks on one GPU):
-//!   all-reduce (f32, bf16), broadcast, a 64 MiB `broadcast_bytes`, barrier; with more GPUs
-//!   visible the report says which multi-GPU checks this binary does not run yet.
+//!   all-reduce (f32, bf16), broadcast, a 64 MiB `broadcast_bytes`, barrier,
+//!   reduce-scatter, all-gather; with more GPUs visible the report says which multi-GPU
+//!   checks this binary does not run yet.
 //! - `train`: one training step of a Qwen3-0.6B-shaped model (bf16 parameters, fp32
 //!   masters, AdamW), Tutor's `Trainer::step` against the same step in PyTorch eager;
 //!   median step time, tokens/s and model FLOPs utilisation (MFU: 6·N·tokens plus causal
@@ -464,7 +465,20 @@ fn check_nccl(ctx: &Ctx, c: &mut Check) -> Result<()> {
     let mut sums = [1.5f64, -2.0];
     nccl.all_reduce_sum_f64(&mut sums)?;
     c.expect(sums == [1.5, -2.0], "all_reduce_sum_f64");
-    c.line("not run: reduce-scatter and all-gather (not in the collective yet: issue 17 item 1)");
+    let whole = Tensor::randn([3, 4096], (Kind::Float, gpu));
+    let mut share = Tensor::zeros([3, 4096], (Kind::Float, gpu));
+    nccl.reduce_scatter_sum(&whole, &mut share)?;
+    c.expect(
+        share.equal(&whole),
+        "reduce_scatter_sum of one rank returns its input (on the GPU)",
+    );
+    let host = b.to_device(Device::Cpu);
+    let mut gathered = Tensor::zeros_like(&host);
+    nccl.all_gather(&host, &mut gathered)?;
+    c.expect(
+        gathered.equal(&host),
+        "all_gather of one rank returns its input (bf16, staged from the host)",
+    );
     if gpus < 2 {
         c.line(format!(
             "not run: multi-rank NCCL, a sharded 2-rank training run and the weights broadcast to a worker on another GPU need 2 GPUs; {gpus} visible"
@@ -474,7 +488,9 @@ fn check_nccl(ctx: &Ctx, c: &mut Check) -> Result<()> {
             "not run: multi-rank NCCL across the {gpus} visible GPUs (this binary runs one rank; `cargo test -p tutor-learner --features nccl` on such a machine runs the multi-rank tests)"
         ));
     }
-    c.summary = format!("one rank on cuda:{ordinal}: all-reduce, broadcast, bytes, barrier");
+    c.summary = format!(
+        "one rank on cuda:{ordinal}: all-reduce, broadcast, bytes, barrier, reduce-scatter, all-gather"
+    );
     Ok(())
 }
 
