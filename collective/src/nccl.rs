@@ -191,7 +191,7 @@ impl NcclCollective {
 impl NcclCollective {
     /// One NCCL operation from `input` into `output` (either may live on the host: staged
     /// through this rank's GPU; `output` is written in place), `f(send, recv, kind)`.
-    fn into_output(
+    fn input_to_output(
         &self,
         input: &Tensor,
         output: &mut Tensor,
@@ -321,7 +321,7 @@ impl Collective for NcclCollective {
     ) -> Result<(), CollectiveError> {
         crate::check_shares("reduce_scatter_sum", input, output, self.world_size)?;
         let (comm, n) = (self.comm, output.numel());
-        self.into_output(
+        self.input_to_output(
             input,
             output,
             "ncclReduceScatter",
@@ -342,7 +342,7 @@ impl Collective for NcclCollective {
     fn all_gather(&mut self, input: &Tensor, output: &mut Tensor) -> Result<(), CollectiveError> {
         crate::check_shares("all_gather", output, input, self.world_size)?;
         let (comm, n) = (self.comm, input.numel());
-        self.into_output(input, output, "ncclAllGather", |send, recv, kind| unsafe {
+        self.input_to_output(input, output, "ncclAllGather", |send, recv, kind| unsafe {
             sys::ncclAllGather(send, recv, n, kind, comm, std::ptr::null_mut())
         })
     }
