@@ -47,9 +47,7 @@ use tutor_collective::{
 };
 use tutor_learner::config::LearnerConfig;
 use tutor_learner::trainer::Trainer;
-use tutor_policy::{
-    spawn_engine, ChatTokenizer, EngineConfig, EngineEvent, EngineRequest, GenParams, Policy,
-};
+use tutor_policy::{spawn_engine, ChatTokenizer, EngineConfig, GenParams, Policy};
 
 #[derive(Debug, Parser)]
 #[command(about = "Tutor's GPU paths against PyTorch on the same GPU, one report")]
@@ -727,43 +725,6 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 // ---------------------------------------------------------------------------------------
 // generate
 
-fn engine_generate(
-    engine: &tutor_policy::EngineHandle,
-    prompts: &[Vec<u32>],
-    params: &GenParams,
-) -> Result<Vec<Vec<u32>>> {
-    let mut streams = Vec::with_capacity(prompts.len());
-    for prompt in prompts {
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        engine
-            .submit_blocking(EngineRequest {
-                prompt: prompt.clone(),
-                params: params.clone(),
-                stop: Vec::new(),
-                top_logprobs: 0,
-                prompt_logprobs: false,
-                text: false,
-                events: tx,
-            })
-            .map_err(|e| anyhow::anyhow!("the engine refused a prompt: {e}"))?;
-        streams.push(rx);
-    }
-    streams
-        .into_iter()
-        .map(|mut rx| {
-            let mut tokens = Vec::new();
-            loop {
-                match rx.blocking_recv() {
-                    Some(EngineEvent::Token(t)) => tokens.push(t.id),
-                    Some(EngineEvent::Done(_)) => return Ok(tokens),
-                    Some(_) => {}
-                    None => bail!("the engine stopped in the middle of a generation"),
-                }
-            }
-        })
-        .collect()
-}
-
 /// Tokens of `ours` equal to `theirs` before the first difference, summed over rows.
 fn agreeing(ours: &[Vec<u32>], theirs: &[Vec<u32>]) -> usize {
     ours.iter()
@@ -849,7 +810,7 @@ fn check_generate(ctx: &Ctx, c: &mut Check) -> Result<()> {
                 .map(|g| g.tokens)
                 .collect())
         })?;
-        let (e_secs, e_tokens) = timed(&|| engine_generate(&engine, batch, &params))?;
+        let (e_secs, e_tokens) = timed(&|| tutor_bench::engine_generate(&engine, batch, &params))?;
         let total = b * a.new_tokens;
         for (label, secs, tokens) in [
             ("Policy::generate", g_secs, &g_tokens),

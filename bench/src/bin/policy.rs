@@ -36,10 +36,7 @@ use rand::{Rng, SeedableRng};
 use tch::Device;
 use tutor_learner::config::LearnerConfig;
 use tutor_learner::trainer::Trainer;
-use tutor_policy::{
-    spawn_engine, ChatTokenizer, EngineConfig, EngineEvent, EngineHandle, EngineRequest, GenParams,
-    Policy,
-};
+use tutor_policy::{spawn_engine, ChatTokenizer, EngineConfig, EngineHandle, GenParams, Policy};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -367,7 +364,7 @@ enum Runner {
 impl Runner {
     fn generate(&self, prompts: &[Vec<u32>], params: &GenParams) -> Result<Vec<Vec<u32>>> {
         match self {
-            Runner::Engine(handle, _) => engine_generate(handle, prompts, params),
+            Runner::Engine(handle, _) => tutor_bench::engine_generate(handle, prompts, params),
             Runner::Generate(policy) => {
                 let ps = vec![params.clone(); prompts.len()];
                 Ok(policy
@@ -378,44 +375,6 @@ impl Runner {
             }
         }
     }
-}
-
-/// Submits every prompt to the engine at once and collects each one's tokens.
-fn engine_generate(
-    engine: &EngineHandle,
-    prompts: &[Vec<u32>],
-    params: &GenParams,
-) -> Result<Vec<Vec<u32>>> {
-    let mut streams = Vec::with_capacity(prompts.len());
-    for prompt in prompts {
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        engine
-            .submit_blocking(EngineRequest {
-                prompt: prompt.clone(),
-                params: params.clone(),
-                stop: Vec::new(),
-                top_logprobs: 0,
-                prompt_logprobs: false,
-                text: false,
-                events: tx,
-            })
-            .map_err(|e| anyhow::anyhow!("the engine refused a prompt: {e}"))?;
-        streams.push(rx);
-    }
-    streams
-        .into_iter()
-        .map(|mut rx| {
-            let mut tokens = Vec::new();
-            loop {
-                match rx.blocking_recv() {
-                    Some(EngineEvent::Token(t)) => tokens.push(t.id),
-                    Some(EngineEvent::Done(_)) => return Ok(tokens),
-                    Some(_) => {}
-                    None => bail!("the engine stopped in the middle of a generation"),
-                }
-            }
-        })
-        .collect()
 }
 
 fn bench_train(args: &Args, dir: &Path) -> Result<()> {
