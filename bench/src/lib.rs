@@ -1,12 +1,32 @@
 //! Benchmarks of Tutor's services, run over loopback against real servers started in
 //! process. `ingest`: how many turns per second the coordinator stores durably;
-//! `engine_generate`: a batch of prompts through the policy's engine (the `policy` and
-//! `gpu_check` benchmarks).
+//! `engine_generate` and the small helpers the `policy`, `packing` and `gpu_check`
+//! benchmarks share.
 
 pub mod ingest;
 
-use anyhow::{bail, Result};
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
 use tutor_policy::{EngineEvent, EngineRequest, GenParams};
+
+/// A JSON file (the Python references' results), errors naming it.
+pub fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// The middle value (the upper one of an even count).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// The least value (infinity for none).
+pub fn min(v: &[f64]) -> f64 {
+    v.iter().copied().fold(f64::INFINITY, f64::min)
+}
 
 /// Submits every prompt to the engine at once and collects each one's tokens.
 pub fn engine_generate(

@@ -175,7 +175,7 @@ fn layer_elements(m: &ModelConfig) -> f64 {
 
 /// Model FLOPs (forward and backward) of one sequence of `t` tokens: 6 per matmul
 /// parameter per token, plus causal attention (QKᵀ and AV: half the square).
-fn sequence_flops(m: &ModelConfig, t: f64) -> f64 {
+pub fn sequence_flops(m: &ModelConfig, t: f64) -> f64 {
     let n = matmul_parameters(m) as f64;
     let attn = (m.num_hidden_layers * m.num_attention_heads * m.head_dim) as f64;
     6.0 * n * t + 6.0 * attn * t * t / 2.0

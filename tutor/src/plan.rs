@@ -44,13 +44,16 @@ pub fn run_model(cfg: &RunConfig, over: Option<&Path>) -> Result<(ModelConfig, S
         return load(p, "--model-config");
     }
     if let Some(dir) = &cfg.model.init_from {
+        // The run directory's student, as `tutor prepare` would install it.
+        if crate::export::is_run_dir(dir) {
+            return load(
+                &dir.join("model").join("config.json"),
+                "model.init_from (a run directory)",
+            );
+        }
         let hf = dir.join("config.json");
-        let run = dir.join("model").join("config.json");
         if hf.is_file() {
             return load(&hf, "model.init_from");
-        }
-        if run.is_file() {
-            return load(&run, "model.init_from (a run directory)");
         }
         bail!(
             "model.init_from = {}: no config.json there (nor model/config.json of a run \

@@ -284,7 +284,7 @@ pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
         .server()
         .with_context(|| format!("the [tls] section of {}", config_path.display()))?;
     // Each learner rank's GPU, checked against what libtorch sees before anything starts.
-    learner_gpus(
+    let gpus = learner_gpus(
         &config.learner,
         config.learner.world_size.max(1),
         tch::Cuda::device_count(),
@@ -333,7 +333,7 @@ pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
     };
     let client = ClientAuth::new(Some(&token)).with_tls(client_tls);
     let mut procs: Vec<Proc> = Vec::new();
-    let result = orchestrate(&config, &prepared, &flags, &client, &mut procs).await;
+    let result = orchestrate(&config, gpus, &prepared, &flags, &client, &mut procs).await;
     stop_all(&mut procs, Duration::from_secs(20)).await;
     match &result {
         Ok(fin) => {
@@ -351,8 +351,11 @@ pub async fn run(config_path: &Path, log_format: LogFormat) -> Result<()> {
     result.map(|_| ())
 }
 
+/// Starts the roles and watches the run; `gpus`: each learner rank's GPU
+/// ([`learner_gpus`]).
 async fn orchestrate(
     config: &RunConfig,
+    gpus: Option<Vec<usize>>,
     run: &PreparedRun,
     flags: &ChildFlags,
     client: &ClientAuth,
@@ -377,7 +380,6 @@ async fn orchestrate(
     } else {
         "127.0.0.1:0".into()
     };
-    let gpus = learner_gpus(&config.learner, world, tch::Cuda::device_count())?;
     let group_flags = |rank: usize| -> Vec<String> {
         let coordinator = vec!["--coordinator".into(), format!("{scheme}://{coord_listen}")];
         if world == 1 {

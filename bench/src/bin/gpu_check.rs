@@ -42,6 +42,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
+use tutor_bench::{median, min, read_json};
 use tutor_collective::{
     Collective, CpuCollective, CpuCollectiveTimeouts, CpuRendezvous, NcclCollective,
 };
@@ -209,24 +210,9 @@ fn device_name(d: Device) -> String {
     }
 }
 
-fn read_json(path: &Path) -> Result<Value> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
-}
-
 fn field<T: serde::de::DeserializeOwned>(v: &Value, key: &str, file: &Path) -> Result<T> {
     serde_json::from_value(v[key].clone())
         .with_context(|| format!("{}: field `{key}`", file.display()))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
-fn min(v: &[f64]) -> f64 {
-    v.iter().copied().fold(f64::INFINITY, f64::min)
 }
 
 /// ‖a − b‖ / ‖b‖ over all elements (f64 on the CPU).
@@ -506,31 +492,6 @@ fn gpu_memory_used(device: Device) -> Option<u64> {
     Some((total - free) as u64)
 }
 
-/// Model FLOPs of one training step: 6 per parameter of the matrix products (the
-/// projections and the output head, not the embedding lookup) per token, plus causal
-/// attention (QKᵀ and AV, forward and backward: 6 · layers · heads·head_dim · context per
-/// token, half of the full square).
-fn step_flops(config: &Value, rows: &[usize]) -> f64 {
-    let g = |k: &str| config[k].as_f64().unwrap_or(0.0);
-    let (h, layers, heads, kv, hd, inter, vocab) = (
-        g("hidden_size"),
-        g("num_hidden_layers"),
-        g("num_attention_heads"),
-        g("num_key_value_heads"),
-        g("head_dim"),
-        g("intermediate_size"),
-        g("vocab_size"),
-    );
-    let per_layer = h * heads * hd * 2.0 + h * kv * hd * 2.0 + 3.0 * h * inter;
-    let matmul_params = layers * per_layer + vocab * h;
-    rows.iter()
-        .map(|&t| {
-            let t = t as f64;
-            6.0 * matmul_params * t + 6.0 * layers * heads * hd * t * t / 2.0
-        })
-        .sum()
-}
-
 fn check_train(ctx: &Ctx, c: &mut Check) -> Result<()> {
     let a = &ctx.args;
     let mut extra = vec![
@@ -554,7 +515,7 @@ fn check_train(ctx: &Ctx, c: &mut Check) -> Result<()> {
     let examples: Vec<Vec<u32>> = field(&spec_json, "examples", &path)?;
     let masks: Vec<Vec<u8>> = field(&spec_json, "loss_masks", &path)?;
     let params: u64 = field(&spec_json, "params", &path)?;
-    let model_config = read_json(&dir.join("model/config.json"))?;
+    let model_config = tutor_policy::ModelConfig::load(&dir.join("model/config.json"))?;
     let batch: Vec<(Vec<u32>, Vec<bool>)> = examples
         .iter()
         .zip(&masks)
@@ -562,7 +523,10 @@ fn check_train(ctx: &Ctx, c: &mut Check) -> Result<()> {
         .collect();
     let rows: Vec<usize> = examples.iter().map(Vec::len).collect();
     let tokens: usize = rows.iter().sum();
-    let flops = step_flops(&model_config, &rows);
+    let flops: f64 = rows
+        .iter()
+        .map(|&t| tutor_learner::plan::sequence_flops(&model_config, t as f64))
+        .sum();
     let peak = a.peak_tflops * 1e12;
     c.line(format!(
         "model: {params} parameters ({}), {} rows, {tokens} tokens (rows of {}..{}), {:.2} TFLOP per step",

@@ -18,6 +18,7 @@ use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use tch::{Device, Tensor};
+use tutor_bench::median;
 use tutor_coordinator::dataset::dagger_examples;
 use tutor_learner::loss::{masked_cross_entropy, packed_nll_sum, PaddedBatch};
 use tutor_learner::packing::{pack_examples, PackedBatch};
@@ -69,11 +70,6 @@ fn cpu_seconds() -> f64 {
         .filter_map(|x| x.parse().ok())
         .collect();
     f.iter().sum::<f64>() / 100.0
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
 }
 
 fn main() {

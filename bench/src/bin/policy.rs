@@ -34,6 +34,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use rand::{Rng, SeedableRng};
 use tch::Device;
+use tutor_bench::{median, min, read_json};
 use tutor_learner::config::LearnerConfig;
 use tutor_learner::trainer::Trainer;
 use tutor_policy::{spawn_engine, ChatTokenizer, EngineConfig, EngineHandle, GenParams, Policy};
@@ -113,12 +114,6 @@ fn run_python(script: &str, args: &[&std::ffi::OsStr]) -> Result<()> {
     Ok(())
 }
 
-fn read_json(path: &Path) -> Result<serde_json::Value> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
-}
-
 fn field<T: serde::de::DeserializeOwned>(
     v: &serde_json::Value,
     key: &str,
@@ -139,15 +134,6 @@ fn cpu_seconds() -> f64 {
         .filter_map(|x| x.parse().ok())
         .collect();
     f.iter().sum::<f64>() / 100.0
-}
-
-fn min(v: &[f64]) -> f64 {
-    v.iter().copied().fold(f64::INFINITY, f64::min)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
 }
 
 fn load_average() -> String {
