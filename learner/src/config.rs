@@ -76,6 +76,17 @@ pub struct LearnerConfig {
     /// layer's intermediate tensors to one hidden state per layer, for about a third more
     /// compute. For long contexts and large models; off by default.
     pub checkpoint_activations: bool,
+    /// How the training state is split across the data-parallel ranks (ZeRO):
+    /// `"none"` (every rank holds everything), `"optimizer"` (each rank keeps the fp32
+    /// master weights and AdamW moments of its slice only: gradients are reduce-scattered,
+    /// each rank updates its slice, the parameters are all-gathered) or `"gradients"`
+    /// (also the step's fp32 gradient sums: reduce-scattered after every micro-batch).
+    /// The results equal `"none"` up to rounding; checkpoints keep the same layout (rank 0
+    /// gathers the state), so a run resumes under any setting and world size. A group
+    /// that loses a rank loses that rank's slice: rank 0 then stops, and restarted it
+    /// resumes from its last checkpoint. `"full"` (parameters too, ZeRO-3) is planned by
+    /// `tutor plan` but not built yet.
+    pub shard: Shard,
     /// Memory of each rank's GPU in GiB (80 for an H100, 141 for an H200): `tutor plan`
     /// says whether the run fits, and a learner on a GPU refuses to start a run whose plan
     /// does not fit (`learner::plan`). 0: unknown (no check).
@@ -109,6 +120,40 @@ pub struct LearnerConfig {
     /// The collective of that broadcast: `"cpu"` (TCP) or `"nccl"` (GPU workers sharing
     /// a communicator with rank 0).
     pub broadcast_collective: CollectiveChoice,
+}
+
+/// How the training state is split across the data-parallel ranks (see
+/// `LearnerConfig::shard`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Shard {
+    /// Every rank holds everything.
+    #[default]
+    None,
+    /// ZeRO-1: each rank holds the masters and moments of its slice.
+    Optimizer,
+    /// ZeRO-2: the fp32 gradient sums are sharded too.
+    Gradients,
+    /// ZeRO-3 / FSDP: parameters too, one layer gathered at a time (planned, not built).
+    Full,
+}
+
+impl Shard {
+    pub const ALL: [Shard; 4] = [Shard::None, Shard::Optimizer, Shard::Gradients, Shard::Full];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Shard::None => "none",
+            Shard::Optimizer => "optimizer",
+            Shard::Gradients => "gradients",
+            Shard::Full => "full",
+        }
+    }
+
+    /// Whether this build trains with it (`"full"` is only planned).
+    pub fn implemented(self) -> bool {
+        self != Shard::Full
+    }
 }
 
 /// See `LearnerConfig::precision`.
@@ -156,6 +201,7 @@ impl Default for LearnerConfig {
             pack_row_tokens: 4096,
             logits_budget_mb: 1024,
             checkpoint_activations: false,
+            shard: Shard::None,
             gpu_memory_gib: 0.0,
             world_size: 1,
             collective: CollectiveChoice::Cpu,
@@ -241,6 +287,9 @@ impl LearnerConfig {
                 warmup: self.warmup_steps,
             });
         }
+        if !self.shard.implemented() {
+            return Err(ConfigError::Shard { got: self.shard });
+        }
         if !(self.gpu_memory_gib.is_finite() && self.gpu_memory_gib >= 0.0) {
             return Err(ConfigError::GpuMemory {
                 got: self.gpu_memory_gib,
@@ -276,6 +325,12 @@ pub enum ConfigError {
     Timeouts { rendezvous: f64, collective: f64 },
     #[error("learner.schedule = \"cosine\" needs total_steps ({total}) > warmup_steps ({warmup})")]
     Cosine { total: u64, warmup: u32 },
+    #[error(
+        "learner.shard = \"{}\" is not built yet (`tutor plan` shows what it would save); use \
+         \"none\", \"optimizer\" or \"gradients\"",
+        got.name()
+    )]
+    Shard { got: Shard },
     #[error("learner.gpu_memory_gib must be a number of GiB, 0 or more (0: unknown), got {got}")]
     GpuMemory { got: f64 },
 }
@@ -363,5 +418,29 @@ mod tests {
         let e = bad.validate().unwrap_err().to_string();
         assert!(e.contains("learner.device") && e.contains("gpu0"), "{e}");
         assert!(serde_json::from_str::<LearnerConfig>(r#"{"precision": "fp16"}"#).is_err());
+    }
+
+    /// `shard` reads its four names; the three built ones validate, `"full"` is refused
+    /// with a message naming the field and the built modes.
+    #[test]
+    fn shard_modes_are_parsed_and_the_unbuilt_one_refused() {
+        assert_eq!(LearnerConfig::default().shard, Shard::None);
+        for mode in Shard::ALL {
+            let c: LearnerConfig =
+                serde_json::from_str(&format!(r#"{{"shard": "{}"}}"#, mode.name())).unwrap();
+            assert_eq!(c.shard, mode);
+            match c.validate() {
+                Ok(()) => assert!(mode.implemented()),
+                Err(e) => {
+                    assert_eq!(mode, Shard::Full);
+                    let e = e.to_string();
+                    assert!(
+                        e.contains("learner.shard") && e.contains("\"gradients\""),
+                        "{e}"
+                    );
+                }
+            }
+        }
+        assert!(serde_json::from_str::<LearnerConfig>(r#"{"shard": "zero2"}"#).is_err());
     }
 }

@@ -23,6 +23,8 @@ use crate::trainer::Trainer;
 const MSG_STEP: u8 = 1;
 const MSG_KEEPALIVE: u8 = 2;
 const MSG_STOP: u8 = 3;
+/// Rank 0 writes a checkpoint of a sharded state: every rank sends its slice.
+const MSG_CHECKPOINT: u8 = 4;
 
 /// Rank 0's side of the group, owned by the trainer thread beside the trainer.
 pub struct GroupLead {
@@ -96,6 +98,17 @@ impl GroupLead {
         msg.push(MSG_STEP);
         msg.extend_from_slice(batch);
         self.send(trainer, msg)
+    }
+
+    /// Before rank 0 writes a checkpoint: with `[learner] shard` the other ranks hold
+    /// slices of the optimizer state, so they are told to send theirs
+    /// (`Trainer::save_checkpoint` then gathers them). Nothing to do unsharded or while
+    /// the group is not formed.
+    pub fn send_checkpoint(&mut self, trainer: &mut Trainer) -> Result<()> {
+        if self.generation.is_none() || !trainer.is_sharded() {
+            return Ok(());
+        }
+        self.send(trainer, vec![MSG_CHECKPOINT])
     }
 
     /// While no batch comes: a keepalive every `keepalive()`, so waiting ranks know rank
@@ -235,6 +248,9 @@ fn follow_generation(opts: &GroupOptions, rdv: &Rendezvous) -> Result<()> {
                     "trained this rank's share"
                 );
             }
+            Some(&MSG_CHECKPOINT) => trainer.send_checkpoint_state().context(
+                "sending this rank's slice of the optimizer state for rank 0's checkpoint",
+            )?,
             Some(&MSG_KEEPALIVE) => {}
             Some(&MSG_STOP) => return Ok(()),
             other => bail!("rank 0 sent an unknown group message {other:?}"),

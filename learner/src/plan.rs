@@ -42,37 +42,7 @@ pub fn logit_copies(mixed_precision: bool) -> f64 {
 /// The share of a GPU's memory a plan counts on.
 pub const USABLE_FRACTION: f64 = 0.9;
 
-/// How the training state is split across the data-parallel ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Shard {
-    /// Every rank holds everything (what the learner does today).
-    None,
-    /// ZeRO-1: each rank holds the masters and moments of its slice.
-    Optimizer,
-    /// ZeRO-2: the fp32 gradient sums are sharded too.
-    Gradients,
-    /// ZeRO-3 / FSDP: parameters too, one layer gathered at a time.
-    Full,
-}
-
-impl Shard {
-    pub const ALL: [Shard; 4] = [Shard::None, Shard::Optimizer, Shard::Gradients, Shard::Full];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Shard::None => "none",
-            Shard::Optimizer => "optimizer",
-            Shard::Gradients => "gradients",
-            Shard::Full => "full",
-        }
-    }
-
-    /// Whether this build trains with it (the others are planned: issue 17 item 1).
-    pub fn implemented(self) -> bool {
-        self == Shard::None
-    }
-}
+pub use crate::config::Shard;
 
 /// What a plan is computed for.
 #[derive(Debug, Clone)]
@@ -93,6 +63,8 @@ pub struct PlanInput {
     pub logits_budget_mb: usize,
     /// The GPU's memory (bytes), when known.
     pub gpu_memory: Option<u64>,
+    /// `[learner] shard`: the mode the run trains with (every mode is planned).
+    pub shard: Shard,
 }
 
 /// Bytes per rank of one sharding mode.
@@ -136,6 +108,8 @@ pub struct Plan {
     pub checkpoint_activations: bool,
     pub logits_budget_mb: usize,
     pub gpu_memory: Option<u64>,
+    /// The mode the run trains with (`configured`).
+    pub shard: Shard,
     /// Activation bytes per token of a pass: without and with checkpointing.
     pub activation_bytes_per_token: f64,
     pub checkpointed_bytes_per_token: f64,
@@ -154,6 +128,11 @@ impl Plan {
             .iter()
             .find(|m| m.shard == shard)
             .expect("every mode is planned")
+    }
+
+    /// The memory of the mode the run trains with (`[learner] shard`).
+    pub fn configured(&self) -> &Memory {
+        self.mode(self.shard)
     }
 }
 
@@ -231,29 +210,25 @@ pub fn plan(input: &PlanInput) -> Plan {
     let memory = Shard::ALL
         .iter()
         .map(|&shard| {
+            // Sharded, each rank keeps an fp32 slice of the weights AdamW updates (in f32
+            // too) and, from "gradients" on, an fp32 slice of the gradient sums.
+            let (slice_masters, slice_sums) = (4.0 * n / k, 4.0 * n / k);
             let (weights, grads, grad_sums, mast, opt, gathered) = match shard {
                 Shard::None => (w * n, g * n, sums * n, masters * n, moments * n, 0.0),
-                Shard::Optimizer => (
-                    w * n,
-                    g * n,
-                    sums * n,
-                    masters * n / k,
-                    moments * n / k,
-                    0.0,
-                ),
+                Shard::Optimizer => (w * n, g * n, sums * n, slice_masters, moments * n / k, 0.0),
                 Shard::Gradients => (
                     w * n,
                     g * n,
-                    sums * n / k,
-                    masters * n / k,
+                    slice_sums,
+                    slice_masters,
                     moments * n / k,
                     0.0,
                 ),
                 Shard::Full => (
                     w * n / k,
                     g * n / k,
-                    sums * n / k,
-                    masters * n / k,
+                    slice_sums,
+                    slice_masters,
                     moments * n / k,
                     // One layer's parameters and gradients gathered at a time (and the
                     // embedding/head, the largest "layer" of a wide vocabulary).
@@ -321,6 +296,7 @@ pub fn plan(input: &PlanInput) -> Plan {
         checkpoint_activations: input.checkpoint_activations,
         logits_budget_mb: input.logits_budget_mb,
         gpu_memory: input.gpu_memory,
+        shard: input.shard,
         activation_bytes_per_token: plain_per_token,
         checkpointed_bytes_per_token: checkpointed_per_token,
         memory,
@@ -359,6 +335,7 @@ mod tests {
             checkpoint_activations: checkpoint,
             logits_budget_mb: budget,
             gpu_memory: Some(80 * (1 << 30)),
+            shard: Shard::None,
         }
     }
 
@@ -410,7 +387,7 @@ mod tests {
         assert!((grads.state - (4.0 * n + 16.0 * n / 8.0)).abs() < 1.0);
         let full = p.mode(Shard::Full);
         assert!(full.state < none.state / 4.0 && full.state > none.state / 8.0);
-        assert!(none.implemented && !full.implemented);
+        assert!(none.implemented && opt.implemented && grads.implemented && !full.implemented);
         // Two sequences of 4,096 tokens: 6·N·T, plus causal attention 6·L·(heads·head_dim)·t²/2
         // for each.
         let six_nt = 6.0 * p.matmul_parameters as f64 * 8192.0;
@@ -423,8 +400,14 @@ mod tests {
         assert_eq!(plan(&at_max).mode(Shard::None).fits, Some(true));
         at_max.pass_tokens = max + 64;
         assert_eq!(plan(&at_max).mode(Shard::None).fits, Some(false));
-        // fp32 training holds 16 bytes per parameter.
+        // fp32 training holds 16 bytes per parameter; sharded, it adds an fp32 slice of
+        // the weights (and of the gradient sums with "gradients").
         i.mixed_precision = false;
-        assert!((plan(&i).mode(Shard::None).state - 16.0 * n).abs() < 1.0);
+        let f32_plan = plan(&i);
+        assert!((f32_plan.mode(Shard::None).state - 16.0 * n).abs() < 1.0);
+        let opt = f32_plan.mode(Shard::Optimizer);
+        assert!((opt.state - (8.0 * n + 12.0 * n / 8.0)).abs() < 1.0);
+        let grads = f32_plan.mode(Shard::Gradients);
+        assert!((grads.state - (8.0 * n + 16.0 * n / 8.0)).abs() < 1.0);
     }
 }

@@ -310,7 +310,7 @@ impl LearnerHandle {
             write_version(&trainer, &store, 0)?;
             let v0 = store.register(0)?;
             tracing::info!(sha256 = %v0.sha256, bytes = v0.bytes, "published initial policy version 0");
-            let host = TrainerHost {
+            let mut host = TrainerHost {
                 trainer,
                 store,
                 model_dir: model_dir.to_path_buf(),
@@ -542,6 +542,19 @@ impl TrainerHost {
                     let _ = reply.send(());
                 }
             }
+            if self.trainer.lost_shards() {
+                // Deliberately through the trainer's stop path (a panic: calls are answered
+                // UNAVAILABLE, `serve` returns an error): the process ends, and restarted
+                // on the same --out-dir it resumes from the checkpoint, which the
+                // coordinator's batches since then replay onto.
+                panic!(
+                    "the learner group broke and with learner.shard = \"{}\" the optimizer \
+                     state of the lost ranks went with them, so rank 0 cannot go on alone: \
+                     restart the learner on the same --out-dir to resume from its last \
+                     checkpoint",
+                    self.trainer.config().shard.name()
+                );
+            }
         }
     }
 
@@ -629,10 +642,14 @@ impl TrainerHost {
                     Ok(report) => report,
                     Err(e @ StepError::Collective { .. }) => {
                         // A rank died, hung or went out of step: rank 0 goes on alone and
-                        // forms the group again at its next batch.
+                        // forms the group again at its next batch (sharded, it stops: see
+                        // `run`).
                         let e = anyhow::Error::new(e);
                         group.broken(&mut self.trainer, &format!("{e:#}"));
                         return Err(e.context("training step"));
+                    }
+                    Err(e @ StepError::ShardLost(_)) => {
+                        return Err(anyhow::Error::new(e).context("training step"))
                     }
                 }
             }
@@ -760,13 +777,16 @@ impl TrainerHost {
     /// A full training checkpoint (model in Hugging Face layout, optimizer state,
     /// schedule, RNG; see `Trainer::save_checkpoint`) with the tokenizer beside it and
     /// the train cursor as its data cursor.
-    fn save_checkpoint(&self, dir: &Path) -> Result<()> {
+    fn save_checkpoint(&mut self, dir: &Path) -> Result<()> {
         let tok = self.model_dir.join("tokenizer.json");
         let extra: Vec<&Path> = if tok.exists() {
             vec![tok.as_path()]
         } else {
             vec![]
         };
+        if let Some(g) = &mut self.group {
+            g.send_checkpoint(&mut self.trainer)?;
+        }
         self.trainer
             .save_checkpoint(dir, &serde_json::to_value(&self.cursor)?, &extra)
     }

@@ -219,7 +219,7 @@ fn resume_reports_what_is_missing() {
         .unwrap();
     assert!(format!("{err:#}").contains("trainer_state.json"), "{err:#}");
     let dir = root.path().join("ckpt");
-    let t = Trainer::new(tiny_policy(), config()).unwrap();
+    let mut t = Trainer::new(tiny_policy(), config()).unwrap();
     t.save_checkpoint(&dir, &json!(0), &[]).unwrap();
     std::fs::remove_file(dir.join("optimizer.safetensors")).unwrap();
     let err = Trainer::resume(&dir, Box::new(CpuCollective::solo()))

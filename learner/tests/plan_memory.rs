@@ -109,6 +109,7 @@ fn the_plan_matches_the_cpu_learners_peak_memory() {
             checkpoint_activations: checkpoint,
             logits_budget_mb: budget,
             gpu_memory: None,
+            shard: Shard::None,
         });
         let m = p.mode(Shard::None);
         // What the first step allocates: everything but the weights.

@@ -15,7 +15,7 @@ use common::{coordinator_state, wait_until, Role};
 /// β = 1: the oracle teacher acts on every turn, so the episodes (and the batches) do not
 /// depend on the student's weights; one worker running one episode at a time, so they
 /// reach the dataset in the same order in both runs.
-fn config(sandboxes: &Path, iterations: u32) -> String {
+fn config(sandboxes: &Path, iterations: u32, shard: &str) -> String {
     format!(
         r#"
 [run]
@@ -64,6 +64,7 @@ warmup_steps = 0
 eps = 1e-3
 rendezvous_timeout_s = 60.0
 collective_timeout_s = 60.0
+shard = "{shard}"
 
 [worker]
 capacity = 1
@@ -118,13 +119,13 @@ struct Prepared {
 }
 
 impl Prepared {
-    fn new(root: &Path, iterations: u32) -> Self {
+    fn new(root: &Path, iterations: u32, shard: &str) -> Self {
         let sandboxes = root.join("sandboxes");
         let logs = root.join("logs");
         std::fs::create_dir_all(&sandboxes).unwrap();
         std::fs::create_dir_all(&logs).unwrap();
         let cfg = root.join("dp.toml");
-        std::fs::write(&cfg, config(&sandboxes, iterations)).unwrap();
+        std::fs::write(&cfg, config(&sandboxes, iterations, shard)).unwrap();
         let paths = common::prepare(&cfg, &root.join("runs"));
         deterministic_pytest(Path::new(paths["train_tasks"].as_str().unwrap()));
         let token = root.join("token");
@@ -235,7 +236,18 @@ fn read_safetensors(path: &Path) -> BTreeMap<String, Vec<f32>> {
 /// iterations trained and checkpointed), the rank is killed with SIGKILL and started
 /// again. Returns the learner's out dir after every process has stopped.
 fn run(root: &Path, world: usize, iterations: u32, kills: &[(u64, usize)]) -> PathBuf {
-    let prep = Prepared::new(root, iterations);
+    run_sharded(root, world, iterations, kills, "none")
+}
+
+/// `run` with `[learner] shard` set.
+fn run_sharded(
+    root: &Path,
+    world: usize,
+    iterations: u32,
+    kills: &[(u64, usize)],
+    shard: &str,
+) -> PathBuf {
+    let prep = Prepared::new(root, iterations, shard);
     let cport = free_port();
     let lport = free_port();
     let coordinator_url = format!("http://127.0.0.1:{cport}");
@@ -475,11 +487,35 @@ fn killed_and_restarted_ranks_rejoin_and_train_the_same_weights_as_one() {
     assert_same_weights(&single, &double);
 }
 
+/// `[learner] shard = "gradients"` (ZeRO-2) over two learner processes: the same weights
+/// as one unsharded learner, also when rank 0 is killed mid-run and restarted (it resumes
+/// from its checkpoint, which holds the whole optimizer state gathered from both ranks,
+/// and sends rank 1 its slice again).
+#[test]
+fn sharded_learner_processes_train_the_same_weights_and_survive_rank_zeros_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    let single = run(&root.join("one"), 1, 2, &[]);
+    let double = run_sharded(&root.join("two"), 2, 2, &[(1, 0)], "gradients");
+    let (a, b) = (read_train_log(&single), read_train_log(&double));
+    assert!(
+        a.keys().any(|(i, _)| *i == 1),
+        "the last iteration trained: {a:?}"
+    );
+    assert_same_batches(&a, &b);
+    assert_same_weights(&single, &double);
+    let log = std::fs::read_to_string(root.join("two/logs/learner1.log")).unwrap();
+    assert!(
+        log.matches("joined the learner group").count() >= 2,
+        "rank 1 joined rank 0's new group after the restart: {log}"
+    );
+}
+
 #[test]
 fn a_rank_without_rank_zero_fails_clearly_within_its_deadline() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().canonicalize().unwrap();
-    let prep = Prepared::new(&root, 1);
+    let prep = Prepared::new(&root, 1, "none");
     // A coordinator is up (it answers the rendezvous), but no learner rank 0 ever
     // publishes there.
     let cport = free_port();

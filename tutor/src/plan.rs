@@ -91,6 +91,7 @@ pub fn run_plan(cfg: &RunConfig, model: ModelConfig, gpu_memory_gib: Option<f64>
         checkpoint_activations: l.checkpoint_activations,
         logits_budget_mb: l.logits_budget_mb,
         gpu_memory: (gib > 0.0).then_some((gib * (1u64 << 30) as f64) as u64),
+        shard: l.shard,
     }))
 }
 
@@ -107,10 +108,17 @@ pub fn refusal(cfg: &RunConfig, model: &ModelConfig, plan: &Plan) -> Option<Stri
     memory_refusal(plan)
 }
 
-/// Why the learner's plan cannot fit the GPU (`None`: it fits, or the GPU's memory is
-/// not known).
+/// Why the learner's plan, in its `[learner] shard` mode, cannot fit the GPU (`None`: it
+/// fits, or the GPU's memory is not known).
 pub fn memory_refusal(plan: &Plan) -> Option<String> {
-    let m = plan.mode(Shard::None);
+    let m = plan.configured();
+    let sharding = match plan.shard {
+        Shard::None | Shard::Optimizer => {
+            " or shard the training state ([learner] shard = \"optimizer\" or \"gradients\"; \
+             tutor plan lists the modes)"
+        }
+        Shard::Gradients | Shard::Full => " or train on more GPUs (the state is sharded over them)",
+    };
     if m.fits == Some(false) {
         let gpu = plan.gpu_memory.unwrap_or(0) as f64;
         let fix = match m.max_pass_tokens {
@@ -120,17 +128,17 @@ pub fn memory_refusal(plan: &Plan) -> Option<String> {
             ),
             Some(t) => format!(
                 "not even one sequence of {} tokens fits (at most {t}): turn on \
-                 [learner] checkpoint_activations, lower max_seq_len, or shard the training state \
-                 (planned: tutor plan lists the modes)",
+                 [learner] checkpoint_activations, lower max_seq_len{sharding}",
                 plan.seq_len
             ),
-            None => "the training state alone does not fit: shard it across more GPUs \
-                     (planned: tutor plan lists the modes) or train a smaller model"
-                .into(),
+            None => {
+                format!("the training state alone does not fit: train a smaller model{sharding}")
+            }
         };
         return Some(format!(
-            "the learner needs {} per rank but {} of the GPU's {} are usable; {fix}",
+            "the learner needs {} per rank (shard = \"{}\") but {} of the GPU's {} are usable; {fix}",
             gib(m.total),
+            plan.shard.name(),
             gib(gpu * USABLE_FRACTION),
             gib(gpu)
         ));
@@ -203,7 +211,12 @@ pub fn render(plan: &Plan, model_source: &str, model: &ModelConfig) -> String {
         "activations", "logits", "total", "fits"
     );
     for m in &plan.memory {
-        let mode = format!("{}{}", m.shard.name(), if m.implemented { "" } else { "*" });
+        let mode = format!(
+            "{}{}{}",
+            m.shard.name(),
+            if m.implemented { "" } else { "*" },
+            if m.shard == plan.shard { " <" } else { "" }
+        );
         s += &format!(
             "{mode:<11} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} | {:>9} {:>11} {:>9} | {:>9}  {:>4}  {}\n",
             gib(m.weights),
@@ -226,7 +239,10 @@ pub fn render(plan: &Plan, model_source: &str, model: &ModelConfig) -> String {
                 .unwrap_or_else(|| "-".into())
         );
     }
-    s += "(* planned, not trained with yet: `none` is what the learner does)\n\n";
+    s += &format!(
+        "(< the run's [learner] shard = \"{}\"; * planned, not built yet)\n\n",
+        plan.shard.name()
+    );
     s += &format!(
         "FLOPs: {:.3} TFLOP per pass, {:.3} TFLOP per step and rank ({:.3} executed with the recomputation)\n",
         plan.pass_flops / 1e12,
@@ -250,7 +266,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         bail!("{}: this run cannot start: {why}", args.config.display());
     }
     if !args.json {
-        match p.mode(Shard::None).fits {
+        match p.configured().fits {
             Some(true) => println!("fits: the run can start as configured"),
             _ => println!("no GPU memory given: nothing to check it against"),
         }
@@ -288,18 +304,36 @@ mod tests {
         assert!(refusal(&cfg, &model, &p).is_none());
         assert!(none.max_pass_tokens.unwrap() >= 32768);
         let text = render(&p, &source, &model);
-        for want in ["none ", "optimizer*", "full*", "TFLOP per pass", "yes"] {
+        for want in [
+            "none <",
+            "optimizer ",
+            "gradients ",
+            "full*",
+            "TFLOP per pass",
+            "yes",
+        ] {
             assert!(text.contains(want), "{want:?} missing from\n{text}");
         }
 
         let h100 = run_plan(&cfg, model.clone(), Some(80.0)).unwrap();
         let why = refusal(&cfg, &model, &h100).expect("75 GiB of state on an 80 GB GPU");
         assert!(why.contains("training state alone"), "{why}");
+        assert!(why.contains("shard = \"optimizer\""), "{why}");
         assert_eq!(
             h100.mode(Shard::Full).fits,
             Some(true),
             "sharded it would fit"
         );
+        // With the optimizer state and gradient sums sharded over the 8 GPUs it fits.
+        let mut sharded = cfg.clone();
+        sharded.learner.shard = Shard::Gradients;
+        let p = run_plan(&sharded, model.clone(), Some(80.0)).unwrap();
+        assert!(
+            refusal(&sharded, &model, &p).is_none(),
+            "{}",
+            render(&p, &source, &model)
+        );
+        assert!(render(&p, &source, &model).contains("gradients <"));
 
         let mut plain = cfg.clone();
         plain.learner.checkpoint_activations = false;

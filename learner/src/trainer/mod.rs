@@ -5,6 +5,7 @@
 //! checkpoints and group membership; each objective's own step lives with its loss
 //! (`crate::loss`).
 
+mod shard;
 mod state;
 mod step;
 
@@ -19,8 +20,9 @@ use tch::{Device, Kind, Tensor};
 use tutor_collective::{Collective, CpuCollective};
 use tutor_policy::{ModelConfig, Policy};
 
-use crate::config::LearnerConfig;
+use crate::config::{LearnerConfig, Shard};
 use crate::optim::{AdamW, AdamWConfig};
+use shard::{tensor_bytes, Sharded};
 
 /// What one optimizer step did (over all ranks).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -38,6 +40,20 @@ pub struct StepReport {
     pub skipped: Option<NonFinite>,
 }
 
+/// The training state one rank holds (`Trainer::state_bytes`), in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateBytes {
+    /// The model's parameters (every rank holds them all).
+    pub parameters: u64,
+    /// The fp32 weights AdamW updates besides the parameters: the master weights in
+    /// bf16, this rank's slice of them when sharded.
+    pub masters: u64,
+    /// AdamW's two moments (fp32).
+    pub moments: u64,
+    /// fp32 gradient sums kept besides the parameters' `.grad`.
+    pub grad_sums: u64,
+}
+
 /// Mixed precision (`LearnerConfig::precision`): the fp32 weights AdamW updates (the
 /// model's bf16 parameters are their rounding) and the fp32 sums of the current step's
 /// gradients, in the same order as `Trainer::params`.
@@ -53,8 +69,11 @@ pub struct Trainer {
     param_names: Vec<String>,
     params: Vec<Tensor>,
     optimizer: AdamW,
-    /// `Some` when training in bf16.
+    /// `Some` when training in bf16 without sharding.
     master: Option<Master>,
+    /// `Some` with `[learner] shard` other than `"none"`: this rank's slice of the fp32
+    /// weights and gradient sums; `optimizer` then holds the moments of that slice only.
+    sharded: Option<Sharded>,
     config: LearnerConfig,
     steps: u64,
     /// Steps skipped for a non-finite loss or gradient norm since this trainer started
@@ -122,7 +141,18 @@ impl Trainer {
                 .broadcast(&mut params)
                 .context("broadcasting rank 0's initial weights")?;
         }
-        let master = if config.mixed_precision(device) {
+        let mixed = config.mixed_precision(device);
+        let sharded = (config.shard != Shard::None).then(|| {
+            Sharded::new(
+                config.shard,
+                &params,
+                collective.world_size(),
+                collective.rank(),
+                mixed,
+                device,
+            )
+        });
+        let master = if mixed && sharded.is_none() {
             let weights: Vec<Tensor> = tch::no_grad(|| {
                 params
                     .iter()
@@ -130,15 +160,21 @@ impl Trainer {
                     .collect()
             });
             let grads = weights.iter().map(Tensor::zeros_like).collect();
-            // Casts every parameter in place (all handles share it), `params` included.
-            policy.var_store_mut().bfloat16();
             Some(Master { weights, grads })
         } else {
             None
         };
+        if mixed {
+            // Casts every parameter in place (all handles share it), `params` included.
+            policy.var_store_mut().bfloat16();
+        }
         let optimizer = AdamW::new(
             adamw_config(&config),
-            master.as_ref().map_or(&params, |m| &m.weights),
+            match (&sharded, &master) {
+                (Some(s), _) => std::slice::from_ref(&s.weights),
+                (None, Some(m)) => &m.weights,
+                (None, None) => &params,
+            },
         );
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
         Ok(Self {
@@ -147,6 +183,7 @@ impl Trainer {
             params,
             optimizer,
             master,
+            sharded,
             config,
             steps: 0,
             skipped_steps: 0,
@@ -187,8 +224,40 @@ impl Trainer {
         self.collective.world_size()
     }
 
-    /// The fp32 master weights in name order when training in bf16 (what AdamW updates;
-    /// the parameters are their bf16 rounding), else `None`.
+    /// Whether `[learner] shard` splits the optimizer state across the ranks.
+    pub fn is_sharded(&self) -> bool {
+        self.sharded.is_some()
+    }
+
+    /// A sharded trainer whose group broke: the other ranks' slices of the optimizer
+    /// state are gone, so it cannot step or lead a group; resume it from a checkpoint.
+    pub fn lost_shards(&self) -> bool {
+        self.sharded.as_ref().is_some_and(|s| s.lost)
+    }
+
+    /// What this rank holds of the training state, in bytes (tensor sizes, not process
+    /// memory): how `[learner] shard` divides it.
+    pub fn state_bytes(&self) -> StateBytes {
+        let sum = |ts: &[Tensor]| ts.iter().map(tensor_bytes).sum::<u64>();
+        let parameters = sum(&self.params);
+        let moments = sum(self.optimizer.exp_avg()) + sum(self.optimizer.exp_avg_sq());
+        let (masters, grad_sums) = match (&self.sharded, &self.master) {
+            // In f32 the weights slice repeats values of the parameters: 4/K bytes per
+            // parameter that unsharded f32 training does without.
+            (Some(s), _) => s.bytes(),
+            (None, Some(m)) => (sum(&m.weights), sum(&m.grads)),
+            (None, None) => (0, 0),
+        };
+        StateBytes {
+            parameters,
+            masters,
+            moments,
+            grad_sums,
+        }
+    }
+
+    /// The fp32 master weights in name order when training in bf16 without sharding
+    /// (what AdamW updates; the parameters are their bf16 rounding), else `None`.
     pub fn master_weights(&self) -> Option<impl Iterator<Item = (&str, &Tensor)>> {
         self.master.as_ref().map(|m| {
             self.param_names

@@ -11,10 +11,19 @@ use tch::{Device, Tensor};
 use tutor_collective::{Collective, CollectiveError, CpuCollective};
 use tutor_policy::{ModelConfig, Policy};
 
+use super::shard::{FlatLayout, Sharded};
 use super::{adamw_config, Trainer};
 use crate::checkpoint::{self, RngState, TrainerState};
 use crate::config::LearnerConfig;
 use crate::optim::AdamW;
+
+/// The whole optimizer state (`Trainer::full_optimizer_state`).
+struct FullState {
+    exp_avg: Vec<Tensor>,
+    exp_avg_sq: Vec<Tensor>,
+    /// The fp32 master weights in bf16 training.
+    master: Option<Vec<Tensor>>,
+}
 
 /// What rank 0 sends a joining rank before the tensors: everything of the training state
 /// that is not a tensor, so the other ranks need no checkpoint or model directory.
@@ -37,11 +46,25 @@ impl Trainer {
         dir: &Path,
         collective: Box<dyn Collective>,
     ) -> Result<(Self, serde_json::Value)> {
+        Self::resume_with(dir, collective, |_| {})
+    }
+
+    /// `resume` with the saved config changed by `adjust` first (e.g. another
+    /// `shard`: a checkpoint has the same layout whatever the sharding, so a run resumes
+    /// under any setting and world size).
+    pub fn resume_with(
+        dir: &Path,
+        collective: Box<dyn Collective>,
+        adjust: impl FnOnce(&mut LearnerConfig),
+    ) -> Result<(Self, serde_json::Value)> {
         let dir = checkpoint::resolve(dir)?;
         let state = checkpoint::read_state(&dir)?;
         let policy = Policy::load_dir(&dir, Device::Cpu)
             .with_context(|| format!("loading the model of checkpoint {}", dir.display()))?;
-        let mut trainer = Self::with_collective(policy, state.config.clone(), collective)?;
+        let mut config = state.config.clone();
+        adjust(&mut config);
+        config.validate()?;
+        let mut trainer = Self::with_collective(policy, config, collective)?;
         if trainer.param_names != state.parameters {
             bail!(
                 "{}: the parameters listed in {} do not match the model's",
@@ -54,6 +77,8 @@ impl Trainer {
             .with_context(|| format!("reading {}", path.display()))?
             .into_iter()
             .collect();
+        // Sharded, each rank keeps a slice: the whole state stays in host memory.
+        let to_device = trainer.sharded.is_none();
         let mut take = |key: String, like: &Tensor| -> Result<Tensor> {
             let t = saved
                 .remove(&key)
@@ -66,7 +91,11 @@ impl Trainer {
                     like.size()
                 );
             }
-            Ok(t.to_device(like.device()))
+            Ok(if to_device {
+                t.to_device(like.device())
+            } else {
+                t
+            })
         };
         let mut exp_avg = Vec::with_capacity(trainer.params.len());
         let mut exp_avg_sq = Vec::with_capacity(trainer.params.len());
@@ -74,19 +103,13 @@ impl Trainer {
             exp_avg.push(take(format!("exp_avg.{name}"), p)?);
             exp_avg_sq.push(take(format!("exp_avg_sq.{name}"), p)?);
         }
-        if let Some(master) = &mut trainer.master {
-            tch::no_grad(|| -> Result<()> {
-                for ((name, w), p) in trainer
-                    .param_names
-                    .iter()
-                    .zip(master.weights.iter_mut())
-                    .zip(trainer.params.iter_mut())
-                {
-                    w.copy_(&take(format!("master.{name}"), w)?);
-                    p.copy_(w);
-                }
-                Ok(())
-            })?;
+        let mixed = trainer.params.first().map(Tensor::kind) == Some(tch::Kind::BFloat16);
+        if mixed {
+            let mut masters = Vec::with_capacity(trainer.params.len());
+            for (name, p) in trainer.param_names.iter().zip(&trainer.params) {
+                masters.push(take(format!("master.{name}"), p)?);
+            }
+            trainer.restore_masters(masters);
         }
         let rng = state.rng.restore().with_context(|| {
             format!("{}: field rng", dir.join(checkpoint::STATE_FILE).display())
@@ -100,29 +123,33 @@ impl Trainer {
     /// RNG and `data_cursor` (the caller's position in its data; returned by `resume`).
     /// `extra_files` (e.g. the tokenizer) are copied in. In a data-parallel group the
     /// state is the same on every rank: rank 0 alone needs to write it.
+    ///
+    /// With `[learner] shard` each rank holds a slice of the optimizer state: every rank
+    /// of the group calls this together (rank 0 gathers the slices and writes the same
+    /// layout as without sharding; the others only send theirs).
     pub fn save_checkpoint(
-        &self,
+        &mut self,
         dir: &Path,
         data_cursor: &serde_json::Value,
         extra_files: &[&Path],
     ) -> Result<()> {
+        let full = self
+            .full_optimizer_state()
+            .context("gathering the sharded optimizer state for the checkpoint")?;
+        if self.collective.rank() != 0 {
+            return Ok(());
+        }
         checkpoint::write_atomically(dir, |tmp| {
             self.policy
                 .save_dir(tmp)
                 .with_context(|| format!("saving the model to {}", tmp.display()))?;
-            let mut moments: Vec<(String, Tensor)> = Vec::with_capacity(2 * self.params.len());
+            let mut moments: Vec<(String, Tensor)> = Vec::with_capacity(3 * self.params.len());
             for (i, name) in self.param_names.iter().enumerate() {
                 let host = |t: &Tensor| t.to_device(Device::Cpu).contiguous();
-                moments.push((
-                    format!("exp_avg.{name}"),
-                    host(&self.optimizer.exp_avg()[i]),
-                ));
-                moments.push((
-                    format!("exp_avg_sq.{name}"),
-                    host(&self.optimizer.exp_avg_sq()[i]),
-                ));
-                if let Some(master) = &self.master {
-                    moments.push((format!("master.{name}"), host(&master.weights[i])));
+                moments.push((format!("exp_avg.{name}"), host(&full.exp_avg[i])));
+                moments.push((format!("exp_avg_sq.{name}"), host(&full.exp_avg_sq[i])));
+                if let Some(master) = &full.master {
+                    moments.push((format!("master.{name}"), host(&master[i])));
                 }
             }
             let opt_path = tmp.join(checkpoint::OPTIMIZER_FILE);
@@ -150,6 +177,12 @@ impl Trainer {
         })
     }
 
+    /// Ranks 1..K−1 of a sharded group, while rank 0 runs `save_checkpoint`: sends this
+    /// rank's slice of the optimizer state (the same call on every rank).
+    pub fn send_checkpoint_state(&mut self) -> Result<()> {
+        self.full_optimizer_state().map(drop)
+    }
+
     /// Rank 0: makes `collective` this trainer's group and brings the other ranks, which
     /// call `join_group` at the same time, to this trainer's exact state: weights, AdamW
     /// moments and step, schedule position, RNG, config. Used at start and whenever the
@@ -166,29 +199,61 @@ impl Trainer {
             rng: RngState::of(&self.rng),
             parameters: self.param_names.clone(),
         };
+        if let Some(s) = &self.sharded {
+            s.check_whole()?;
+            if self.collective.world_size() > 1 {
+                bail!("lead_group: leave the current group first");
+            }
+        }
+        // Alone, a sharded trainer's slice is the whole state.
+        let full = self.full_optimizer_state()?;
         let mut header = serde_json::to_vec(&state)?;
         collective
             .broadcast_bytes(&mut header)
             .context("sending the training state to the other ranks")?;
         // The fp32 weights: a joining rank casts them as `with_collective` does here.
-        let mut weights: Vec<Tensor> = match &self.master {
-            Some(m) => m.weights.iter().map(Tensor::shallow_clone).collect(),
+        let device = self.params[0].device();
+        let mut weights: Vec<Tensor> = match &full.master {
+            // Sharded, the gathered masters are in host memory.
+            Some(m) => m.iter().map(|w| w.to_device(device)).collect(),
             None => self.params.iter().map(Tensor::shallow_clone).collect(),
         };
         collective
             .broadcast(&mut weights)
             .context("sending the weights to the other ranks")?;
-        let mut moments: Vec<Tensor> = self
-            .optimizer
-            .exp_avg()
-            .iter()
-            .chain(self.optimizer.exp_avg_sq())
-            .map(Tensor::shallow_clone)
-            .collect();
-        collective
-            .broadcast(&mut moments)
-            .context("sending the optimizer state to the other ranks")?;
+        if self.sharded.is_none() {
+            let mut moments: Vec<Tensor> = full
+                .exp_avg
+                .iter()
+                .chain(&full.exp_avg_sq)
+                .map(Tensor::shallow_clone)
+                .collect();
+            collective
+                .broadcast(&mut moments)
+                .context("sending the optimizer state to the other ranks")?;
+            self.collective = collective;
+            return Ok(());
+        }
+        // Sharded: each rank gets its slice of the moments (one broadcast per rank, each
+        // a slice long, so no rank ever holds the whole state on its device).
+        let world = collective.world_size();
+        let device = self.params[0].device();
+        for r in 1..world {
+            let layout = FlatLayout::new(&weights, world, r);
+            let mut pair = [
+                layout.slice_of(&full.exp_avg).to_device(device),
+                layout.slice_of(&full.exp_avg_sq).to_device(device),
+            ];
+            collective
+                .broadcast(&mut pair)
+                .with_context(|| format!("sending rank {r} its slice of the optimizer state"))?;
+        }
         self.collective = collective;
+        let mode = self.config.shard;
+        let mixed = full.master.is_some();
+        self.sharded = Some(Sharded::new(mode, &weights, world, 0, mixed, device));
+        let steps = self.optimizer.steps_taken();
+        self.install_moments(steps, full.exp_avg, full.exp_avg_sq);
         Ok(())
     }
 
@@ -214,6 +279,36 @@ impl Trainer {
         if trainer.param_names != state.parameters {
             bail!("rank {rank}: the model's parameters differ from rank 0's list");
         }
+        let rng = state.rng.restore().context("rank 0's rng state")?;
+        let receiving = || format!("rank {rank}: receiving rank 0's optimizer state");
+        if let Some(s) = &trainer.sharded {
+            // Rank 0 sends each rank its slice, one rank after another.
+            let (share, device) = (s.layout.share(), s.weights.device());
+            let mut mine = None;
+            for r in 1..trainer.collective.world_size() {
+                let mut pair = [
+                    Tensor::zeros([share], (tch::Kind::Float, device)),
+                    Tensor::zeros([share], (tch::Kind::Float, device)),
+                ];
+                trainer
+                    .collective
+                    .broadcast(&mut pair)
+                    .with_context(receiving)?;
+                if r == rank {
+                    mine = Some(pair);
+                }
+            }
+            let [exp_avg, exp_avg_sq] = mine.context("rank 0 sent no slice for this rank")?;
+            trainer.optimizer = AdamW::from_state(
+                adamw_config(&trainer.config),
+                state.optimizer_steps,
+                vec![exp_avg],
+                vec![exp_avg_sq],
+            );
+            trainer.steps = state.steps;
+            trainer.rng = rng;
+            return Ok(trainer);
+        }
         let mut moments: Vec<Tensor> = trainer
             .params
             .iter()
@@ -223,15 +318,14 @@ impl Trainer {
         trainer
             .collective
             .broadcast(&mut moments)
-            .with_context(|| format!("rank {rank}: receiving rank 0's optimizer state"))?;
+            .with_context(receiving)?;
         let exp_avg_sq = moments.split_off(trainer.params.len());
-        let rng = state.rng.restore().context("rank 0's rng state")?;
         trainer.restore_position(state.optimizer_steps, moments, exp_avg_sq, state.steps, rng);
         Ok(trainer)
     }
 
-    /// Takes over a saved (resume) or sent (join) position: AdamW's moments and step, the
-    /// schedule position and the random stream.
+    /// Takes over a saved (resume) or sent (join) position: AdamW's moments (whole, shaped
+    /// like the parameters) and step, the schedule position and the random stream.
     fn restore_position(
         &mut self,
         optimizer_steps: u64,
@@ -240,19 +334,109 @@ impl Trainer {
         steps: u64,
         rng: ChaCha8Rng,
     ) {
+        self.install_moments(optimizer_steps, exp_avg, exp_avg_sq);
+        self.steps = steps;
+        self.rng = rng;
+    }
+
+    /// AdamW at step `optimizer_steps` with these whole moments (this rank's slice of
+    /// them when sharded).
+    fn install_moments(
+        &mut self,
+        optimizer_steps: u64,
+        exp_avg: Vec<Tensor>,
+        exp_avg_sq: Vec<Tensor>,
+    ) {
+        let (exp_avg, exp_avg_sq) = match &self.sharded {
+            Some(s) => {
+                let device = s.weights.device();
+                (
+                    vec![s.layout.slice_of(&exp_avg).to_device(device)],
+                    vec![s.layout.slice_of(&exp_avg_sq).to_device(device)],
+                )
+            }
+            None => (exp_avg, exp_avg_sq),
+        };
         self.optimizer = AdamW::from_state(
             adamw_config(&self.config),
             optimizer_steps,
             exp_avg,
             exp_avg_sq,
         );
-        self.steps = steps;
-        self.rng = rng;
+    }
+
+    /// Saved fp32 master weights (bf16 training): they become the masters (this rank's
+    /// slice when sharded) and the parameters their rounding.
+    fn restore_masters(&mut self, masters: Vec<Tensor>) {
+        tch::no_grad(|| {
+            match (&mut self.sharded, &mut self.master) {
+                (Some(s), _) => {
+                    s.weights = s.layout.slice_of(&masters).to_device(s.weights.device())
+                }
+                (None, Some(m)) => {
+                    for (w, saved) in m.weights.iter_mut().zip(&masters) {
+                        w.copy_(saved);
+                    }
+                }
+                (None, None) => {}
+            }
+            for (p, w) in self.params.iter_mut().zip(&masters) {
+                p.copy_(w);
+            }
+        });
+    }
+
+    /// The whole optimizer state, shaped like the parameters: AdamW's moments and, in
+    /// bf16, the fp32 master weights. Sharded, the slices are gathered from every rank
+    /// into host memory (every rank of the group must call it together); else views of
+    /// the trainer's own tensors.
+    fn full_optimizer_state(&mut self) -> Result<FullState> {
+        let Some(s) = &self.sharded else {
+            return Ok(FullState {
+                exp_avg: self
+                    .optimizer
+                    .exp_avg()
+                    .iter()
+                    .map(Tensor::shallow_clone)
+                    .collect(),
+                exp_avg_sq: self
+                    .optimizer
+                    .exp_avg_sq()
+                    .iter()
+                    .map(Tensor::shallow_clone)
+                    .collect(),
+                master: self
+                    .master
+                    .as_ref()
+                    .map(|m| m.weights.iter().map(Tensor::shallow_clone).collect()),
+            });
+        };
+        s.check_whole()?;
+        let c = &mut *self.collective;
+        let exp_avg = s.layout.gather_to_host(&self.optimizer.exp_avg()[0], c)?;
+        let exp_avg_sq = s
+            .layout
+            .gather_to_host(&self.optimizer.exp_avg_sq()[0], c)?;
+        let mixed = self.params.first().map(Tensor::kind) == Some(tch::Kind::BFloat16);
+        let master = if mixed {
+            Some(s.layout.gather_to_host(&s.weights, c)?)
+        } else {
+            None
+        };
+        Ok(FullState {
+            exp_avg,
+            exp_avg_sq,
+            master,
+        })
     }
 
     /// Leaves a broken group: the trainer goes on alone (rank 0 keeps its state and
     /// leads a new group later).
     pub fn leave_group(&mut self) {
+        if let Some(s) = &mut self.sharded {
+            // The other ranks' slices of the state are gone with the group.
+            s.lost |= self.collective.world_size() > 1;
+        }
         self.collective = Box::new(CpuCollective::solo());
     }
 

@@ -26,6 +26,10 @@ pub enum StepError {
         #[source]
         source: CollectiveError,
     },
+    /// The group broke under `[learner] shard`: the other ranks' slices of the optimizer
+    /// state went with them, so this trainer cannot step; resume from a checkpoint.
+    #[error("{0}")]
+    ShardLost(String),
 }
 
 /// Why a step was skipped: its loss or its gradient norm (over all ranks, so every rank
@@ -67,17 +71,50 @@ impl Trainer {
         batches: impl Iterator<Item = B>,
         loss: impl Fn(&Policy, &B) -> Option<(Tensor, u64)>,
     ) -> Result<StepReport, StepError> {
+        if let Some(s) = &self.sharded {
+            s.check_whole()
+                .map_err(|e| StepError::ShardLost(format!("{e:#}")))?;
+        }
+        let batches: Vec<B> = batches.collect();
+        let rounds = self.pass_rounds(batches.len())?;
         let (mut local_sum, mut local_tokens, mut passes) = (0.0, 0u64, 0);
-        for batch in batches {
-            let Some((sum, tokens)) = loss(&self.policy, &batch) else {
-                continue;
-            };
-            local_sum += sum.double_value(&[]);
-            self.backward(&sum);
-            local_tokens += tokens;
-            passes += 1;
+        for i in 0..rounds {
+            if let Some((sum, tokens)) = batches.get(i).and_then(|b| loss(&self.policy, b)) {
+                local_sum += sum.double_value(&[]);
+                self.backward(&sum);
+                local_tokens += tokens;
+                passes += 1;
+            }
+            if let Some(s) = &mut self.sharded {
+                s.reduce_pass(&self.params, &mut *self.collective)
+                    .map_err(|source| StepError::Collective {
+                        during: "reduce-scattering a micro-batch's gradients",
+                        source,
+                    })?;
+            }
         }
         self.finish_step(start, local_sum, local_tokens, passes)
+    }
+
+    /// Rounds of passes of this step: this rank's batches, except under `shard =
+    /// "gradients"` in a group, where each round ends with a reduce-scatter every rank
+    /// makes: the most batches of any rank (a rank short of batches adds zeros).
+    fn pass_rounds(&mut self, batches: usize) -> Result<usize, StepError> {
+        let world = self.collective.world_size();
+        let sharded_passes =
+            matches!(&self.sharded, Some(s) if s.mode == crate::config::Shard::Gradients);
+        if world == 1 || !sharded_passes {
+            return Ok(batches);
+        }
+        let mut counts = vec![0.0; world];
+        counts[self.collective.rank()] = batches as f64;
+        self.collective
+            .all_reduce_sum_f64(&mut counts)
+            .map_err(|source| StepError::Collective {
+                during: "agreeing on the number of micro-batches",
+                source,
+            })?;
+        Ok(counts.into_iter().fold(0.0, f64::max) as usize)
     }
 
     /// What a step that changes nothing reports.
@@ -108,6 +145,9 @@ impl Trainer {
                 let _ = g.zero_();
             }
         }
+        if let Some(s) = &mut self.sharded {
+            s.zero_grad_sums();
+        }
         Some(Instant::now())
     }
 
@@ -129,6 +169,9 @@ impl Trainer {
                     }
                 }
             });
+        }
+        if let Some(s) = &mut self.sharded {
+            s.add_pass_to_flat_sums(&self.params);
         }
     }
 
@@ -160,9 +203,16 @@ impl Trainer {
             // Nothing to learn from (e.g. only format-error labels): no update, no step.
             return Ok(idle);
         }
-        let mut grads: Vec<Tensor> = match &self.master {
-            Some(m) => m.grads.iter().map(Tensor::shallow_clone).collect(),
-            None => self
+        let mut grads: Vec<Tensor> = match (&mut self.sharded, &self.master) {
+            // Sharded: this rank's slice of the summed gradients.
+            (Some(s), _) => vec![s
+                .reduced_slice(&self.params, &mut *self.collective)
+                .map_err(|source| StepError::Collective {
+                    during: "reduce-scattering gradients",
+                    source,
+                })?],
+            (None, Some(m)) => m.grads.iter().map(Tensor::shallow_clone).collect(),
+            (None, None) => self
                 .params
                 .iter()
                 .map(|p| {
@@ -175,7 +225,7 @@ impl Trainer {
                 })
                 .collect(),
         };
-        if !solo {
+        if !solo && self.sharded.is_none() {
             self.collective
                 .all_reduce_sum(&mut grads)
                 .map_err(|source| StepError::Collective {
@@ -183,24 +233,35 @@ impl Trainer {
                     source,
                 })?;
         }
-        let grad_norm = tch::no_grad(|| {
+        let mut sq = [tch::no_grad(|| {
             let mut sq = 0.0;
             for g in grads.iter_mut() {
                 let _ = g.g_div_scalar_(label_tokens as f64);
                 let n = g.norm().double_value(&[]);
                 sq += n * n;
             }
-            let norm: f64 = f64::sqrt(sq);
-            if self.config.grad_clip > 0.0 {
-                let coef = self.config.grad_clip / (norm + 1e-6);
-                if coef < 1.0 {
+            sq
+        })];
+        if !solo && self.sharded.is_some() {
+            // Each rank holds a slice: the squares add up over the ranks.
+            self.collective
+                .all_reduce_sum_f64(&mut sq)
+                .map_err(|source| StepError::Collective {
+                    during: "summing the gradient norm over the ranks",
+                    source,
+                })?;
+        }
+        let grad_norm = f64::sqrt(sq[0]);
+        if self.config.grad_clip > 0.0 {
+            let coef = self.config.grad_clip / (grad_norm + 1e-6);
+            if coef < 1.0 {
+                tch::no_grad(|| {
                     for g in grads.iter_mut() {
                         let _ = g.g_mul_scalar_(coef);
                     }
-                }
+                });
             }
-            norm
-        });
+        }
         let loss = totals[0] / totals[1];
         if !loss.is_finite() || !grad_norm.is_finite() {
             // Before clipping and AdamW: the weights, the moments and the schedule stay
@@ -225,8 +286,17 @@ impl Trainer {
                 skipped: Some(why),
             });
         }
-        match &mut self.master {
-            Some(m) => {
+        match (&mut self.sharded, &mut self.master) {
+            (Some(s), _) => {
+                self.optimizer
+                    .step(std::slice::from_mut(&mut s.weights), &grads, lr);
+                s.gather_into_params(&mut self.params, &mut *self.collective)
+                    .map_err(|source| StepError::Collective {
+                        during: "all-gathering the updated weights",
+                        source,
+                    })?;
+            }
+            (None, Some(m)) => {
                 self.optimizer.step(&mut m.weights, &grads, lr);
                 tch::no_grad(|| {
                     for (p, w) in self.params.iter_mut().zip(&m.weights) {
@@ -234,7 +304,7 @@ impl Trainer {
                     }
                 });
             }
-            None => self.optimizer.step(&mut self.params, &grads, lr),
+            (None, None) => self.optimizer.step(&mut self.params, &grads, lr),
         }
         self.steps += 1;
         Ok(StepReport {
