@@ -73,6 +73,7 @@ impl GroupLead {
             generation,
             world_size = self.opts.world_size,
             steps = trainer.steps(),
+            shard = trainer.config().shard.name(),
             "learner group formed"
         );
         self.generation = Some(generation);

@@ -509,6 +509,10 @@ fn sharded_learner_processes_train_the_same_weights_and_survive_rank_zeros_resta
         log.matches("joined the learner group").count() >= 2,
         "rank 1 joined rank 0's new group after the restart: {log}"
     );
+    assert!(
+        log.contains("sharded training state") && log.contains("gradients"),
+        "rank 1 kept a slice: {log}"
+    );
 }
 
 #[test]

@@ -152,6 +152,19 @@ impl Trainer {
                 device,
             )
         });
+        if let Some(s) = &sharded {
+            if collective.world_size() > 1 {
+                tracing::info!(
+                    shard = config.shard.name(),
+                    rank = collective.rank(),
+                    world_size = collective.world_size(),
+                    slice_elements = s.layout.share(),
+                    padded_elements = s.layout.padded(),
+                    "sharded training state: this rank keeps the fp32 weights and AdamW \
+                     moments of its slice only"
+                );
+            }
+        }
         let master = if mixed && sharded.is_none() {
             let weights: Vec<Tensor> = tch::no_grad(|| {
                 params
