@@ -1,26 +1,19 @@
 //! Data parallel on CPU: two ranks, each on its share of every batch, end with the same
 //! parameters as one rank on the whole batch.
 
+mod common;
+
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use tch::Device;
 use tutor_collective::{CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
 use tutor_learner::trainer::rank_shard;
 use tutor_learner::{LearnerConfig, Trainer};
-use tutor_policy::{ModelConfig, Policy};
+
+use common::{max_rel_diff, params, tiny_policy, Snapshot};
 
 type Example = (Vec<u32>, Vec<bool>);
-type Snapshot = Vec<(String, Vec<f32>)>;
-
-fn tiny_policy(seed: i64) -> Policy {
-    let mut mc = ModelConfig::tiny(64);
-    mc.hidden_size = 32;
-    mc.intermediate_size = 64;
-    mc.head_dim = 8;
-    Policy::new(mc, Device::Cpu, seed)
-}
 
 fn config() -> LearnerConfig {
     LearnerConfig {
@@ -51,12 +44,6 @@ fn batches(n: usize) -> Vec<Vec<Example>> {
         .collect()
 }
 
-fn params(t: &Trainer) -> Vec<(String, Vec<f32>)> {
-    t.named_parameters()
-        .map(|(n, p)| (n.to_string(), Vec::try_from(p.reshape([-1])).unwrap()))
-        .collect()
-}
-
 /// Norm-wise relative error ‖a − b‖₂ / ‖b‖₂ over all parameters.
 fn rel_error(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
     let (mut num, mut den) = (0f64, 0f64);
@@ -68,25 +55,6 @@ fn rel_error(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
         }
     }
     (num / den).sqrt()
-}
-
-/// Largest over tensors of max|a − b| / max|b|.
-fn max_rel_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let mut worst = 0f64;
-    for ((na, va), (nb, vb)) in a.iter().zip(b) {
-        assert_eq!(na, nb);
-        let scale = vb
-            .iter()
-            .fold(0f64, |m, x| m.max(x.abs() as f64))
-            .max(1e-12);
-        let diff = va
-            .iter()
-            .zip(vb)
-            .fold(0f64, |m, (x, y)| m.max((x - y).abs() as f64));
-        worst = worst.max(diff / scale);
-    }
-    worst
 }
 
 /// Runs `batches` on two ranks (threads, TCP loopback). Rank 1 starts from different

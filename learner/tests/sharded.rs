@@ -3,6 +3,8 @@
 //! checkpoint keeps the unsharded layout and a group resumes from it exactly, a late rank
 //! gets its slice, and a broken group is refused rather than trained on half a state.
 
+mod common;
+
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
@@ -13,18 +15,11 @@ use tutor_collective::{CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
 use tutor_learner::config::{Precision, Shard};
 use tutor_learner::trainer::{rank_shard, StepError};
 use tutor_learner::{checkpoint, Collective, LearnerConfig, Trainer};
-use tutor_policy::{ModelConfig, Policy};
+use tutor_policy::Policy;
+
+use common::{max_rel_diff, params, tiny_policy, Snapshot};
 
 type Example = (Vec<u32>, Vec<bool>);
-type Snapshot = Vec<(String, Vec<f32>)>;
-
-fn tiny_policy(seed: i64) -> Policy {
-    let mut mc = ModelConfig::tiny(64);
-    mc.hidden_size = 32;
-    mc.intermediate_size = 64;
-    mc.head_dim = 8;
-    Policy::new(mc, Device::Cpu, seed)
-}
 
 /// Clipping on (the norm is summed over the ranks' slices), micro-batches small enough
 /// that the ranks run different numbers of passes.
@@ -64,34 +59,6 @@ fn batches(n: usize) -> Vec<Vec<Example>> {
                 .collect()
         })
         .collect()
-}
-
-fn params(t: &Trainer) -> Snapshot {
-    t.named_parameters()
-        .map(|(n, p)| {
-            let v = p.to_kind(Kind::Float).reshape([-1]);
-            (n.to_string(), Vec::try_from(v).unwrap())
-        })
-        .collect()
-}
-
-/// Largest over tensors of max|a − b| / max|b|.
-fn max_rel_diff(a: &Snapshot, b: &Snapshot) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let mut worst = 0f64;
-    for ((na, va), (nb, vb)) in a.iter().zip(b) {
-        assert_eq!(na, nb);
-        let scale = vb
-            .iter()
-            .fold(0f64, |m, x| m.max(x.abs() as f64))
-            .max(1e-12);
-        let diff = va
-            .iter()
-            .zip(vb)
-            .fold(0f64, |m, (x, y)| m.max((x - y).abs() as f64));
-        worst = worst.max(diff / scale);
-    }
-    worst
 }
 
 fn timeouts() -> CpuCollectiveTimeouts {
