@@ -20,6 +20,7 @@
 //! cache rebuilds and the per-row decoding share the engine thread's state.
 
 use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -28,6 +29,7 @@ use tokio::sync::mpsc;
 
 use crate::generate::{sample, RowSampling, Sampled};
 use crate::model::{AttnMask, KvCache};
+use crate::prefix_cache::{PrefixCache, PrefixStats};
 use crate::{ChatTokenizer, FinishReason, GenParams, Policy};
 
 /// Limits of one engine; see `tutor serve --help`.
@@ -42,6 +44,11 @@ pub struct EngineConfig {
     /// libtorch intra-op threads of the engine thread (0: libtorch's default). Set on the
     /// thread that decodes, since OpenMP thread counts are per thread.
     pub torch_threads: u32,
+    /// Tokens of finished generations whose keys and values the engine keeps, so that a
+    /// prompt starting with one of them (an agent's next turn) prefills only what is new
+    /// (`prefix_cache`); 0 turns it off. Memory besides `max_cached_tokens`: per token,
+    /// 2 × layers × kv_heads × head_dim values.
+    pub prefix_cache_tokens: usize,
 }
 
 impl Default for EngineConfig {
@@ -51,6 +58,7 @@ impl Default for EngineConfig {
             max_cached_tokens: 32_768,
             queue: 64,
             torch_threads: 0,
+            prefix_cache_tokens: 32_768,
         }
     }
 }
@@ -218,9 +226,15 @@ pub struct EngineHandle {
     context: usize,
     budget: usize,
     vocab: usize,
+    stats: Arc<Mutex<PrefixStats>>,
 }
 
 impl EngineHandle {
+    /// Prompt tokens prefilled and reused from the prefix cache since the engine started.
+    pub fn prefix_stats(&self) -> PrefixStats {
+        *self.stats.lock().expect("engine stats")
+    }
+
     /// The model's context length (`max_position_embeddings`).
     pub fn context(&self) -> usize {
         self.context
@@ -350,11 +364,13 @@ pub fn spawn_engine(
     config: EngineConfig,
 ) -> (EngineHandle, std::thread::JoinHandle<()>) {
     let (tx, rx) = mpsc::channel(config.queue.max(1));
+    let stats = Arc::new(Mutex::new(PrefixStats::default()));
     let handle = EngineHandle {
         tx,
         context: policy.config.max_position_embeddings,
         budget: config.max_cached_tokens,
         vocab: policy.config.vocab_size,
+        stats: stats.clone(),
     };
     let thread = std::thread::Builder::new()
         .name("tutor-engine".into())
@@ -363,7 +379,7 @@ pub fn spawn_engine(
                 tch::set_num_threads(config.torch_threads as i32);
             }
             policy.use_decode_layout();
-            let mut engine = Engine::new(policy, tokenizer, config);
+            let mut engine = Engine::new(policy, tokenizer, config, stats);
             tch::no_grad(|| engine.run(rx));
         })
         .expect("spawning the engine thread");
@@ -404,11 +420,20 @@ struct Engine {
     /// Next-token logits of every row, `[rows, V]`, float32.
     logits: Option<Tensor>,
     sampling: Option<RowSampling>,
+    prefix: PrefixCache,
+    stats: Arc<Mutex<PrefixStats>>,
 }
 
 impl Engine {
-    fn new(policy: Policy, tokenizer: ChatTokenizer, config: EngineConfig) -> Self {
+    fn new(
+        policy: Policy,
+        tokenizer: ChatTokenizer,
+        config: EngineConfig,
+        stats: Arc<Mutex<PrefixStats>>,
+    ) -> Self {
         Engine {
+            prefix: PrefixCache::new(config.prefix_cache_tokens),
+            stats,
             policy,
             tokenizer,
             config,
@@ -457,6 +482,11 @@ impl Engine {
                         .policy
                         .load_weights(&path)
                         .map_err(|error| LoadError::Weights { path, error });
+                    if r.is_ok() {
+                        // Keys and values of the old weights would mix two versions.
+                        self.prefix.clear();
+                        self.stats.lock().expect("engine stats").cached_tokens = 0;
+                    }
                     let _ = reply.send(r);
                 }
                 continue;
@@ -529,9 +559,35 @@ impl Engine {
         let prompts: Vec<&[u32]> = new.iter().map(|r| r.prompt.as_slice()).collect();
         let rows: Vec<i64> = (0..new.len() as i64).map(|i| old_rows + i).collect();
         let keep: Vec<bool> = new.iter().map(|r| r.prompt_logprobs).collect();
+        // Prefixes kept from earlier generations go into their rows' first slots; only the
+        // rest of each prompt runs. (A request that scores its prompt runs all of it.)
+        let mut reused = Vec::with_capacity(new.len());
+        for (req, &row) in new.iter().zip(&rows) {
+            let hit = match req.prompt_logprobs {
+                true => None,
+                false => self.prefix.lookup(&req.prompt),
+            };
+            let m = hit.map_or(0, |hit| {
+                let slot = new_len - req.prompt.len() as i64;
+                cache.write_row(row, slot, hit.kv, hit.len as i64);
+                hit.len
+            });
+            reused.push(m);
+        }
+        {
+            let mut st = self.stats.lock().expect("engine stats");
+            st.requests += new.len() as u64;
+            st.hits += reused.iter().filter(|&&m| m > 0).count() as u64;
+            st.reused_tokens += reused.iter().sum::<usize>() as u64;
+            st.prefilled_tokens += new
+                .iter()
+                .zip(&reused)
+                .map(|(r, m)| (r.prompt.len() - m) as u64)
+                .sum::<u64>();
+        }
         let done = self
             .policy
-            .prefill_rows(&prompts, &rows, new_len, &keep, &mut cache);
+            .prefill_rows(&prompts, &rows, new_len, &keep, &reused, &mut cache);
         for (req, hidden) in new.into_iter().zip(done.hidden) {
             let p = req.prompt.len() as i64;
             if let Some(hidden) = hidden {
@@ -640,6 +696,22 @@ impl Engine {
                 continue;
             }
             if let Some(finish) = finish {
+                if self.prefix.enabled() {
+                    // The row's context in the cache: its prompt and every sampled token
+                    // but this last one (not fed yet), kept for a later prompt.
+                    if let Some(cache) = &self.cache {
+                        let n = cache.len - row.start;
+                        let fed = &row.tokens[..row.tokens.len() - 1];
+                        if n == (row.req.prompt.len() + fed.len()) as i64 {
+                            let mut tokens = row.req.prompt.clone();
+                            tokens.extend_from_slice(fed);
+                            let kv = cache.read_row(i as i64, row.start, n);
+                            self.prefix.insert(tokens, kv);
+                            let held = self.prefix.held() as u64;
+                            self.stats.lock().expect("engine stats").cached_tokens = held;
+                        }
+                    }
+                }
                 // Text held back for a stop string that never completed (or a trailing
                 // replacement character) is final now.
                 let rest = if by_string || !row.wants_text() {
@@ -1114,5 +1186,80 @@ mod tests {
         assert_eq!(collect(rx_b).tokens.len(), 5);
         drop(handle);
         thread.join().unwrap();
+    }
+
+    /// An agent's next turn: its prompt is the previous prompt, the reply and an
+    /// observation. With the prefix cache the engine prefills only the tokens after the
+    /// previous context it kept, and the turn's tokens and log-probs are those of a full
+    /// prefill (an engine without the cache, and `Policy::generate`).
+    #[test]
+    fn a_next_turn_prefills_only_its_new_tokens_with_the_same_logprobs() {
+        let tok = tokenizer();
+        let first: Vec<u32> = tok
+            .render_prompt("s", "line 3: the quick brown fox")
+            .unwrap();
+        let cached = EngineConfig {
+            prefix_cache_tokens: 4096,
+            ..Default::default()
+        };
+        let plain = EngineConfig {
+            prefix_cache_tokens: 0,
+            ..Default::default()
+        };
+        let (on, on_thread) = spawn_engine(policy(5), tok.clone(), cached);
+        let (off, off_thread) = spawn_engine(policy(5), tok.clone(), plain);
+        let run = |h: &EngineHandle, prompt: &[u32], n: usize| {
+            let (req, rx) = request(prompt.to_vec(), greedy(n));
+            h.submit_blocking(req).unwrap();
+            collect(rx)
+        };
+        let reply = run(&on, &first, 6);
+        assert_eq!(run(&off, &first, 6).tokens, reply.tokens);
+        let mut second = first.clone();
+        second.extend(&reply.tokens);
+        second.extend(tok.render_prompt("", "line 7: jumps").unwrap());
+        let before = on.prefix_stats();
+        let got = run(&on, &second, 8);
+        let after = on.prefix_stats();
+        let want = run(&off, &second, 8);
+        let reference = policy(5).generate(std::slice::from_ref(&second), &[greedy(8)])[0].clone();
+        assert_eq!(got.tokens, want.tokens);
+        assert_eq!(got.tokens, reference.tokens);
+        for (a, b) in got.logprobs.iter().zip(&want.logprobs) {
+            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+        }
+        // Kept: the first prompt and every reply token but the last (never fed).
+        let kept = first.len() + reply.tokens.len() - 1;
+        assert_eq!(after.reused_tokens - before.reused_tokens, kept as u64);
+        assert_eq!(
+            after.prefilled_tokens - before.prefilled_tokens,
+            (second.len() - kept) as u64
+        );
+        assert_eq!((after.hits - before.hits, after.requests), (1, 2));
+        assert_eq!(off.prefix_stats().reused_tokens, 0);
+        assert_eq!(
+            off.prefix_stats().prefilled_tokens,
+            (first.len() + second.len()) as u64
+        );
+
+        // New weights: nothing of the old ones is reused.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v1.safetensors");
+        policy(6).save_weights(&path).unwrap();
+        on.load_weights_blocking(&path).unwrap();
+        let reused = on.prefix_stats().reused_tokens;
+        let third = run(&on, &second, 8);
+        assert_eq!(
+            on.prefix_stats().reused_tokens,
+            reused,
+            "the cache was emptied"
+        );
+        assert_eq!(on.prefix_stats().cached_tokens, (second.len() + 7) as u64);
+        let new_reference =
+            policy(6).generate(std::slice::from_ref(&second), &[greedy(8)])[0].clone();
+        assert_eq!(third.tokens, new_reference.tokens);
+        drop((on, off));
+        on_thread.join().unwrap();
+        off_thread.join().unwrap();
     }
 }

@@ -174,7 +174,15 @@ impl Policy {
             });
             source.push(u as i64);
         }
-        let done = self.prefill_rows(&unique, &unique_rows, p, &vec![false; unique.len()], cache);
+        let none = vec![false; unique.len()];
+        let done = self.prefill_rows(
+            &unique,
+            &unique_rows,
+            p,
+            &none,
+            &vec![0; unique.len()],
+            cache,
+        );
         for (i, &u) in source.iter().enumerate() {
             let from = unique_rows[u as usize];
             if from != i as i64 {
@@ -189,7 +197,9 @@ impl Policy {
 
     /// Runs `prompts` (none empty) through the model and writes prompt `j`'s keys and
     /// values to row `rows[j]` of `cache`, slots `end - len_j .. end` (`cache.len` is left
-    /// to the caller).
+    /// to the caller). The first `reused[j]` tokens of prompt `j` (fewer than all) already
+    /// have theirs in those slots (the engine's prefix cache): only the rest runs, and its
+    /// hidden states are the rest's.
     ///
     /// Each prompt is a pass of its own, with plain causal attention: that needs no `[B,
     /// P, P]` mask (gigabytes for agent-length contexts), lets SDPA use its fused causal
@@ -203,23 +213,33 @@ impl Policy {
         rows: &[i64],
         end: i64,
         keep_hidden: &[bool],
+        reused: &[usize],
         cache: &mut KvCache,
     ) -> Prefill {
         assert!(prompts.len() == rows.len() && prompts.len() == keep_hidden.len());
+        assert_eq!(prompts.len(), reused.len());
         let device = self.device();
         let mut logits = Vec::with_capacity(prompts.len());
         let mut hidden = Vec::with_capacity(prompts.len());
-        for ((prompt, &row), &keep) in prompts.iter().zip(rows).zip(keep_hidden) {
+        for (((prompt, &row), &keep), &m) in prompts.iter().zip(rows).zip(keep_hidden).zip(reused) {
             let len = prompt.len() as i64;
+            let m = m as i64;
             assert!(len > 0, "prefill of an empty prompt");
-            let ids: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
-            let ids = Tensor::from_slice(&ids).view([1, len]).to_device(device);
-            let positions = Tensor::arange(len, (Kind::Int64, device)).unsqueeze(0);
-            let h = self
-                .model
-                .prefill_row(&ids, &positions, row, end - len, cache)
-                .squeeze_dim(0);
-            logits.push(self.model.logits(&h.narrow(0, len - 1, 1)));
+            assert!(m < len, "a reused prefix must leave a token to run");
+            let ids: Vec<i64> = prompt[m as usize..].iter().map(|&t| t as i64).collect();
+            let ids = Tensor::from_slice(&ids)
+                .view([1, len - m])
+                .to_device(device);
+            let positions = Tensor::arange_start(m, len, (Kind::Int64, device)).unsqueeze(0);
+            let start = end - len;
+            let h = if m > 0 {
+                self.model
+                    .prefill_row_after(&ids, &positions, row, start, start + m, cache)
+            } else {
+                self.model.prefill_row(&ids, &positions, row, start, cache)
+            }
+            .squeeze_dim(0);
+            logits.push(self.model.logits(&h.narrow(0, len - m - 1, 1)));
             hidden.push(keep.then_some(h));
         }
         Prefill {
@@ -517,12 +537,15 @@ mod tests {
             let prompts: [&[u32]; 4] = [&[3, 14, 15, 9, 26, 5], &[35, 8], &[7], &[2, 61, 42, 8, 1]];
             let rows = [2i64, 0, 3, 1];
             let mut cache = KvCache::new(&p.config, 4, 9, Kind::Float, Device::Cpu);
-            let all = tch::no_grad(|| p.prefill_rows(&prompts, &rows, 7, &[true; 4], &mut cache));
+            let all = tch::no_grad(|| {
+                p.prefill_rows(&prompts, &rows, 7, &[true; 4], &[0; 4], &mut cache)
+            });
             for (j, prompt) in prompts.iter().enumerate() {
                 let len = prompt.len() as i64;
                 let mut alone = KvCache::new(&p.config, 1, len, Kind::Float, Device::Cpu);
-                let one =
-                    tch::no_grad(|| p.prefill_rows(&[prompt], &[0], len, &[true], &mut alone));
+                let one = tch::no_grad(|| {
+                    p.prefill_rows(&[prompt], &[0], len, &[true], &[0], &mut alone)
+                });
                 let at = format!("prepared {prepared}, prompt {j}");
                 assert!(
                     all.logits.get(j as i64).equal(&one.logits.get(0)),

@@ -13,6 +13,7 @@ mod generate;
 mod model;
 mod packed;
 mod panels;
+mod prefix_cache;
 mod tokenizer;
 
 use std::io::Read;
@@ -32,6 +33,7 @@ pub use engine::{
 pub use error::PolicyError;
 pub use generate::{fit_context, FinishReason, GenParams, Generation};
 pub use model::Policy;
+pub use prefix_cache::PrefixStats;
 
 /// The device a setting names: `"cpu"`, `"cuda"` (GPU `default_gpu`) or `"cuda:N"`;
 /// `None` for anything else (the caller names its setting in the error).

@@ -101,6 +101,32 @@ impl KvCache {
         }
     }
 
+    /// Row `row`'s slots `slot .. slot + n`, copied out: `[kv_heads, n, head_dim]` keys
+    /// and values per layer (what the prefix cache keeps).
+    pub(crate) fn read_row(&self, row: i64, slot: i64, n: i64) -> Vec<(Tensor, Tensor)> {
+        self.layers
+            .iter()
+            .map(|(k, v)| {
+                let take =
+                    |t: &Tensor| t.narrow(0, row, 1).narrow(2, slot, n).squeeze_dim(0).copy();
+                (take(k), take(v))
+            })
+            .collect()
+    }
+
+    /// Writes the first `n` slots of `kv` (as `read_row` gives them) to row `row`, slots
+    /// `slot .. slot + n`.
+    pub(crate) fn write_row(&mut self, row: i64, slot: i64, kv: &[(Tensor, Tensor)], n: i64) {
+        for ((k, v), (src_k, src_v)) in self.layers.iter_mut().zip(kv) {
+            k.narrow(0, row, 1)
+                .narrow(2, slot, n)
+                .copy_(&src_k.narrow(1, 0, n).unsqueeze(0));
+            v.narrow(0, row, 1)
+                .narrow(2, slot, n)
+                .copy_(&src_v.narrow(1, 0, n).unsqueeze(0));
+        }
+    }
+
     /// Copies slots `offset .. offset + n` of row `from` to the same slots of row `to`.
     pub(crate) fn copy_row(&mut self, from: i64, to: i64, offset: i64, n: i64) {
         for (k, v) in self.layers.iter_mut() {
@@ -414,6 +440,13 @@ impl Attention {
                 v_cache.narrow(0, row, 1).narrow(2, slot, s).copy_(&v);
                 self.attend(&q, &k, &v, mask)
             }
+            Kv::RowAfter((k_cache, v_cache), row, from, slot) => {
+                k_cache.narrow(0, row, 1).narrow(2, slot, s).copy_(&k);
+                v_cache.narrow(0, row, 1).narrow(2, slot, s).copy_(&v);
+                let k = k_cache.narrow(0, row, 1).narrow(2, from, slot + s - from);
+                let v = v_cache.narrow(0, row, 1).narrow(2, from, slot + s - from);
+                self.attend(&q, &k, &v, mask)
+            }
         };
         let y = y
             .transpose(1, 2)
@@ -470,6 +503,10 @@ enum Kv<'a> {
     /// One prompt's prefill (batch 1): its keys and values go to cache row `.1`, slots
     /// `.2 .. .2 + S`; queries attend the pass's own keys under the mask.
     Row(&'a mut (Tensor, Tensor), i64, i64),
+    /// The rest of a prompt whose first tokens' keys and values are already in cache row
+    /// `.1`, slots `.2 .. .3` (a reused prefix): the pass's go to slots `.3 .. .3 + S`, and
+    /// queries attend slots `.2 .. .3 + S` under the mask.
+    RowAfter(&'a mut (Tensor, Tensor), i64, i64, i64),
 }
 
 struct Mlp {
@@ -714,6 +751,33 @@ impl Decoder {
         self.run_layers(input_ids, positions, |i, x, rope, layer| {
             let kv = Kv::Row(&mut cache.layers[i], row, slot);
             layer.forward(x, rope, &AttnMask::Causal, kv)
+        })
+    }
+
+    /// [`Decoder::prefill_row`] of a prompt's last S tokens when the keys and values of
+    /// the ones before them are already in cache row `row`, slots `from .. slot`: the new
+    /// tokens' go to slots `slot .. slot + S`, each attending the reused prefix and the new
+    /// tokens up to itself. `positions` continue the prefix's (`slot - from ..`).
+    pub(crate) fn prefill_row_after(
+        &self,
+        input_ids: &Tensor,
+        positions: &Tensor,
+        row: i64,
+        from: i64,
+        slot: i64,
+        cache: &mut KvCache,
+    ) -> Tensor {
+        let s = input_ids.size()[1];
+        let reused = slot - from;
+        let device = input_ids.device();
+        // Query i (at position reused + i) sees keys 0 ..= reused + i.
+        let keys = Tensor::arange(reused + s, (Kind::Int64, device)).unsqueeze(0);
+        let queries = Tensor::arange(s, (Kind::Int64, device)).unsqueeze(1) + reused;
+        let mask = keys.le_tensor(&queries).view([1, 1, s, reused + s]);
+        let mask = AttnMask::Explicit(mask);
+        self.run_layers(input_ids, positions, |i, x, rope, layer| {
+            let kv = Kv::RowAfter(&mut cache.layers[i], row, from, slot);
+            layer.forward(x, rope, &mask, kv)
         })
     }
 

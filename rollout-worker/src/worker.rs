@@ -101,6 +101,11 @@ pub struct WorkerConfig {
     /// turn that does not fit waits for others to finish; it is raised to the model's
     /// context when smaller, so that any single turn fits.
     pub student_cache_tokens: usize,
+    /// Tokens of finished turns whose keys and values the student's engine keeps, so the
+    /// next turn of an episode (the previous prompt, the reply and the observation)
+    /// prefills only its new tokens; least recently used first out, emptied at each new
+    /// policy version. 0 turns it off.
+    pub student_prefix_cache_tokens: usize,
     /// Where policy versions come from: `"grpc"` (downloaded from the learner's Weights
     /// service when a lease names a new one), or `"broadcast"`: learner rank 0 pushes every
     /// version to its `[learner] weight_receivers` workers over a collective as soon as it
@@ -185,6 +190,7 @@ impl Default for WorkerConfig {
             torch_threads: 1,
             student_max_batch: 16,
             student_cache_tokens: 65_536,
+            student_prefix_cache_tokens: 65_536,
             weights_from: WeightsFrom::Grpc,
             broadcast_wait_s: 30.0,
             student_device: "cpu".into(),
@@ -234,6 +240,7 @@ impl WorkerConfig {
             max_cached_tokens: self.student_cache_tokens,
             queue: 4 * self.student_max_batch.max(1),
             torch_threads: self.torch_threads,
+            prefix_cache_tokens: self.student_prefix_cache_tokens,
         }
     }
 

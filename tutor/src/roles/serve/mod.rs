@@ -33,6 +33,11 @@ pub struct ServeArgs {
     /// Key/value cache budget in tokens (rows × slots); requests that do not fit wait.
     #[arg(long, default_value_t = 32_768)]
     max_cached_tokens: usize,
+    /// Tokens of finished generations whose keys and values are kept, so that a prompt
+    /// that starts with one of them (a conversation's next turn) prefills only what is
+    /// new; 0 turns it off.
+    #[arg(long, default_value_t = 32_768)]
+    prefix_cache_tokens: usize,
     /// Requests waiting for the engine before new ones are held back.
     #[arg(long, default_value_t = 64)]
     queue: usize,
@@ -147,6 +152,7 @@ pub async fn serve(
             max_batch: args.max_batch,
             max_cached_tokens: args.max_cached_tokens,
             queue: args.queue,
+            prefix_cache_tokens: args.prefix_cache_tokens,
             ..Default::default()
         },
     );
