@@ -742,6 +742,8 @@ fn check_generate(ctx: &Ctx, c: &mut Check) -> Result<()> {
             max_cached_tokens: 1 << 20,
             queue: 64,
             torch_threads: 4,
+            // Repeats send the same prompts: no prefix reuse, as transformers has none.
+            prefix_cache_tokens: 0,
         },
     );
     let mut rows = Vec::new();

@@ -211,6 +211,8 @@ fn bench_generate(args: &Args, dir: &Path) -> Result<()> {
                         max_cached_tokens: 1 << 20,
                         queue: 64,
                         torch_threads: args.threads.max(1) as u32,
+                        // Repeats send the same prompts: no prefix reuse, as transformers has none.
+                        prefix_cache_tokens: 0,
                     },
                 );
                 Runner::Engine(handle, thread)
