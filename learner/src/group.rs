@@ -156,17 +156,21 @@ pub async fn run_follower(opts: GroupOptions) -> Result<()> {
     }
     let mut after = 0;
     let mut lost: Option<String> = None;
+    let mut next: Option<Rendezvous> = None;
     loop {
-        let rdv = match fetch(&opts, after).await {
-            Ok(r) => r,
-            Err(e) => match lost {
-                Some(why) => {
-                    return Err(e.context(format!(
-                        "learner rank {} lost its group of generation {after} ({why})",
-                        opts.rank
-                    )))
-                }
-                None => return Err(e),
+        let rdv = match next.take() {
+            Some(r) => r,
+            None => match fetch(&opts, after).await {
+                Ok(r) => r,
+                Err(e) => match lost {
+                    Some(why) => {
+                        return Err(e.context(format!(
+                            "learner rank {} lost its group of generation {after} ({why})",
+                            opts.rank
+                        )))
+                    }
+                    None => return Err(e),
+                },
             },
         };
         if rdv.world_size as usize != opts.world_size || rdv.kind != opts.kind() as i32 {
@@ -188,20 +192,53 @@ pub async fn run_follower(opts: GroupOptions) -> Result<()> {
         );
         // A thread of its own (not the runtime's blocking pool): the process may exit while
         // it waits on a socket.
-        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (tx, mut done) = tokio::sync::oneshot::channel();
+        let (joined_tx, mut joined) = tokio::sync::oneshot::channel();
         let (o, r) = (opts.clone(), rdv.clone());
         std::thread::Builder::new()
             .name(format!("rank-{}", opts.rank))
             .spawn(move || {
-                let _ = tx.send(follow_generation(&o, &r));
+                let _ = tx.send(follow_generation(&o, &r, joined_tx));
             })
             .context("starting the follower thread")?;
-        match rx.await.context("the follower thread died")? {
-            Ok(()) => {
+        // While the join is under way, a newer generation means this one is stale (its
+        // rank 0 is gone: a rank started just before rank 0 restarted read the old
+        // rendezvous): join the newer one rather than wait out a dead address. The
+        // abandoned thread fails on its own.
+        let newer = fetch(&opts, rdv.generation);
+        tokio::pin!(newer);
+        let (mut is_joined, mut watching) = (false, true);
+        let outcome = loop {
+            tokio::select! {
+                r = &mut done => break Some(r.context("the follower thread died")?),
+                // Joined (or the join failed, and `done` comes next): from here the group's
+                // own failures say when it breaks.
+                _ = &mut joined, if !is_joined => is_joined = true,
+                n = &mut newer, if watching && !is_joined => {
+                    watching = false;
+                    if let Ok(n) = n {
+                        tracing::warn!(
+                            stale = rdv.generation,
+                            generation = n.generation,
+                            rank = opts.rank,
+                            "rank 0 published a newer generation while this rank was joining: \
+                             joining that one"
+                        );
+                        next = Some(n);
+                        break None;
+                    }
+                }
+            }
+        };
+        match outcome {
+            None => {
+                after = rdv.generation;
+            }
+            Some(Ok(())) => {
                 tracing::info!(rank = opts.rank, "rank 0 ended the run: exiting");
                 return Ok(());
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 let why = format!("{e:#}");
                 tracing::warn!(
                     generation = rdv.generation,
@@ -217,9 +254,14 @@ pub async fn run_follower(opts: GroupOptions) -> Result<()> {
 
 /// Joins generation `rdv` and trains in lockstep until rank 0 says stop (`Ok`) or the
 /// group fails (`Err`).
-fn follow_generation(opts: &GroupOptions, rdv: &Rendezvous) -> Result<()> {
+fn follow_generation(
+    opts: &GroupOptions,
+    rdv: &Rendezvous,
+    joined: tokio::sync::oneshot::Sender<()>,
+) -> Result<()> {
     let collective = join_rendezvous(opts, rdv)?;
     let mut trainer = Trainer::join_group(collective)?;
+    let _ = joined.send(());
     tracing::info!(
         generation = rdv.generation,
         rank = opts.rank,

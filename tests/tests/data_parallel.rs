@@ -328,6 +328,23 @@ fn run_sharded(
         );
         println!("kill -9 learner rank {rank} in iteration {iteration}; restarting it");
         ranks[rank].kill9();
+        if rank != 0 && shard != "none" {
+            // Sharded, rank 0 cannot go on without the lost rank's slice of the optimizer
+            // state: it stops by itself, and restarted it resumes from its checkpoint.
+            let status = ranks[0].wait_exit(Duration::from_secs(120));
+            assert!(
+                status.is_some_and(|s| !s.success()),
+                "rank 0 did not stop after losing rank {rank} ({status:?})\n{}",
+                ranks[0].log_tail()
+            );
+            let log = std::fs::read_to_string(prep.logs.join("learner0.log")).unwrap();
+            assert!(
+                log.contains("optimizer state of the lost ranks") && log.contains("--out-dir"),
+                "rank 0's log does not say why it stopped:\n{}",
+                ranks[0].log_tail()
+            );
+            ranks[0].start();
+        }
         ranks[rank].start();
     }
     {
@@ -488,18 +505,19 @@ fn killed_and_restarted_ranks_rejoin_and_train_the_same_weights_as_one() {
 }
 
 /// `[learner] shard = "gradients"` (ZeRO-2) over two learner processes: the same weights
-/// as one unsharded learner, also when rank 0 is killed mid-run and restarted (it resumes
-/// from its checkpoint, which holds the whole optimizer state gathered from both ranks,
-/// and sends rank 1 its slice again).
+/// as one unsharded learner, also when rank 1 is killed (rank 0, without rank 1's slice
+/// of the optimizer state, stops and is restarted) and when rank 0 is killed and
+/// restarted: each time rank 0 resumes from its checkpoint, which holds the whole state
+/// gathered from both ranks, and sends rank 1 its slice again.
 #[test]
 fn sharded_learner_processes_train_the_same_weights_and_survive_rank_zeros_restart() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().canonicalize().unwrap();
-    let single = run(&root.join("one"), 1, 2, &[]);
-    let double = run_sharded(&root.join("two"), 2, 2, &[(1, 0)], "gradients");
+    let single = run(&root.join("one"), 1, 3, &[]);
+    let double = run_sharded(&root.join("two"), 2, 3, &[(1, 1), (2, 0)], "gradients");
     let (a, b) = (read_train_log(&single), read_train_log(&double));
     assert!(
-        a.keys().any(|(i, _)| *i == 1),
+        a.keys().any(|(i, _)| *i == 2),
         "the last iteration trained: {a:?}"
     );
     assert_same_batches(&a, &b);
