@@ -431,6 +431,7 @@ pub fn turn_template(seed: u64, args: &Args) -> TurnRecord {
         unbiased_sampling: false,
         teacher_logprobs_of_student: Vec::new(),
         context_rebuilt: false,
+        teacher_asked: true,
     }
 }
 

@@ -129,6 +129,9 @@ impl CoordinatorConfig {
     ) -> serde_json::Map<String, serde_json::Value> {
         let mut m = serde_json::Map::new();
         m.insert("algorithm".into(), self.algorithm.as_str().into());
+        // Every algorithm: what the teacher was asked (the cost of a paid endpoint).
+        m.insert("teacher_calls".into(), rollouts.teacher_calls.into());
+        m.insert("teacher_tokens".into(), rollouts.teacher_tokens.into());
         if self.algorithm == Algorithm::Dapo {
             m.insert("groups_kept".into(), rollouts.groups.kept.into());
             m.insert("groups_dropped".into(), rollouts.groups.dropped.into());

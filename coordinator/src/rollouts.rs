@@ -31,6 +31,10 @@ pub struct IterationRollouts {
     /// own distribution (temperature 1) count.
     pub kl_tokens: u64,
     pub kl_sum: f64,
+    /// Turns of every finished episode (training and held-out) where the teacher was
+    /// asked for an action, and the tokens of its replies: what a paid endpoint bills.
+    pub teacher_calls: u64,
+    pub teacher_tokens: u64,
 }
 
 /// Share of `outcomes` that submitted and their mean number of turns (0 and 0 for none).
@@ -52,6 +56,14 @@ impl IterationRollouts {
             .iter()
             .filter(|t| t.executed == tutor_proto::Actor::Student as i32)
             .count() as u64;
+    }
+
+    /// Counts the turns of a finished episode where the teacher was asked, and its tokens.
+    pub fn count_teacher_calls(&mut self, turns: &[TurnRecord]) {
+        for t in turns.iter().filter(|t| t.teacher_asked) {
+            self.teacher_calls += 1;
+            self.teacher_tokens += t.teacher_tokens.len() as u64;
+        }
     }
 
     /// Counts the turns of a finished episode where the student generated an action:

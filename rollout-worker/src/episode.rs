@@ -130,31 +130,38 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
             break;
         }
 
-        // 1. The teacher labels this state, always.
-        let reply = match teacher.next_action(&TeacherState {
-            task: &task,
-            system_prompt: &system,
-            sandbox: sandbox.as_ref(),
-            history: &steps,
-            turn: t as usize,
-            max_turns: lease.max_turns as usize,
-        }) {
-            Ok(r) => r,
-            Err(e) => {
-                fail(&mut outcome, e.to_string());
-                break;
+        // 1. Who acts this turn (crate::mixing). The student proposes whenever it may be
+        // executed.
+        let roles = mixing.roles(t, &mut rng);
+
+        // 2. The teacher labels this state when something trains on the label or its
+        // action is executed; a lease whose labels nothing uses (evaluation, rft, dapo,
+        // distill) does not pay for the others, nor fail on them.
+        let label = if lease.labels_unused && roles.executes == Actor::Student {
+            None
+        } else {
+            match teacher.next_action(&TeacherState {
+                task: &task,
+                system_prompt: &system,
+                sandbox: sandbox.as_ref(),
+                history: &steps,
+                turn: t as usize,
+                max_turns: lease.max_turns as usize,
+            }) {
+                Ok(reply) => Some(Proposal {
+                    tokens: tok.encode_assistant(&reply.text),
+                    logprobs: reply.logprobs,
+                    action: parse_action(&reply.text),
+                    text: reply.text,
+                }),
+                Err(e) => {
+                    fail(&mut outcome, e.to_string());
+                    break;
+                }
             }
         };
-        let label = Proposal {
-            tokens: tok.encode_assistant(&reply.text),
-            logprobs: reply.logprobs,
-            action: parse_action(&reply.text),
-            text: reply.text,
-        };
 
-        // 2. Who acts this turn (crate::mixing). The student proposes whenever it may be
-        // executed; for on-policy distillation the teacher scores the student's tokens.
-        let roles = mixing.roles(t, &mut rng);
+        // For on-policy distillation the teacher scores the student's tokens.
         let (student, teacher_logprobs_of_student) = if roles.student_generates {
             let score = lease.score_student;
             match student_turn(env, &settings, teacher.as_mut(), context.tokens(), t, score) {
@@ -173,6 +180,12 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
             Some(_) if roles.executes == Actor::Student => Actor::Student,
             _ => Actor::Teacher,
         };
+        if actor == Actor::Teacher && label.is_none() {
+            // Mixing makes the student act whenever it generates and is chosen; a label
+            // is asked for every other turn. Unreachable, but never run a missing action.
+            fail(&mut outcome, format!("turn {t}: no action to execute"));
+            break;
+        }
         let turn = TurnMessages {
             label,
             student,
@@ -307,10 +320,11 @@ struct Proposal {
     action: Result<Action, FormatError>,
 }
 
-/// One turn's messages before its action runs: the teacher's label, the student's
-/// proposal when it was asked, the teacher's scores of that proposal, and who acts.
+/// One turn's messages before its action runs: the teacher's label (when it was asked),
+/// the student's proposal when it was asked, the teacher's scores of that proposal, and
+/// who acts.
 struct TurnMessages {
-    label: Proposal,
+    label: Option<Proposal>,
     student: Option<Proposal>,
     teacher_logprobs_of_student: Vec<f32>,
     /// The student only when it generated.
@@ -318,11 +332,14 @@ struct TurnMessages {
 }
 
 impl TurnMessages {
-    /// The message whose action is executed.
+    /// The message whose action is executed (the episode loop makes sure the teacher's
+    /// label exists whenever the teacher acts).
     fn executed(&self) -> &Proposal {
-        match &self.student {
-            Some(s) if self.actor == Actor::Student => s,
-            _ => &self.label,
+        match (&self.student, &self.label) {
+            (Some(s), _) if self.actor == Actor::Student => s,
+            (_, Some(label)) => label,
+            (Some(s), None) => s,
+            (None, None) => unreachable!("a turn without any action"),
         }
     }
 
@@ -336,10 +353,19 @@ impl TurnMessages {
         settings: &TurnSettings,
         policy_version: u64,
     ) -> TurnRecord {
-        let agreement = match (&self.label.action, self.student.as_ref().map(|s| &s.action)) {
-            (Ok(a), Some(Ok(b))) => a == b,
+        let agreement = match (
+            self.label.as_ref().map(|l| &l.action),
+            self.student.as_ref().map(|s| &s.action),
+        ) {
+            (Some(Ok(a)), Some(Ok(b))) => a == b,
             _ => false,
         };
+        let teacher_asked = self.label.is_some();
+        let (teacher_tokens, teacher_text, teacher_format_error, teacher_endpoint_logprobs) =
+            match self.label {
+                Some(l) => (l.tokens, l.text, l.action.is_err(), l.logprobs),
+                None => (Vec::new(), String::new(), false, Vec::new()),
+            };
         let generated = self.student.is_some();
         let (student_tokens, student_logprobs, student_text, student_format_error) =
             match self.student {
@@ -350,10 +376,11 @@ impl TurnMessages {
             turn_index,
             context_delta_tokens: delta,
             context_rebuilt,
-            teacher_tokens: self.label.tokens,
-            teacher_text: self.label.text,
-            teacher_format_error: self.label.action.is_err(),
-            teacher_endpoint_logprobs: self.label.logprobs,
+            teacher_tokens,
+            teacher_text,
+            teacher_format_error,
+            teacher_endpoint_logprobs,
+            teacher_asked,
             sampling_temperature: if generated { settings.temperature } else { 0.0 },
             unbiased_sampling: generated && settings.unbiased,
             student_tokens,

@@ -82,3 +82,71 @@ fn trajectory_mixing_lets_the_student_act_for_kappa_turns_then_the_teacher() {
     assert_eq!(s0.len(), 5, "the random student never submits: {s0:?}");
     assert!(s0.iter().all(|x| *x == (true, true)), "{s0:?}");
 }
+
+/// A lease whose labels nothing trains on (held-out evaluation, rft, dapo, distill) asks
+/// the teacher only on the turns it acts: none with β = 0 (so an unreachable teacher
+/// endpoint does not fail the episode), exactly the teacher-executed turns with β = 0.5.
+/// A labelled lease (dagger) asks it on every turn.
+#[test]
+fn the_teacher_is_asked_only_where_its_label_is_used_or_its_action_runs() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let endpoint = tutor_rollout_worker::teacher::endpoint::ChatEndpoint::new(
+        &tutor_rollout_worker::teacher::endpoint::TeacherConfig {
+            kind: tutor_rollout_worker::teacher::endpoint::TeacherKind::Endpoint,
+            // Nothing listens there: any call fails.
+            base_url: "http://127.0.0.1:1/v1".into(),
+            model: "unreachable".into(),
+            max_retries: 0,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut dead = common::episode_setup(
+        tutor_rollout_worker::toy::generate(1, 11).remove(0),
+        TeacherSource::Endpoint(std::sync::Arc::new(endpoint), rt.handle().clone()),
+    );
+    let unused = EpisodeLease {
+        labels_unused: true,
+        ..lease(&dead.task, 0.0, None)
+    };
+    let outcome = run_episode(&dead.env, &unused);
+    assert_ne!(
+        outcome.status,
+        tutor_proto::OutcomeStatus::SandboxError as i32,
+        "{outcome:?}"
+    );
+    let t = turns(&mut dead.events);
+    assert_eq!(t.len(), 5, "{outcome:?}");
+    assert!(t
+        .iter()
+        .all(|t| !t.teacher_asked && t.teacher_tokens.is_empty()));
+    assert!(t.iter().all(|t| !t.teacher_format_error && !t.agreement));
+    // The same lease with its labels used fails at once on that teacher.
+    let outcome = run_episode(&dead.env, &lease(&dead.task, 0.0, None));
+    assert_eq!(
+        outcome.status,
+        tutor_proto::OutcomeStatus::SandboxError as i32
+    );
+
+    let mut s = setup();
+    let _ = run_episode(
+        &s.env,
+        &EpisodeLease {
+            labels_unused: true,
+            ..lease(&s.task, 0.5, None)
+        },
+    );
+    let t = turns(&mut s.events);
+    let asked: Vec<bool> = t.iter().map(|t| t.teacher_asked).collect();
+    let teacher_ran: Vec<bool> = t
+        .iter()
+        .map(|t| t.executed == Actor::Teacher as i32)
+        .collect();
+    assert_eq!(asked, teacher_ran, "asked exactly where the teacher acted");
+    assert!(asked.iter().any(|&a| a) || t.len() < 2, "{asked:?}");
+    let _ = run_episode(&s.env, &lease(&s.task, 0.5, None));
+    let t = turns(&mut s.events);
+    assert!(t
+        .iter()
+        .all(|t| t.teacher_asked && !t.teacher_tokens.is_empty()));
+}

@@ -222,6 +222,12 @@ pub fn episode_lease(
             _ => None,
         },
         score_student: purpose == EpisodePurpose::Train && config.algorithm == Algorithm::Distill,
+        // Only dagger and bc train on the teacher's labels, and only of training episodes.
+        labels_unused: purpose != EpisodePurpose::Train
+            || matches!(
+                config.algorithm,
+                Algorithm::Rft | Algorithm::Dapo | Algorithm::Distill
+            ),
         // Held-out episodes too: the student is evaluated on the contexts it trains on.
         max_context_tokens: u32::try_from(config.max_seq_len).unwrap_or(u32::MAX),
     }
@@ -293,6 +299,51 @@ mod tests {
                 assert_eq!(s.unbiased, unbiased && train, "{l:?}");
                 assert_eq!(s.temperature, if train { 0.7 } else { 0.0 });
             }
+        }
+    }
+
+    /// Only dagger and bc train on the teacher's labels, and only of training episodes:
+    /// every other lease tells the worker not to ask the teacher where it does not act.
+    #[tokio::test]
+    async fn labels_are_leased_as_unused_where_nothing_trains_on_them() {
+        use crate::config::Algorithm;
+        for (algorithm, train_labels) in [
+            (Algorithm::Dagger, true),
+            (Algorithm::Bc, true),
+            (Algorithm::Rft, false),
+            (Algorithm::Dapo, false),
+            (Algorithm::Distill, false),
+        ] {
+            let config = CoordinatorConfig {
+                episodes_per_iteration: 2,
+                heldout_episodes: 1,
+                tasks_per_iteration: 1,
+                samples_per_task: 2,
+                group_size: 2,
+                algorithm,
+                ..Default::default()
+            };
+            config.validate_algorithm().unwrap();
+            let sched =
+                SchedulerHandle::spawn(config, vec![Task::default()], vec![Task::default()]);
+            let (worker, _) = sched.register("w".into(), 4).await.unwrap();
+            let runner = sched.clone();
+            let _iteration = tokio::spawn(async move { runner.run_iteration(0, 0.0).await });
+            let mut leases = Vec::new();
+            while leases.len() < 3 {
+                leases.extend(sched.lease(worker.clone(), 3).await.unwrap().leases);
+            }
+            let (mut train, mut eval) = (0, 0);
+            for l in leases {
+                if l.purpose == EpisodePurpose::Train as i32 {
+                    train += 1;
+                    assert_eq!(l.labels_unused, !train_labels, "{algorithm:?}: {l:?}");
+                } else {
+                    eval += 1;
+                    assert!(l.labels_unused, "{algorithm:?}: held-out {l:?}");
+                }
+            }
+            assert!(train > 0 && eval > 0, "{algorithm:?}: {train} {eval}");
         }
     }
 }

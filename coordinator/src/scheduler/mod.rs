@@ -939,6 +939,7 @@ impl Scheduler {
     ) {
         turns.sort_by_key(|t| t.turn_index);
         self.rollouts.count_student_turns(&turns);
+        self.rollouts.count_teacher_calls(&turns);
         match self.plan.slots[slot].purpose {
             Purpose::Train => {
                 self.rollouts.count_train_turns(&turns);
