@@ -259,7 +259,7 @@ impl Driver {
                 first_step_loss: losses.first().copied().unwrap_or(0.0),
                 last_step_loss: losses.last().copied().unwrap_or(0.0),
                 train_examples,
-                agreement_rate: ratio(rollouts.agreements, rollouts.student_turns),
+                agreement_rate: ratio(rollouts.agreements, rollouts.labelled_student_turns),
                 student_format_error_rate: ratio(
                     rollouts.student_format_errors,
                     rollouts.student_turns,
@@ -528,10 +528,10 @@ fn behaviour(r: &IterationRollouts) -> IterationSummary {
         train_submit_rate,
         train_mean_turns,
         student_turn_share: ratio(r.train_student_executed, r.train_turns),
-        disagreement_rate: if r.student_turns == 0 {
+        disagreement_rate: if r.labelled_student_turns == 0 {
             0.0
         } else {
-            1.0 - ratio(r.agreements, r.student_turns)
+            1.0 - ratio(r.agreements, r.labelled_student_turns)
         },
         reverse_kl: r.reverse_kl(),
         ..Default::default()

@@ -10,8 +10,11 @@ pub struct IterationRollouts {
     pub eval: Vec<EpisodeOutcome>,
     /// Teacher labels (visited states with a usable label) this iteration.
     pub teacher_labels: u64,
-    /// Turns where the student generated an action, and where it matched the teacher.
+    /// Turns where the student generated an action; of those, the ones the teacher
+    /// labelled too (`teacher_asked`; a lease with `labels_unused` asks it only where it
+    /// acts), and where the two matched: agreement rates are over the labelled ones.
     pub student_turns: u64,
+    pub labelled_student_turns: u64,
     pub agreements: u64,
     pub student_format_errors: u64,
     pub expired_leases: u64,
@@ -72,6 +75,7 @@ impl IterationRollouts {
     pub fn count_student_turns(&mut self, turns: &[TurnRecord]) {
         for t in turns.iter().filter(|t| t.student_generated) {
             self.student_turns += 1;
+            self.labelled_student_turns += t.teacher_asked as u64;
             self.agreements += t.agreement as u64;
             self.student_format_errors += t.student_format_error as u64;
             // The estimator needs samples from the student's own distribution.
@@ -151,5 +155,23 @@ mod tests {
         assert!((kl - 0.9 / 3.0).abs() < 1e-6, "{kl}");
         assert_eq!(r.kl_tokens, 3);
         assert_eq!(r.student_turns, 5);
+    }
+
+    /// Agreement is counted over the student's turns the teacher labelled: the turns of
+    /// a lease whose labels nothing uses (no teacher call) do not dilute it.
+    #[test]
+    fn agreement_counts_only_labelled_student_turns() {
+        let mut r = IterationRollouts::default();
+        let turn = |asked: bool, agreement: bool| TurnRecord {
+            student_generated: true,
+            teacher_asked: asked,
+            agreement,
+            ..Default::default()
+        };
+        r.count_student_turns(&[turn(true, true), turn(true, false), turn(false, false)]);
+        assert_eq!(
+            (r.student_turns, r.labelled_student_turns, r.agreements),
+            (3, 2, 1)
+        );
     }
 }
