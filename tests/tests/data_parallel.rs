@@ -491,10 +491,17 @@ fn two_cpu_learner_processes_train_the_same_weights_as_one() {
 /// new group. The run ends with the weights of one uninterrupted learner.
 #[test]
 fn killed_and_restarted_ranks_rejoin_and_train_the_same_weights_as_one() {
+    killed_ranks_train_the_weights_of_one_learner("none");
+}
+
+/// Three iterations with one learner, then with two ranks under `shard` where rank 1 is
+/// killed (SIGKILL) in iteration 1 and rank 0 in iteration 2, each restarted: the same
+/// batches and final weights. Returns the directory (`two/logs` has the ranks' logs).
+fn killed_ranks_train_the_weights_of_one_learner(shard: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().canonicalize().unwrap();
     let single = run(&root.join("one"), 1, 3, &[]);
-    let double = run(&root.join("two"), 2, 3, &[(1, 1), (2, 0)]);
+    let double = run_sharded(&root.join("two"), 2, 3, &[(1, 1), (2, 0)], shard);
     let (a, b) = (read_train_log(&single), read_train_log(&double));
     assert!(
         a.keys().any(|(i, _)| *i == 2),
@@ -502,6 +509,7 @@ fn killed_and_restarted_ranks_rejoin_and_train_the_same_weights_as_one() {
     );
     assert_same_batches(&a, &b);
     assert_same_weights(&single, &double);
+    dir
 }
 
 /// `[learner] shard = "gradients"` (ZeRO-2) over two learner processes: the same weights
@@ -511,17 +519,8 @@ fn killed_and_restarted_ranks_rejoin_and_train_the_same_weights_as_one() {
 /// gathered from both ranks, and sends rank 1 its slice again.
 #[test]
 fn sharded_learner_processes_train_the_same_weights_and_survive_rank_zeros_restart() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = killed_ranks_train_the_weights_of_one_learner("gradients");
     let root = dir.path().canonicalize().unwrap();
-    let single = run(&root.join("one"), 1, 3, &[]);
-    let double = run_sharded(&root.join("two"), 2, 3, &[(1, 1), (2, 0)], "gradients");
-    let (a, b) = (read_train_log(&single), read_train_log(&double));
-    assert!(
-        a.keys().any(|(i, _)| *i == 2),
-        "the last iteration trained: {a:?}"
-    );
-    assert_same_batches(&a, &b);
-    assert_same_weights(&single, &double);
     let log = std::fs::read_to_string(root.join("two/logs/learner1.log")).unwrap();
     assert!(
         log.matches("joined the learner group").count() >= 2,

@@ -241,17 +241,26 @@ mod tests {
     use crate::scheduler::SchedulerHandle;
 
     async fn leased(unbiased: bool) -> Vec<EpisodeLease> {
-        let config = CoordinatorConfig {
-            episodes_per_iteration: 2,
-            heldout_episodes: 1,
-            temperature: 0.7,
-            unbiased_sampling: unbiased,
-            ..Default::default()
-        };
+        leases_of(
+            CoordinatorConfig {
+                episodes_per_iteration: 2,
+                heldout_episodes: 1,
+                temperature: 0.7,
+                unbiased_sampling: unbiased,
+                ..Default::default()
+            },
+            0.5,
+        )
+        .await
+    }
+
+    /// The first three leases of iteration 0 (β = `beta`) of a scheduler on `config`, with
+    /// one training and one held-out task.
+    async fn leases_of(config: CoordinatorConfig, beta: f64) -> Vec<EpisodeLease> {
         let sched = SchedulerHandle::spawn(config, vec![Task::default()], vec![Task::default()]);
         let (worker, _) = sched.register("w".into(), 4).await.unwrap();
         let runner = sched.clone();
-        let _iteration = tokio::spawn(async move { runner.run_iteration(0, 0.5).await });
+        let _iteration = tokio::spawn(async move { runner.run_iteration(0, beta).await });
         let mut leases = Vec::new();
         while leases.len() < 3 {
             leases.extend(sched.lease(worker.clone(), 3).await.unwrap().leases);
@@ -274,16 +283,7 @@ mod tests {
                 kappa_start: 2,
                 ..Default::default()
             };
-            let sched =
-                SchedulerHandle::spawn(config, vec![Task::default()], vec![Task::default()]);
-            let (worker, _) = sched.register("w".into(), 4).await.unwrap();
-            let runner = sched.clone();
-            let _iteration = tokio::spawn(async move { runner.run_iteration(0, 0.5).await });
-            let mut leases = Vec::new();
-            while leases.len() < 3 {
-                leases.extend(sched.lease(worker.clone(), 3).await.unwrap().leases);
-            }
-            for l in leases {
+            for l in leases_of(config, 0.5).await {
                 let train = l.purpose == EpisodePurpose::Train as i32;
                 assert_eq!(l.student_turns, if train { want } else { None }, "{l:?}");
             }
@@ -324,17 +324,8 @@ mod tests {
                 ..Default::default()
             };
             config.validate_algorithm().unwrap();
-            let sched =
-                SchedulerHandle::spawn(config, vec![Task::default()], vec![Task::default()]);
-            let (worker, _) = sched.register("w".into(), 4).await.unwrap();
-            let runner = sched.clone();
-            let _iteration = tokio::spawn(async move { runner.run_iteration(0, 0.0).await });
-            let mut leases = Vec::new();
-            while leases.len() < 3 {
-                leases.extend(sched.lease(worker.clone(), 3).await.unwrap().leases);
-            }
             let (mut train, mut eval) = (0, 0);
-            for l in leases {
+            for l in leases_of(config, 0.0).await {
                 if l.purpose == EpisodePurpose::Train as i32 {
                     train += 1;
                     assert_eq!(l.labels_unused, !train_labels, "{algorithm:?}: {l:?}");
