@@ -76,7 +76,8 @@ impl IterationRollouts {
         for t in turns.iter().filter(|t| t.student_generated) {
             self.student_turns += 1;
             self.labelled_student_turns += t.teacher_asked as u64;
-            self.agreements += t.agreement as u64;
+            // Records of workers from before `teacher_asked` say agreement without it.
+            self.agreements += (t.agreement && t.teacher_asked) as u64;
             self.student_format_errors += t.student_format_error as u64;
             // The estimator needs samples from the student's own distribution.
             let own_distribution = t.unbiased_sampling || t.sampling_temperature == 1.0;

@@ -515,6 +515,7 @@ impl TrainerHost {
         if failed {
             return;
         }
+        let mut stopped = false;
         while let Some(cmd) = rx.blocking_recv() {
             match cmd {
                 Command::Step { request, reply } => {
@@ -539,10 +540,12 @@ impl TrainerHost {
                     if let Some(g) = &mut self.group {
                         g.stop(&mut self.trainer);
                     }
+                    // The run is over: the other ranks' slices leave with them as planned.
+                    stopped = true;
                     let _ = reply.send(());
                 }
             }
-            if self.trainer.lost_shards() {
+            if self.trainer.lost_shards() && !stopped {
                 // Deliberately through the trainer's stop path (a panic: calls are answered
                 // UNAVAILABLE, `serve` returns an error): the process ends, and restarted
                 // on the same --out-dir it resumes from the checkpoint, which the

@@ -482,11 +482,10 @@ impl Engine {
                         .policy
                         .load_weights(&path)
                         .map_err(|error| LoadError::Weights { path, error });
-                    if r.is_ok() {
-                        // Keys and values of the old weights would mix two versions.
-                        self.prefix.clear();
-                        self.stats.lock().expect("engine stats").cached_tokens = 0;
-                    }
+                    // Keys and values of the old weights would mix two versions (and a
+                    // failed load may have replaced some tensors before it failed).
+                    self.prefix.clear();
+                    self.stats.lock().expect("engine stats").cached_tokens = 0;
                     let _ = reply.send(r);
                 }
                 continue;

@@ -530,6 +530,13 @@ fn sharded_learner_processes_train_the_same_weights_and_survive_rank_zeros_resta
         log.contains("sharded training state") && log.contains("gradients"),
         "rank 1 kept a slice: {log}"
     );
+    // Rank 0 stopped once, when rank 1 was killed; the clean end of the run is no stop.
+    let log0 = std::fs::read_to_string(root.join("two/logs/learner0.log")).unwrap();
+    let stops = log0
+        .lines()
+        .filter(|l| l.contains("ERROR") && l.contains("the trainer thread panicked"))
+        .count();
+    assert_eq!(stops, 1, "{log0}");
 }
 
 #[test]

@@ -59,18 +59,17 @@ impl FlatLayout {
         self.rank as i64 * self.share
     }
 
-    /// The flat vector of `tensors` (shaped like the parameters) in `kind`, padded.
+    /// The flat vector of `tensors` (shaped like the parameters) in `kind`, padded: one
+    /// buffer that each tensor is copied (and cast) into, no intermediate copies.
     pub(crate) fn flatten(&self, tensors: &[Tensor], kind: Kind) -> Tensor {
         let device = tensors.first().map_or(Device::Cpu, Tensor::device);
-        let mut parts: Vec<Tensor> = tensors
-            .iter()
-            .map(|t| t.detach().reshape([-1]).to_kind(kind))
-            .collect();
-        let total: i64 = self.numels.iter().sum();
-        if self.padded() > total {
-            parts.push(Tensor::zeros([self.padded() - total], (kind, device)));
-        }
-        Tensor::cat(&parts, 0)
+        let flat = Tensor::zeros([self.padded()], (kind, device));
+        tch::no_grad(|| {
+            for (mut view, t) in self.split(&flat).into_iter().zip(tensors) {
+                view.copy_(t);
+            }
+        });
+        flat
     }
 
     /// This rank's slice (fp32, a copy) of `tensors` shaped like the parameters, without

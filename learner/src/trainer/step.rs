@@ -68,18 +68,18 @@ impl Trainer {
     pub(crate) fn run_passes<B>(
         &mut self,
         start: Instant,
-        batches: impl Iterator<Item = B>,
+        mut batches: impl ExactSizeIterator<Item = B>,
         loss: impl Fn(&Policy, &B) -> Option<(Tensor, u64)>,
     ) -> Result<StepReport, StepError> {
         if let Some(s) = &self.sharded {
             s.check_whole()
                 .map_err(|e| StepError::ShardLost(format!("{e:#}")))?;
         }
-        let batches: Vec<B> = batches.collect();
         let rounds = self.pass_rounds(batches.len())?;
         let (mut local_sum, mut local_tokens, mut passes) = (0.0, 0u64, 0);
-        for i in 0..rounds {
-            if let Some((sum, tokens)) = batches.get(i).and_then(|b| loss(&self.policy, b)) {
+        for _ in 0..rounds {
+            // One batch at a time: a batch's tensors are made when it is taken.
+            if let Some((sum, tokens)) = batches.next().and_then(|b| loss(&self.policy, &b)) {
                 local_sum += sum.double_value(&[]);
                 self.backward(&sum);
                 local_tokens += tokens;
