@@ -237,6 +237,11 @@ impl Trainer {
         self.collective.world_size()
     }
 
+    /// Mixed precision: bf16 parameters with fp32 masters (sharded or not).
+    fn trains_in_bf16(&self) -> bool {
+        self.params.first().map(Tensor::kind) == Some(Kind::BFloat16)
+    }
+
     /// Whether `[learner] shard` splits the optimizer state across the ranks.
     pub fn is_sharded(&self) -> bool {
         self.sharded.is_some()

@@ -103,8 +103,7 @@ impl Trainer {
             exp_avg.push(take(format!("exp_avg.{name}"), p)?);
             exp_avg_sq.push(take(format!("exp_avg_sq.{name}"), p)?);
         }
-        let mixed = trainer.params.first().map(Tensor::kind) == Some(tch::Kind::BFloat16);
-        if mixed {
+        if trainer.trains_in_bf16() {
             let mut masters = Vec::with_capacity(trainer.params.len());
             for (name, p) in trainer.param_names.iter().zip(&trainer.params) {
                 masters.push(take(format!("master.{name}"), p)?);
@@ -412,13 +411,13 @@ impl Trainer {
             });
         };
         s.check_whole()?;
+        let bf16 = self.trains_in_bf16();
         let c = &mut *self.collective;
         let exp_avg = s.layout.gather_to_host(&self.optimizer.exp_avg()[0], c)?;
         let exp_avg_sq = s
             .layout
             .gather_to_host(&self.optimizer.exp_avg_sq()[0], c)?;
-        let mixed = self.params.first().map(Tensor::kind) == Some(tch::Kind::BFloat16);
-        let master = if mixed {
+        let master = if bf16 {
             Some(s.layout.gather_to_host(&s.weights, c)?)
         } else {
             None
