@@ -695,11 +695,12 @@ impl Engine {
                 continue;
             }
             if let Some(finish) = finish {
-                if self.prefix.enabled() {
-                    // The row's context in the cache: its prompt and every sampled token
-                    // but this last one (not fed yet), kept for a later prompt.
-                    if let Some(cache) = &self.cache {
-                        let n = cache.len - row.start;
+                // The row's context in the cache: its prompt and every sampled token but
+                // this last one (not fed yet), kept for a later prompt (copied out only
+                // when the cache would keep it).
+                if let Some(cache) = &self.cache {
+                    let n = cache.len - row.start;
+                    if self.prefix.would_keep(n as usize) {
                         let fed = &row.tokens[..row.tokens.len() - 1];
                         if n == (row.req.prompt.len() + fed.len()) as i64 {
                             let mut tokens = row.req.prompt.clone();

@@ -53,8 +53,9 @@ impl PrefixCache {
         }
     }
 
-    pub(crate) fn enabled(&self) -> bool {
-        self.budget > 0
+    /// Whether a context of `len` tokens would be kept (so worth copying out).
+    pub(crate) fn would_keep(&self, len: usize) -> bool {
+        len > 0 && len <= self.budget
     }
 
     /// The longest cached prefix of `prompt`, leaving at least its last token to run
@@ -87,7 +88,7 @@ impl PrefixCache {
     /// Keeps a finished context. An entry that is a prefix of it is dropped (the new one
     /// covers it); then the least recently used go until the budget holds.
     pub(crate) fn insert(&mut self, tokens: Vec<u32>, kv: Vec<(Tensor, Tensor)>) {
-        if !self.enabled() || tokens.is_empty() || tokens.len() > self.budget {
+        if !self.would_keep(tokens.len()) {
             return;
         }
         let mut held = self.held;
