@@ -18,7 +18,7 @@ use tutor_proto::{
 
 use crate::action::{parse_action, Action, FormatError};
 use crate::context::{elision_note, Context};
-use crate::grade::grade_fresh;
+use crate::grade::{grade_fresh, GradingMode};
 use crate::mixing::Mixing;
 use crate::observation::format_observation;
 use crate::sandbox::{Sandbox, SandboxFactory};
@@ -73,6 +73,8 @@ pub struct EpisodeEnv {
     /// Where episodes (and their grading) run: local temp dirs or Docker containers.
     pub sandboxes: SandboxFactory,
     pub grade_timeout: Duration,
+    /// How submissions are graded (rewards: strict by default).
+    pub grading: GradingMode,
     /// Who labels states: the gold-patch oracle or an OpenAI-compatible endpoint.
     pub teacher: TeacherSource,
     /// Set on shutdown: the episode stops after the current turn.
@@ -542,9 +544,18 @@ fn grade_submission(
         env.grade_timeout,
         &env.sandboxes,
         &format!("{}-grade", lease.episode_id),
+        env.grading,
     );
     outcome.status = g.status as i32;
     outcome.test_statuses = g.test_statuses.into_iter().collect();
+    if !g.reason.is_empty() {
+        // Why the task could not be graded (its test patch, spec or image), for the
+        // operator: the status alone does not say which task field to fix.
+        tracing::warn!(episode = %lease.episode_id, "{}", g.reason);
+        if outcome.error.is_empty() {
+            outcome.error = g.reason;
+        }
+    }
 }
 
 /// Marks the episode failed before grading (the outcome is SANDBOX_ERROR with `error`).

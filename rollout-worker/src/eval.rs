@@ -10,7 +10,7 @@ use tutor_proto::OutcomeStatus;
 
 use crate::action::{parse_action, Action};
 use crate::episode::render_system_prompt;
-use crate::grade::grade_fresh;
+use crate::grade::{grade_fresh, GradingMode};
 use crate::observation::format_observation;
 use crate::sandbox::SandboxFactory;
 use crate::tasks::TaskRecord;
@@ -44,6 +44,8 @@ pub struct EvalSettings {
     pub observation_max_chars: usize,
     /// System prompt template (`{repo}`, `{tools}`), sent to endpoint agents.
     pub system_prompt: String,
+    /// How submissions are graded (default: exactly as the SWE-bench harness).
+    pub grading: GradingMode,
 }
 
 impl Default for EvalSettings {
@@ -54,6 +56,7 @@ impl Default for EvalSettings {
             grade_timeout: Duration::from_secs(300),
             observation_max_chars: 10_000,
             system_prompt: crate::episode::DEFAULT_SYSTEM_PROMPT.to_string(),
+            grading: GradingMode::Harness,
         }
     }
 }
@@ -62,9 +65,19 @@ impl Default for EvalSettings {
 #[derive(Debug, Clone, Serialize)]
 pub struct EvalResult {
     pub instance_id: String,
-    /// RESOLVED, UNRESOLVED, APPLY_PATCH_FAIL, TESTS_TIMEOUT, TESTS_ERROR, SANDBOX_ERROR.
+    /// RESOLVED, UNRESOLVED, APPLY_PATCH_FAIL, TESTS_TIMEOUT, TESTS_ERROR, SANDBOX_ERROR,
+    /// PATCH_TOO_LARGE, TEST_PATCH_FAIL, NO_TEST_SPEC, ENVIRONMENT_ERROR.
     pub status: String,
     pub resolved: bool,
+    /// The SWE-bench harness's resolution (RESOLVED_FULL, RESOLVED_PARTIAL, RESOLVED_NO)
+    /// where a harness log parser read the tests; empty otherwise.
+    pub resolution: String,
+    /// The spec that graded: its source, test command and log parser.
+    pub grading: String,
+    /// `harness` or `strict`.
+    pub grading_mode: String,
+    /// Strict grading: the harness's status for the same submission, when they differ.
+    pub harness_status: String,
     pub submitted: bool,
     pub turns: u32,
     pub format_errors: u32,
@@ -90,7 +103,10 @@ pub fn status_name(s: OutcomeStatus) -> &'static str {
         OutcomeStatus::TestsError => "TESTS_ERROR",
         OutcomeStatus::SandboxError => "SANDBOX_ERROR",
         OutcomeStatus::PatchTooLarge => "PATCH_TOO_LARGE",
-        _ => "UNSPECIFIED",
+        OutcomeStatus::TestPatchFail => "TEST_PATCH_FAIL",
+        OutcomeStatus::NoTestSpec => "NO_TEST_SPEC",
+        OutcomeStatus::EnvironmentError => "ENVIRONMENT_ERROR",
+        OutcomeStatus::Unspecified => "UNSPECIFIED",
     }
 }
 
@@ -108,6 +124,10 @@ pub fn eval_task(
         instance_id: task.instance_id.clone(),
         status: status_name(OutcomeStatus::SandboxError).into(),
         resolved: false,
+        resolution: String::new(),
+        grading: String::new(),
+        grading_mode: settings.grading.name().into(),
+        harness_status: String::new(),
         submitted: false,
         turns: 0,
         format_errors: 0,
@@ -197,11 +217,22 @@ pub fn eval_task(
         settings.grade_timeout,
         factory,
         &format!("{label}-grade"),
+        settings.grading,
     );
     result.status = status_name(g.status).into();
     result.resolved = g.resolved();
+    result.resolution = g
+        .resolution
+        .map(|r| r.name().to_string())
+        .unwrap_or_default();
+    result.grading = g.spec;
+    if !g.disagreement.is_empty() {
+        result.harness_status = g.harness_status.map(status_name).unwrap_or_default().into();
+    }
     if g.status == OutcomeStatus::SandboxError {
         result.error = g.log;
+    } else if !g.reason.is_empty() {
+        result.error = g.reason;
     }
     result.duration_s = start.elapsed().as_secs_f64();
     result

@@ -1,12 +1,19 @@
 //! Grading a submission the way the SWE-bench harness does: fresh repo, apply the patch,
-//! reset the test files, apply the test patch, run pytest on the test files, parse the
-//! `-rA` summary, resolved iff every FAIL_TO_PASS and PASS_TO_PASS test passes.
+//! activate the environment, reset the test files, apply the test patch, run the spec's
+//! test command on its directives, read the log with the spec's parser, and resolve as
+//! the harness does (see [`crate::harness`] for the specs). Tasks outside the harness's
+//! table with no command of their own get the generic pytest grading here: `-rA`
+//! summary lines after the summary header, resolved iff every FAIL_TO_PASS and
+//! PASS_TO_PASS test passed.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
+
 use tutor_proto::OutcomeStatus;
 
+use crate::harness::{spec_for, Resolution, TestSpec, TestsReport};
 use crate::observation::truncate_head_tail;
 use crate::sandbox::LocalSandbox;
 use crate::sandbox::{Sandbox, SandboxFactory};
@@ -22,13 +29,27 @@ pub const DEFAULT_TEST_CMD: &str = "python -m pytest -rA -p no:cacheprovider";
 const MAX_LOG_CHARS: usize = 200_000;
 
 /// Outcome of grading one patch.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct GradeResult {
     pub status: OutcomeStatus,
-    /// pytest node id (or file, for collection errors) → `PASSED`, `FAILED`, `ERROR`,
-    /// `XFAIL`, `XPASS` or `SKIPPED`.
+    /// Test name → status, as the spec's log parser reads them: `PASSED`, `FAILED`,
+    /// `ERROR`, `XFAIL`, `SKIPPED` (and `XPASS` under the generic pytest grading).
     pub test_statuses: BTreeMap<String, String>,
-    /// What happened: patch application, test patch, the pytest log.
+    /// The harness's resolution (`RESOLVED_FULL`/`PARTIAL`/`NO`) where a harness parser
+    /// read the log; `None` where the tests did not run or the generic grading decided.
+    pub resolution: Option<Resolution>,
+    /// Which spec graded, in one line (empty when none was found).
+    pub spec: String,
+    /// Why the grade is neither RESOLVED nor UNRESOLVED, naming the task and what is
+    /// missing (empty otherwise).
+    pub reason: String,
+    /// The mode that decided `status`.
+    pub mode: GradingMode,
+    /// Strict grading: the harness's verdict on the same submission.
+    pub harness_status: Option<OutcomeStatus>,
+    /// Strict grading: why its verdict and the harness's differ (empty when they agree).
+    pub disagreement: String,
+    /// What happened: patch application, test patch, the test log.
     pub log: String,
 }
 
@@ -40,9 +61,19 @@ impl GradeResult {
     fn fail(status: OutcomeStatus, log: String) -> Self {
         GradeResult {
             status,
-            test_statuses: BTreeMap::new(),
             log: truncate_head_tail(&log, MAX_LOG_CHARS),
+            ..GradeResult::default()
         }
+    }
+
+    fn because(mut self, reason: String) -> Self {
+        self.reason = reason;
+        self
+    }
+
+    fn with_spec(mut self, spec: &TestSpec) -> Self {
+        self.spec = spec.describe();
+        self
     }
 }
 
@@ -165,56 +196,447 @@ pub fn decide(task: &TaskRecord, statuses: &BTreeMap<String, String>) -> Outcome
     }
 }
 
-/// Grades `patch` for `task` in a fresh sandbox built from the task's files (never the
-/// agent's sandbox) under the system temp dir. `timeout` bounds the test run.
-pub fn grade(task: &TaskRecord, patch: &str, timeout: Duration) -> GradeResult {
-    grade_in(task, patch, timeout, None)
+/// How a submission is graded (`[worker] grading`, `tutor eval --grading`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GradingMode {
+    /// Exactly what the SWE-bench harness reports (the default of `tutor eval`).
+    Harness,
+    /// For training rewards (the workers' default): files that change how tests are
+    /// collected or reported, when the submission touches them, are reset to the base
+    /// before the tests; pytest results are read from a report written by Tutor's own
+    /// plugin instead of the log the tests print into; every FAIL_TO_PASS and
+    /// PASS_TO_PASS test must pass (a skipped one does not count as passing). A verdict
+    /// that differs from the harness's is logged.
+    #[default]
+    Strict,
 }
 
-/// [`grade`] with the grading sandbox created under `root`.
+impl GradingMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            GradingMode::Harness => "harness",
+            GradingMode::Strict => "strict",
+        }
+    }
+}
+
+impl std::str::FromStr for GradingMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "harness" => Ok(GradingMode::Harness),
+            "strict" => Ok(GradingMode::Strict),
+            other => Err(format!(
+                "unknown grading mode {other:?}: `harness` (what SWE-bench reports) or \
+                 `strict` (reward-hacking files reset, results from Tutor's own report)"
+            )),
+        }
+    }
+}
+
+/// Files a submission may not change under strict grading: they decide which tests are
+/// collected and how results are reported (a `conftest.py` hook can turn every failure
+/// into a pass), or run code in every Python process (`sitecustomize`, `.pth`).
+pub fn is_protected(path: &str) -> bool {
+    let name = path.rsplit('/').next().unwrap_or(path);
+    matches!(
+        name,
+        "conftest.py"
+            | "pytest.ini"
+            | "tox.ini"
+            | "setup.cfg"
+            | "pyproject.toml"
+            | "sitecustomize.py"
+            | "usercustomize.py"
+    ) || name.ends_with(".pth")
+}
+
+/// The pytest plugin behind strict grading's report: each test's outcome by node id,
+/// written at the end of the session to `$TUTOR_GRADE_REPORT` (a fresh temporary file,
+/// outside the repository, printed after the tests end).
+const REPORT_PLUGIN: &str = r#""""Tutor's grading report: each test's outcome by node id (strict grading)."""
+import json
+import os
+
+_RANK = {"PASSED": 0, "XFAIL": 0, "SKIPPED": 1, "XPASS": 1, "FAILED": 2, "ERROR": 2}
+_out = {}
+
+
+def _set(nodeid, status):
+    prev = _out.get(nodeid)
+    if prev is None or _RANK[status] > _RANK[prev]:
+        _out[nodeid] = status
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        if hasattr(report, "wasxfail"):
+            status = "XFAIL" if report.skipped else "XPASS"
+        elif report.passed:
+            status = "PASSED"
+        elif report.failed:
+            status = "FAILED"
+        else:
+            status = "SKIPPED"
+    elif report.failed:
+        status = "ERROR"
+    elif report.skipped:
+        status = "XFAIL" if hasattr(report, "wasxfail") else "SKIPPED"
+    else:
+        return
+    _set(report.nodeid, status)
+
+
+def pytest_collectreport(report):
+    if report.failed:
+        _set(report.nodeid or ".", "ERROR")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("TUTOR_GRADE_REPORT")
+    if path:
+        with open(path, "w") as f:
+            for nodeid, status in _out.items():
+                f.write(json.dumps({"nodeid": nodeid, "status": status}) + "\n")
+"#;
+
+/// Whether a test command runs pytest directly (so strict grading can add its plugin;
+/// `tox` and other wrappers do not pass it on).
+fn runs_pytest(test_cmd: &str) -> bool {
+    let words: Vec<&str> = test_cmd.split_whitespace().collect();
+    let first = words
+        .iter()
+        .find(|w| !w.contains('='))
+        .copied()
+        .unwrap_or("");
+    first == "pytest"
+        || first.ends_with("/pytest")
+        || words.windows(2).any(|w| w == ["-m", "pytest"])
+}
+
+/// Grades `patch` for `task` in a fresh sandbox built from the task's files (never the
+/// agent's sandbox) under the system temp dir, as the harness does. `timeout` bounds the
+/// test run.
+pub fn grade(task: &TaskRecord, patch: &str, timeout: Duration) -> GradeResult {
+    grade_in(task, patch, timeout, None, GradingMode::Harness)
+}
+
+/// [`grade`] in `mode`, with the grading sandboxes created under `root`.
 pub fn grade_in(
     task: &TaskRecord,
     patch: &str,
     timeout: Duration,
     root: Option<&std::path::Path>,
+    mode: GradingMode,
 ) -> GradeResult {
-    match LocalSandbox::create(task, root) {
-        Ok(mut sb) => grade_in_sandbox(task, patch, timeout, &mut sb),
-        Err(e) => GradeResult::fail(OutcomeStatus::SandboxError, e.to_string()),
-    }
+    grade_with(task, patch, timeout, mode, || {
+        LocalSandbox::create(task, root)
+            .map(|sb| Box::new(sb) as Box<dyn Sandbox>)
+            .map_err(|e| e.to_string())
+    })
 }
 
-/// [`grade`] in a fresh sandbox from `factory` (a new container for Docker), labelled
-/// `label`. The agent's own sandbox is never graded, so editing the tests gains nothing.
+/// [`grade`] in `mode`, in fresh sandboxes from `factory` (new containers for Docker),
+/// labelled `label`. The agent's own sandbox is never graded, so editing the tests gains
+/// nothing.
 pub fn grade_fresh(
     task: &TaskRecord,
     patch: &str,
     timeout: Duration,
     factory: &SandboxFactory,
     label: &str,
+    mode: GradingMode,
 ) -> GradeResult {
-    match factory.create(task, label) {
-        Ok(mut sb) => grade_in_sandbox(task, patch, timeout, sb.as_mut()),
-        Err(e) => GradeResult::fail(
-            OutcomeStatus::SandboxError,
-            format!("creating the grading sandbox: {e}"),
-        ),
+    let mut n = 0;
+    grade_with(task, patch, timeout, mode, || {
+        n += 1;
+        let label = if n == 1 {
+            label.to_string()
+        } else {
+            format!("{label}-{n}")
+        };
+        factory
+            .create(task, &label)
+            .map_err(|e| format!("creating the grading sandbox: {e}"))
+    })
+}
+
+/// Grades in `mode`, each run of the steps in a fresh sandbox from `sandbox`. Strict
+/// grading runs the tests once, reading the harness's verdict from the log and its own
+/// from the report, or twice (the second time with the protected files reset) when the
+/// submission touches a protected file.
+pub fn grade_with(
+    task: &TaskRecord,
+    patch: &str,
+    timeout: Duration,
+    mode: GradingMode,
+    mut sandbox: impl FnMut() -> Result<Box<dyn Sandbox>, String>,
+) -> GradeResult {
+    let mut run = |steps: Steps| match sandbox() {
+        Ok(mut sb) => run_steps(task, patch, timeout, sb.as_mut(), steps),
+        Err(e) => Ran::Early(GradeResult::fail(OutcomeStatus::SandboxError, e.clone()).because(e)),
+    };
+    if mode == GradingMode::Harness {
+        return run(Steps::HARNESS).harness_verdict(task);
+    }
+    let touched: Vec<String> = crate::tasks::patch_files(patch)
+        .into_iter()
+        .filter(|f| is_protected(f))
+        .collect();
+    let (harness, mut strict) = if touched.is_empty() {
+        let ran = run(Steps {
+            reset: Vec::new(),
+            report: true,
+        });
+        (ran.clone().harness_verdict(task), ran.strict_verdict(task))
+    } else {
+        let harness = run(Steps::HARNESS).harness_verdict(task);
+        let strict = run(Steps {
+            reset: touched,
+            report: true,
+        })
+        .strict_verdict(task);
+        (harness, strict)
+    };
+    strict.harness_status = Some(harness.status);
+    if harness.status != strict.status {
+        strict.disagreement = format!(
+            "task {}: strict grading says {}, the harness {}{}",
+            task.instance_id,
+            status_str(strict.status),
+            status_str(harness.status),
+            if strict.log.contains(">>> strict: reset ") {
+                " (the submission changes files that decide how tests are collected or reported)"
+            } else {
+                ""
+            }
+        );
+        tracing::warn!("{}", strict.disagreement);
+    }
+    strict
+}
+
+fn status_str(s: OutcomeStatus) -> &'static str {
+    s.as_str_name().trim_start_matches("OUTCOME_STATUS_")
+}
+
+/// What a run of the grading steps does besides the harness's script.
+struct Steps {
+    /// Files of the submission reset to the base (or removed) before anything runs.
+    reset: Vec<String>,
+    /// Add Tutor's report plugin to a pytest command and read its report.
+    report: bool,
+}
+
+impl Steps {
+    const HARNESS: Steps = Steps {
+        reset: Vec::new(),
+        report: false,
+    };
+}
+
+/// The outcome of one run of the grading steps.
+#[derive(Clone)]
+enum Ran {
+    /// A verdict before the tests' output could decide one (the patch did not apply, no
+    /// spec, no environment, the test patch failed, a timeout).
+    Early(GradeResult),
+    Tests {
+        spec: TestSpec,
+        log: String,
+        output: String,
+        exit_code: i32,
+        /// Strict grading's report: node id → status (`None`: no report was asked for, or
+        /// the command does not run pytest directly).
+        report: Option<BTreeMap<String, String>>,
+    },
+}
+
+impl Ran {
+    /// The harness's verdict: the spec's parser on the log, the harness's resolution.
+    fn harness_verdict(self, task: &TaskRecord) -> GradeResult {
+        let (spec, log, output, exit_code) = match self {
+            Ran::Early(g) => return g,
+            Ran::Tests {
+                spec,
+                log,
+                output,
+                exit_code,
+                ..
+            } => (spec, log, output, exit_code),
+        };
+        let Some(parser) = spec.parser else {
+            return generic_verdict(task, &spec, log, parse_pytest_log(&output));
+        };
+        let test_statuses = parser.parse(&output);
+        if test_statuses.is_empty() {
+            return no_tests(task, &spec, log, exit_code, parser.name());
+        }
+        let resolution = TestsReport::new(task, &test_statuses).resolution();
+        GradeResult {
+            status: if resolution == Resolution::Full {
+                OutcomeStatus::Resolved
+            } else {
+                OutcomeStatus::Unresolved
+            },
+            test_statuses,
+            resolution: Some(resolution),
+            spec: spec.describe(),
+            mode: GradingMode::Harness,
+            log: truncate_head_tail(&log, MAX_LOG_CHARS),
+            ..GradeResult::default()
+        }
+    }
+
+    /// Strict grading's verdict: the report when there is one (its node ids spelled as
+    /// the spec's parser spells them), else the parser on the log; every FAIL_TO_PASS and
+    /// PASS_TO_PASS test must be PASSED or XFAIL.
+    fn strict_verdict(self, task: &TaskRecord) -> GradeResult {
+        let (spec, log, output, exit_code, report) = match self {
+            Ran::Early(mut g) => {
+                g.mode = GradingMode::Strict;
+                return g;
+            }
+            Ran::Tests {
+                spec,
+                log,
+                output,
+                exit_code,
+                report,
+            } => (spec, log, output, exit_code, report),
+        };
+        let mut g = match (spec.parser, report) {
+            (None, Some(report)) => generic_verdict(task, &spec, log, report),
+            (None, None) => generic_verdict(task, &spec, log, parse_pytest_log(&output)),
+            (Some(parser), report) => {
+                let statuses = match report {
+                    // The report's node ids through the parser as summary lines: the
+                    // datasets name tests as the harness's parser cuts them.
+                    Some(r) => parser.parse(
+                        &r.iter()
+                            .map(|(id, status)| format!("{status} {id}\n"))
+                            .collect::<String>(),
+                    ),
+                    None => parser.parse(&output),
+                };
+                if statuses.is_empty() {
+                    no_tests(task, &spec, log, exit_code, parser.name())
+                } else {
+                    let passed = |t: &String| {
+                        matches!(
+                            statuses.get(t).map(String::as_str),
+                            Some("PASSED" | "XFAIL")
+                        )
+                    };
+                    let all = task.fail_to_pass.iter().chain(&task.pass_to_pass);
+                    GradeResult {
+                        status: if all.clone().all(passed) {
+                            OutcomeStatus::Resolved
+                        } else {
+                            OutcomeStatus::Unresolved
+                        },
+                        test_statuses: statuses,
+                        spec: spec.describe(),
+                        log: truncate_head_tail(&log, MAX_LOG_CHARS),
+                        ..GradeResult::default()
+                    }
+                }
+            }
+        };
+        g.mode = GradingMode::Strict;
+        g
     }
 }
 
-/// The grading steps in `sb`, which must be a fresh sandbox at the base commit.
+/// The generic pytest decision (see [`decide`]).
+fn generic_verdict(
+    task: &TaskRecord,
+    spec: &TestSpec,
+    log: String,
+    test_statuses: BTreeMap<String, String>,
+) -> GradeResult {
+    let status = decide(task, &test_statuses);
+    let reason = if status == OutcomeStatus::TestsError {
+        format!(
+            "task {}: no test ran (collection errors, or no pytest summary in the log)",
+            task.instance_id
+        )
+    } else {
+        String::new()
+    };
+    GradeResult {
+        status,
+        test_statuses,
+        spec: spec.describe(),
+        reason,
+        log: truncate_head_tail(&log, MAX_LOG_CHARS),
+        ..GradeResult::default()
+    }
+}
+
+/// TESTS_ERROR for a log in which the parser found no test.
+fn no_tests(
+    task: &TaskRecord,
+    spec: &TestSpec,
+    mut log: String,
+    exit_code: i32,
+    parser: &str,
+) -> GradeResult {
+    let reason = format!(
+        "task {}: the test log (exit {exit_code}) has no line the {parser} log parser reads: \
+         the tests did not run, or the spec's parser does not fit this repository",
+        task.instance_id,
+    );
+    log.push_str(&format!("\n>>> TESTS_ERROR: {reason}\n"));
+    GradeResult::fail(OutcomeStatus::TestsError, log)
+        .with_spec(spec)
+        .because(reason)
+}
+
+/// The grading steps in `sb`, which must be a fresh sandbox at the base commit, as the
+/// SWE-bench harness's eval script runs them (one run, harness verdict): the
+/// submission, the environment (activation, eval commands, re-install), the test files
+/// reset and the test patch, the test command on the spec's directives, the spec's log
+/// parser and the harness's resolution.
 pub fn grade_in_sandbox(
     task: &TaskRecord,
     patch: &str,
     timeout: Duration,
     sb: &mut dyn Sandbox,
 ) -> GradeResult {
-    let mut log = String::new();
+    run_steps(task, patch, timeout, sb, Steps::HARNESS).harness_verdict(task)
+}
+
+fn run_steps(
+    task: &TaskRecord,
+    patch: &str,
+    timeout: Duration,
+    sb: &mut dyn Sandbox,
+    steps: Steps,
+) -> Ran {
+    let spec = match spec_for(task) {
+        Ok(s) => s,
+        Err(e) => {
+            return Ran::Early(
+                GradeResult::fail(OutcomeStatus::NoTestSpec, format!(">>> {e}\n"))
+                    .because(e.to_string()),
+            )
+        }
+    };
+    let mut log = format!(">>> {}\n", spec.describe());
+    let fail = |status: OutcomeStatus, log: String, reason: String| {
+        Ran::Early(
+            GradeResult::fail(status, log)
+                .with_spec(&spec)
+                .because(reason),
+        )
+    };
     // 1. The submission.
     if !patch.trim().is_empty() {
         let p = match sb.write_scratch("model.patch", &ensure_newline(patch)) {
             Ok(p) => p,
-            Err(e) => return GradeResult::fail(OutcomeStatus::SandboxError, e.to_string()),
+            Err(e) => return fail(OutcomeStatus::SandboxError, log, e.to_string()),
         };
         // As in the SWE-bench harness: git apply, then GNU patch with fuzz as a fallback.
         let out = sb.run(
@@ -227,72 +649,179 @@ pub fn grade_in_sandbox(
         log.push_str(&out.output);
         if out.exit_code != 0 || out.timed_out {
             log.push_str("\n>>> APPLY_PATCH_FAIL\n");
-            return GradeResult::fail(OutcomeStatus::ApplyPatchFail, log);
+            return Ran::Early(
+                GradeResult::fail(OutcomeStatus::ApplyPatchFail, log).with_spec(&spec),
+            );
+        }
+    }
+    // 1b. Strict grading: the protected files the submission touched go back to the base.
+    if !steps.reset.is_empty() {
+        log.push_str(&format!(">>> strict: reset {}\n", steps.reset.join(" ")));
+        if let Err(reason) = reset_to_base(sb, &steps.reset, &mut log) {
+            return fail(OutcomeStatus::SandboxError, log, reason);
         }
     }
 
-    // 2. Reset the test files to the base, so edits to tests cannot make them pass.
-    let test_files = task.test_files();
-    let base = sb.base_commit().to_string();
-    let mut reset = Vec::new();
-    for f in &test_files {
-        let q = crate::sandbox::shell_quote(f);
-        if sb.base_file(f).is_some() {
-            reset.push(format!("git checkout -q {base} -- {q}"));
-        } else {
-            reset.push(format!("rm -rf -- {q}"));
-        }
-    }
-    if !reset.is_empty() {
-        let out = sb.run(&reset.join(" && "), GIT_STEP_TIMEOUT);
-        log.push_str(">>> reset test files\n");
+    // 2. The environment: activation must work; eval commands and the re-install run
+    // as in the harness's script, whose failures do not stop the tests.
+    let prelude = spec.prelude();
+    if let Some(activate) = &spec.activate {
+        let out = sb.run(activate, GIT_STEP_TIMEOUT);
+        log.push_str(&format!(">>> {activate}\n"));
         log.push_str(&out.output);
-        if out.exit_code != 0 {
-            return GradeResult::fail(OutcomeStatus::SandboxError, log);
+        if out.exit_code != 0 || out.timed_out {
+            let reason = format!(
+                "task {}: the image{} has no environment for `{activate}` (exit {}): \
+                 SWE-bench images keep one at /opt/miniconda3 (env `testbed`)",
+                task.instance_id,
+                if task.image.is_empty() {
+                    String::new()
+                } else {
+                    format!(" {}", task.image)
+                },
+                out.exit_code
+            );
+            log.push_str(&format!("\n>>> ENVIRONMENT_ERROR: {reason}\n"));
+            return fail(OutcomeStatus::EnvironmentError, log, reason);
+        }
+    }
+    if let Some(install) = &spec.install {
+        let out = sb.run(&format!("{prelude}{install}"), timeout);
+        log.push_str(&format!(">>> {install}\n"));
+        log.push_str(&truncate_head_tail(&out.output, MAX_LOG_CHARS / 4));
+        if out.timed_out {
+            log.push_str("\n>>> TESTS_TIMEOUT (install)\n");
+            return Ran::Early(
+                GradeResult::fail(OutcomeStatus::TestsTimeout, log).with_spec(&spec),
+            );
         }
     }
 
-    // 3. The test patch.
+    // 3. Reset the test files to the base, so edits to tests cannot make them pass.
+    let test_files = task.test_files();
+    if !test_files.is_empty() {
+        log.push_str(">>> reset test files\n");
+        if reset_to_base(sb, &test_files, &mut log).is_err() {
+            return fail(
+                OutcomeStatus::SandboxError,
+                log,
+                format!("task {}: resetting the test files failed", task.instance_id),
+            );
+        }
+    }
+
+    // 4. The test patch.
     if !task.test_patch.trim().is_empty() {
         let p = match sb.write_scratch("test.patch", &ensure_newline(&task.test_patch)) {
             Ok(p) => p,
-            Err(e) => return GradeResult::fail(OutcomeStatus::SandboxError, e.to_string()),
+            Err(e) => return fail(OutcomeStatus::SandboxError, log, e.to_string()),
         };
         let out = sb.run(&format!("git apply --verbose {p}"), GIT_STEP_TIMEOUT);
         log.push_str(">>> apply test patch\n");
         log.push_str(&out.output);
         if out.exit_code != 0 {
-            log.push_str("\n>>> the task's test_patch does not apply\n");
-            return GradeResult::fail(OutcomeStatus::TestsError, log);
+            let reason = format!(
+                "task {}: its test_patch does not apply at base commit {} (after the \
+                 submission): the task is broken, not the submission",
+                task.instance_id,
+                sb.base_commit()
+            );
+            log.push_str(&format!("\n>>> TEST_PATCH_FAIL: {reason}\n"));
+            return fail(OutcomeStatus::TestPatchFail, log, reason);
         }
     }
 
-    // 4. The tests.
-    let files: Vec<String> = test_files
-        .iter()
-        .map(|f| crate::sandbox::shell_quote(f))
-        .collect();
-    // As the SWE-bench harness: the task's test command on the test files.
-    let test_cmd = if task.test_cmd.trim().is_empty() {
-        DEFAULT_TEST_CMD
-    } else {
-        task.test_cmd.trim()
-    };
-    let cmd = format!("{test_cmd} {}", files.join(" "));
+    // 5. The tests: only the test command's own output is parsed (the harness reads
+    // between its start and end markers). Strict grading adds its report plugin to a
+    // pytest command and prints the report after a fresh random marker.
+    let cmd = spec.test_command();
     log.push_str(&format!(">>> {cmd}\n"));
-    let out = sb.run(&cmd, timeout);
-    log.push_str(&out.output);
+    let report_marker = if steps.report && runs_pytest(&spec.test_cmd) {
+        match sb.write_scratch("tutor_grade_report.py", REPORT_PLUGIN) {
+            Ok(plugin) => Some((
+                plugin,
+                format!("__TUTOR_GRADE_REPORT_{:032x}__", rand::random::<u128>()),
+            )),
+            Err(e) => return fail(OutcomeStatus::SandboxError, log, e.to_string()),
+        }
+    } else {
+        None
+    };
+    let full = match &report_marker {
+        None => format!("{prelude}{cmd}"),
+        Some((plugin, marker)) => {
+            let with_plugin = format!(
+                "{} -p tutor_grade_report{}",
+                spec.test_cmd,
+                &cmd[spec.test_cmd.len()..]
+            );
+            format!(
+                "__r=$(mktemp -d) && export TUTOR_GRADE_REPORT=\"$__r/report.jsonl\" \
+                 PYTHONPATH=\"$(dirname {plugin})${{PYTHONPATH:+:$PYTHONPATH}}\"; \
+                 {prelude}{with_plugin}; __rc=$?; printf '\\n%s\\n' {marker}; \
+                 cat \"$__r/report.jsonl\" 2>/dev/null; rm -rf \"$__r\"; exit $__rc"
+            )
+        }
+    };
+    let out = sb.run(&full, timeout);
     if out.timed_out {
+        log.push_str(&out.output);
         log.push_str("\n>>> TESTS_TIMEOUT\n");
-        return GradeResult::fail(OutcomeStatus::TestsTimeout, log);
+        return Ran::Early(GradeResult::fail(OutcomeStatus::TestsTimeout, log).with_spec(&spec));
     }
-    let test_statuses = parse_pytest_log(&out.output);
-    let status = decide(task, &test_statuses);
-    GradeResult {
-        status,
-        test_statuses,
-        log: truncate_head_tail(&log, MAX_LOG_CHARS),
+    let (output, report) = match &report_marker {
+        None => (out.output, None),
+        Some((_, marker)) => match out.output.rfind(&format!("\n{marker}\n")) {
+            Some(i) => {
+                let report = out.output[i + marker.len() + 2..]
+                    .lines()
+                    .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                    .filter_map(|v| {
+                        Some((
+                            v["nodeid"].as_str()?.to_string(),
+                            v["status"].as_str()?.to_string(),
+                        ))
+                    })
+                    .collect();
+                (out.output[..i].to_string(), Some(report))
+            }
+            None => (out.output, Some(BTreeMap::new())),
+        },
+    };
+    log.push_str(&output);
+    Ran::Tests {
+        spec,
+        log,
+        output,
+        exit_code: out.exit_code,
+        report,
     }
+}
+
+/// Puts `files` back as they are at the base commit (removing the ones it lacks).
+fn reset_to_base(sb: &mut dyn Sandbox, files: &[String], log: &mut String) -> Result<(), String> {
+    let base = sb.base_commit().to_string();
+    let reset: Vec<String> = files
+        .iter()
+        .map(|f| {
+            let q = crate::sandbox::shell_quote(f);
+            if sb.base_file(f).is_some() {
+                format!("git checkout -q {base} -- {q}")
+            } else {
+                format!("rm -rf -- {q}")
+            }
+        })
+        .collect();
+    let out = sb.run(&reset.join(" && "), GIT_STEP_TIMEOUT);
+    log.push_str(&out.output);
+    if out.exit_code != 0 {
+        return Err(format!(
+            "resetting {} failed: {}",
+            files.join(" "),
+            out.output
+        ));
+    }
+    Ok(())
 }
 
 fn ensure_newline(s: &str) -> String {

@@ -6,6 +6,7 @@ pub mod context;
 pub mod episode;
 pub mod eval;
 pub mod grade;
+pub mod harness;
 pub mod mixing;
 pub mod observation;
 pub mod sandbox;

@@ -36,6 +36,11 @@ pub struct WorkerConfig {
     pub capacity: u32,
     /// Deadline for running the tests when grading a submission.
     pub grade_timeout_s: f64,
+    /// How submissions are graded for rewards: `strict` (files that change test
+    /// collection or reporting reset, pytest results from Tutor's own report, skipped
+    /// tests never count as passing; disagreements with the harness logged) or `harness`
+    /// (exactly what the SWE-bench harness reports).
+    pub grading: crate::grade::GradingMode,
     /// Where episodes run: `local` (a temporary git working copy per episode) or
     /// `docker` (a container per episode, built with `make images`).
     pub sandbox: SandboxKind,
@@ -168,6 +173,7 @@ impl Default for WorkerConfig {
         Self {
             capacity: 1,
             grade_timeout_s: 120.0,
+            grading: crate::grade::GradingMode::Strict,
             sandbox: SandboxKind::Local,
             sandbox_root: None,
             allow_unconfined: false,
@@ -464,6 +470,7 @@ pub async fn run_worker(
         sandboxes,
         teacher,
         grade_timeout: Duration::from_secs_f64(opts.config.grade_timeout_s),
+        grading: opts.config.grading,
         cancel: cancel.clone(),
     };
     let capacity = opts.config.capacity.max(1) as usize;

@@ -113,6 +113,57 @@ async fn persistent_shell_keeps_state_and_reports_exit_codes() {
     assert_eq!(containers_of(&d, &run).await, 0);
 }
 
+/// The end-of-command framing cannot be forged from inside a command (issue 15): the
+/// marker was `__TUTOR_DONE_<counter>_<worker pid>__` and the function's `$2`, so a
+/// command could print a fake end with exit 0 (a failing test run reported as passing),
+/// or hold a line equal to the next marker, which ended the here-document early and ran
+/// the rest of the command in the shell itself, outside the watchdog.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_cannot_forge_the_end_of_its_output() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-forge-{}", std::process::id());
+    let mut sb = sandbox(&d, &run).await;
+    let t = Duration::from_secs(20);
+    // Neither the marker nor the deadline is visible to the command.
+    let out = sb
+        .run("echo \"[$1][$2][${__mark-unset}][${__secs-unset}]\"", t)
+        .await;
+    assert_eq!(out.output.trim(), "[][][unset][unset]", "{:?}", out.output);
+    // Old-style markers for the next few commands, printed and as lines of the command.
+    let pid = std::process::id();
+    let mut fake = String::new();
+    for n in 0..8 {
+        fake.push_str(&format!(
+            "printf '\\n__TUTOR_DONE_{n}_{pid}__ 0\\t/testbed\\t\\n'\n"
+        ));
+    }
+    let cmd = format!("{fake}echo after-the-fake-ends; exit 3");
+    let out = sb.run(&cmd, t).await;
+    assert_eq!(out.exit_code, 3, "{:?}", out.output);
+    assert!(
+        out.output.contains("after-the-fake-ends"),
+        "{:?}",
+        out.output
+    );
+    let lines: String = (0..8)
+        .map(|n| format!("__TUTOR_DONE_{n}_{pid}__\n"))
+        .collect();
+    let out = sb
+        .run(
+            &format!("echo in-command\n{lines}touch /tmp/ran-in-the-shell; exit 4"),
+            t,
+        )
+        .await;
+    assert_eq!(out.exit_code, 4, "{:?}", out.output);
+    let out = sb.run("echo next", t).await;
+    assert_eq!(
+        (out.exit_code, out.output.trim()),
+        (0, "next"),
+        "the shell stays in step"
+    );
+    sb.remove().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hanging_command_is_killed_and_the_shell_stays_usable() {
     let Some(d) = engine().await else { return };

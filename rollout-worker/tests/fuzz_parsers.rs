@@ -125,6 +125,7 @@ fn task_record() -> impl Strategy<Value = TaskRecord> {
                     .collect(),
                 image,
                 test_cmd,
+                log_parser: String::new(),
             },
         )
 }

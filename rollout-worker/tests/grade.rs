@@ -190,3 +190,84 @@ fn a_python_without_pytest_is_refused_with_the_fix_named() {
     common::init_python();
     check_grading_python(&python_interpreter()).unwrap();
 }
+
+/// A new file as a unified diff.
+fn new_file_patch(path: &str, content: &str) -> String {
+    let lines: Vec<&str> = content.lines().collect();
+    let mut p = format!(
+        "diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n@@ -0,0 +1,{} @@\n",
+        lines.len()
+    );
+    for l in lines {
+        p.push_str(&format!("+{l}\n"));
+    }
+    p
+}
+
+/// Issue 15, item 3: a submission that adds a `conftest.py` turning every failure into
+/// a pass (and prints fake summary lines) is RESOLVED by the harness's rules, which read
+/// what the tests print, and UNRESOLVED by strict grading, which removes the conftest and
+/// reads its own report; the disagreement is recorded. The gold patch is RESOLVED both
+/// ways.
+#[test]
+fn a_conftest_that_forces_passes_fools_the_harness_but_not_strict_grading() {
+    use tutor_rollout_worker::grade::{grade_in, GradingMode};
+    common::init_python();
+    let t = task();
+    let hostile = new_file_patch(
+        "conftest.py",
+        "import pytest\n\
+         \n\
+         @pytest.hookimpl(hookwrapper=True)\n\
+         def pytest_runtest_makereport(item, call):\n\
+         \x20   outcome = yield\n\
+         \x20   report = outcome.get_result()\n\
+         \x20   report.outcome = 'passed'\n",
+    );
+    let harness = grade_in(
+        &t,
+        &hostile,
+        common::GRADE_TIMEOUT,
+        None,
+        GradingMode::Harness,
+    );
+    assert_eq!(harness.status, OutcomeStatus::Resolved, "{}", harness.log);
+    let strict = grade_in(
+        &t,
+        &hostile,
+        common::GRADE_TIMEOUT,
+        None,
+        GradingMode::Strict,
+    );
+    assert_eq!(strict.status, OutcomeStatus::Unresolved, "{}", strict.log);
+    assert_eq!(strict.harness_status, Some(OutcomeStatus::Resolved));
+    assert!(
+        strict
+            .disagreement
+            .contains("strict grading says UNRESOLVED, the harness RESOLVED"),
+        "{}",
+        strict.disagreement
+    );
+    assert!(
+        strict.log.contains(">>> strict: reset conftest.py"),
+        "{}",
+        strict.log
+    );
+    for id in &t.fail_to_pass {
+        assert_eq!(
+            strict.test_statuses.get(id).map(String::as_str),
+            Some("FAILED")
+        );
+    }
+
+    let gold = grade_in(
+        &t,
+        &t.patch,
+        common::GRADE_TIMEOUT,
+        None,
+        GradingMode::Strict,
+    );
+    assert_eq!(gold.status, OutcomeStatus::Resolved, "{}", gold.log);
+    assert!(gold.disagreement.is_empty(), "{}", gold.disagreement);
+    assert_eq!(gold.harness_status, Some(OutcomeStatus::Resolved));
+}

@@ -279,6 +279,7 @@ fn multi_hunk_task() -> TaskRecord {
         ],
         image: String::new(),
         test_cmd: String::new(),
+        log_parser: String::new(),
     }
 }
 

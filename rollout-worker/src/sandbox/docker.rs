@@ -513,8 +513,11 @@ __tutor_run() {
   # The command arrives as a here-document (delimited by the unique marker) on the
   # function's stdin; `read` and `printf` are builtins, so no process is spawned for it.
   local __cmd; IFS= read -r -d '' __cmd
+  # The deadline and the end marker leave the positional parameters, and the marker is
+  # unset in the command's subshell: the command cannot print it to fake its own end.
+  local __secs=$1 __mark=$2; set --
   if ! printf '%s' "$__cmd" > "$__tutor_s/cmd.sh"; then
-    printf 'sandbox: could not write the command to %s (is it full?)\n\n%s %d\t%s\t\n' "$__tutor_s" "$2" 126 "$__tutor_cwd"
+    printf 'sandbox: could not write the command to %s (is it full?)\n\n%s %d\t%s\t\n' "$__tutor_s" "$__mark" 126 "$__tutor_cwd"
     return
   fi
   # A watchdog that died (a command may kill it) is replaced before it is needed.
@@ -523,9 +526,9 @@ __tutor_run() {
   # The command: a forked subshell (no exec), job control off inside so everything it
   # starts stays in its group, without the watchdog's FIFO; the EXIT trap records where
   # it ended.
-  ( set +m; trap 'pwd > "$__tutor_s/cwd"' EXIT; . "$__tutor_s/cmd.sh" ) </dev/null 9>&- 2>&1 &
+  ( unset __mark __secs; set +m; trap 'pwd > "$__tutor_s/cwd"' EXIT; . "$__tutor_s/cmd.sh" ) </dev/null 9>&- 2>&1 &
   local __pid=$!
-  echo "$__pid $1" >&9
+  echo "$__pid $__secs" >&9
   wait "$__pid"; local rc=$?
   echo >&9
   # Whatever the command left running in the background goes with it.
@@ -533,7 +536,7 @@ __tutor_run() {
   local __file=
   read -r __tutor_cwd < "$__tutor_s/cwd"
   [ -f "$__tutor_s/current_file" ] && read -r __file < "$__tutor_s/current_file"
-  printf '\n%s %d\t%s\t%s\n' "$2" "$rc" "$__tutor_cwd" "$__file"
+  printf '\n%s %d\t%s\t%s\n' "$__mark" "$rc" "$__tutor_cwd" "$__file"
 }
 "#;
 
@@ -1055,7 +1058,15 @@ impl DockerSandbox {
             self.start_shell().await?;
         }
         self.counter += 1;
-        let marker = format!("__TUTOR_DONE_{}_{}__", self.counter, std::process::id());
+        // A fresh random marker per command: one a command could predict would let it
+        // print a fake end (and exit code) or end the here-document early and run the
+        // rest of its text in the shell itself, outside the watchdog.
+        let marker = loop {
+            let m = format!("__TUTOR_DONE_{:032x}__", rand::random::<u128>());
+            if !command.contains(&m) {
+                break m;
+            }
+        };
         let secs = timeout.as_secs().max(1);
         let line = format!("__tutor_run {secs} {marker} <<'{marker}'\n{command}\n{marker}\n");
         let shell = self

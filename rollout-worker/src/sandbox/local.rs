@@ -1383,6 +1383,7 @@ pub(crate) mod tests {
             ],
             image: String::new(),
             test_cmd: String::new(),
+            log_parser: String::new(),
         }
     }
 

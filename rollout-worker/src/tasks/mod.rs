@@ -52,6 +52,11 @@ pub struct TaskRecord {
     /// test files. Empty: `python -m pytest -rA -p no:cacheprovider`.
     #[serde(default, deserialize_with = "string_or_null")]
     pub test_cmd: String,
+    /// The harness log parser that reads the test command's output (`pytest`,
+    /// `django`, … or `parse_log_pytest`; SWE-rebench's `install_config.log_parser`).
+    /// Empty: the repository's harness parser, or pytest.
+    #[serde(default, deserialize_with = "string_or_null")]
+    pub log_parser: String,
 }
 
 /// Errors from reading or writing task files. Messages name the file and line so a
@@ -206,14 +211,18 @@ fn diagnose(obj: &serde_json::Map<String, Value>) -> Option<String> {
     None
 }
 
-/// `install_config.test_cmd` (SWE-rebench): a string, or a list of commands joined
-/// with `&&`. The object may also be stored as a JSON string.
-fn install_test_cmd(obj: &serde_json::Map<String, Value>) -> String {
-    let cfg = match obj.get("install_config") {
+/// `install_config` (SWE-rebench), which may also be stored as a JSON string.
+fn install_config(obj: &serde_json::Map<String, Value>) -> Value {
+    match obj.get("install_config") {
         Some(Value::String(s)) => serde_json::from_str::<Value>(s).unwrap_or(Value::Null),
         Some(v) => v.clone(),
         None => Value::Null,
-    };
+    }
+}
+
+/// `install_config.test_cmd` (SWE-rebench): a string, or a list of commands joined
+/// with `&&`.
+fn install_test_cmd(cfg: &Value) -> String {
     match cfg.get("test_cmd") {
         Some(Value::String(s)) => s.trim().to_string(),
         Some(Value::Array(items)) => items
@@ -250,8 +259,14 @@ fn parse_value(value: Value) -> Result<TaskRecord, String> {
             if t.instance_id.trim().is_empty() {
                 return Err("field `instance_id` is empty".into());
             }
+            let cfg = install_config(obj);
             if t.test_cmd.is_empty() {
-                t.test_cmd = install_test_cmd(obj);
+                t.test_cmd = install_test_cmd(&cfg);
+            }
+            if t.log_parser.is_empty() {
+                if let Some(Value::String(p)) = cfg.get("log_parser") {
+                    t.log_parser = p.trim().to_string();
+                }
             }
             Ok(t)
         }
@@ -407,13 +422,15 @@ impl From<&TaskRecord> for tutor_proto::Task {
             base_commit: t.base_commit.clone(),
             image: t.image.clone(),
             test_cmd: t.test_cmd.clone(),
+            version: t.version.clone(),
+            log_parser: t.log_parser.clone(),
         }
     }
 }
 
 impl TaskRecord {
-    /// Inverse of `From<&TaskRecord> for Task`. The proto has no `hints_text` or
-    /// `version` (workers never need them), so those come back empty.
+    /// Inverse of `From<&TaskRecord> for Task`. The proto has no `hints_text` (workers
+    /// never need it), so it comes back empty.
     pub fn from_proto(t: &tutor_proto::Task) -> Self {
         TaskRecord {
             instance_id: t.instance_id.clone(),
@@ -425,7 +442,7 @@ impl TaskRecord {
             test_patch: t.test_patch.clone(),
             fail_to_pass: t.fail_to_pass.clone(),
             pass_to_pass: t.pass_to_pass.clone(),
-            version: String::new(),
+            version: t.version.clone(),
             files: t
                 .files
                 .iter()
@@ -436,6 +453,7 @@ impl TaskRecord {
                 .collect(),
             image: t.image.clone(),
             test_cmd: t.test_cmd.clone(),
+            log_parser: t.log_parser.clone(),
         }
     }
 
@@ -473,6 +491,7 @@ mod tests {
             }],
             image: String::new(),
             test_cmd: String::new(),
+            log_parser: String::new(),
         }
     }
 

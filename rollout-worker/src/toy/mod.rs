@@ -504,6 +504,7 @@ fn build_task(
         files,
         image: String::new(),
         test_cmd: String::new(),
+        log_parser: String::new(),
     };
     Some(ToyTask {
         record,

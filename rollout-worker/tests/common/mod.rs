@@ -140,6 +140,7 @@ pub fn episode_setup(
             owner: None,
         },
         grade_timeout: Duration::from_secs(120),
+        grading: tutor_rollout_worker::grade::GradingMode::Strict,
         teacher,
         cancel: Arc::new(AtomicBool::new(false)),
     };

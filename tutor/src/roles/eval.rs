@@ -59,6 +59,12 @@ pub struct EvalArgs {
     /// Test-run timeout when grading (seconds).
     #[arg(long, default_value_t = 300.0)]
     grade_timeout: f64,
+    /// How submissions are graded: `harness` (exactly what the SWE-bench harness
+    /// reports) or `strict` (the workers' reward grading: files that change how tests
+    /// are collected or reported are reset, pytest results come from Tutor's own report,
+    /// skipped tests never count as passing).
+    #[arg(long, default_value = "harness", value_parser = clap::value_parser!(String))]
+    grading: String,
     /// Evaluate only the first N tasks.
     #[arg(long)]
     limit: Option<usize>,
@@ -108,6 +114,10 @@ pub async fn eval(args: EvalArgs) -> Result<()> {
         max_turns: args.max_turns.max(1),
         command_timeout: Duration::from_secs_f64(args.command_timeout.max(1.0)),
         grade_timeout: Duration::from_secs_f64(args.grade_timeout.max(1.0)),
+        grading: args
+            .grading
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("--grading: {e}"))?,
         ..Default::default()
     };
     let endpoint = match args.agent {
