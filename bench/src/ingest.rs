@@ -455,6 +455,8 @@ fn outcome(episode_id: &str, worker_id: &str, turns: u32) -> EpisodeEvent {
             instance_id: "bench__task-1".into(),
             policy_version: 1,
             error: String::new(),
+            grading: "strict".into(),
+            harness_status: OutcomeStatus::Resolved as i32,
         })),
     }
 }

@@ -132,6 +132,12 @@ impl CoordinatorConfig {
         // Every algorithm: what the teacher was asked (the cost of a paid endpoint).
         m.insert("teacher_calls".into(), rollouts.teacher_calls.into());
         m.insert("teacher_tokens".into(), rollouts.teacher_tokens.into());
+        // Every algorithm: submissions strict grading and the harness judged differently
+        // (a patch that changes how tests are collected or reported: reward hacking).
+        m.insert(
+            "grading_disagreements".into(),
+            rollouts.grading_disagreements().into(),
+        );
         if self.algorithm == Algorithm::Dapo {
             m.insert("groups_kept".into(), rollouts.groups.kept.into());
             m.insert("groups_dropped".into(), rollouts.groups.dropped.into());

@@ -98,6 +98,16 @@ impl IterationRollouts {
         }
     }
 
+    /// Finished episodes (training and held-out) whose strict grade differs from the
+    /// harness's grade of the same submission.
+    pub fn grading_disagreements(&self) -> u64 {
+        self.train
+            .iter()
+            .chain(&self.eval)
+            .filter(|o| o.harness_status != 0 && o.harness_status != o.status)
+            .count() as u64
+    }
+
     /// The mean per-token reverse KL estimate (nats per token) over the scored student
     /// tokens; `None` when the teacher scored none (the oracle cannot).
     pub fn reverse_kl(&self) -> Option<f64> {
@@ -174,5 +184,27 @@ mod tests {
             (r.student_turns, r.labelled_student_turns, r.agreements),
             (3, 2, 1)
         );
+    }
+
+    /// Outcomes whose strict grade differs from the harness's are counted, held-out ones
+    /// too; harness-graded outcomes (no harness_status) and agreements are not.
+    #[test]
+    fn grading_disagreements_count_strict_grades_the_harness_disputes() {
+        use tutor_proto::OutcomeStatus::{Resolved, Unresolved};
+        let outcome = |status: tutor_proto::OutcomeStatus, harness: i32| EpisodeOutcome {
+            status: status as i32,
+            harness_status: harness,
+            ..Default::default()
+        };
+        let r = IterationRollouts {
+            train: vec![
+                outcome(Unresolved, Resolved as i32),
+                outcome(Resolved, Resolved as i32),
+                outcome(Unresolved, 0),
+            ],
+            eval: vec![outcome(Unresolved, Resolved as i32)],
+            ..Default::default()
+        };
+        assert_eq!(r.grading_disagreements(), 2);
     }
 }

@@ -548,6 +548,8 @@ fn grade_submission(
     );
     outcome.status = g.status as i32;
     outcome.test_statuses = g.test_statuses.into_iter().collect();
+    outcome.grading = g.mode.name().to_string();
+    outcome.harness_status = g.harness_status.map_or(0, |s| s as i32);
     if !g.reason.is_empty() {
         // Why the task could not be graded (its test patch, spec or image), for the
         // operator: the status alone does not say which task field to fix.

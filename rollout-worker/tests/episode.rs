@@ -130,3 +130,42 @@ fn an_oversized_submission_is_patch_too_large_and_not_graded() {
     assert_eq!(sent.status, OutcomeStatus::PatchTooLarge as i32);
     assert_eq!(sent.patch, "");
 }
+
+/// An agent that games the reward (issue 15, item 3): it writes a `conftest.py` that
+/// reports every test as passed and submits. Under the workers' strict grading the
+/// outcome is UNRESOLVED (reward 0), and it records that the harness's rules would have
+/// said RESOLVED, which the coordinator counts as a grading disagreement.
+#[test]
+fn a_reward_hacking_episode_is_unresolved_and_the_disagreement_recorded() {
+    let conftest = "cat > conftest.py <<'EOF'\nimport pytest\n\n\
+        @pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n    \
+        outcome = yield\n    outcome.get_result().outcome = 'passed'\nEOF";
+    let url = scripted_endpoint(vec![
+        format!("Make every test pass.\n```command\n{conftest}\n```"),
+        "Done.\n```command\nsubmit\n```".to_string(),
+    ]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let endpoint = ChatEndpoint::new(&TeacherConfig {
+        kind: TeacherKind::Endpoint,
+        base_url: url,
+        model: "scripted".into(),
+        max_retries: 0,
+        ..Default::default()
+    })
+    .unwrap();
+    common::init_python();
+    let s = common::episode_setup(
+        tutor_rollout_worker::toy::generate(1, 11).remove(0),
+        TeacherSource::Endpoint(Arc::new(endpoint), rt.handle().clone()),
+    );
+    let outcome = run_episode(&s.env, &lease(&s.task));
+    assert!(outcome.patch.contains("conftest.py"), "{outcome:?}");
+    assert_eq!(
+        outcome.status,
+        OutcomeStatus::Unresolved as i32,
+        "{}",
+        outcome.error
+    );
+    assert_eq!(outcome.grading, "strict");
+    assert_eq!(outcome.harness_status, OutcomeStatus::Resolved as i32);
+}

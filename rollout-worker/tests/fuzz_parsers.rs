@@ -1102,3 +1102,70 @@ proptest! {
         );
     }
 }
+
+/// Pieces of the logs the harness's other parsers read (Django's runner, sympy's
+/// `bin/test`, verbose pytest), to mix with the pytest atoms.
+const HARNESS_LOG_ATOMS: &[&str] = &[
+    " ... ok",
+    " ... FAIL",
+    " ... ERROR",
+    " ... skipped 'x'",
+    " ...  OK",
+    "FAIL: ",
+    "ERROR: ",
+    "ok\n",
+    "test_a (m.T.test_a)",
+    "Applying sites.0002_alter_domain_unique...test_no_migrations",
+    "--version is equivalent to version",
+    "System check identified no issues (0 silenced)\nok",
+    "Internal Server Error: /x/\nok",
+    "Testing against Django installed in '/x' silenced).\nok",
+    "________ sympy/a.py:test_b ________",
+    "test_c ok",
+    " E",
+    " F",
+    "MouseButton.LEFT",
+    " PASSED ",
+    "\u{1b}[32m",
+    "\t",
+    "\u{1c}",
+];
+
+proptest! {
+    #![proptest_config(config(256))]
+
+    /// Every harness log parser on arbitrary and structured logs: never panics, and each
+    /// status it reports starts or ends with one of the harness's five (the pytest
+    /// parsers keep the first word as the harness does, so `PASSEDx` can be one, and
+    /// `pytest_v2` the last word of a line ending in a status).
+    #[test]
+    fn harness_parsers_never_panic(
+        log in prop_oneof![
+            lossy_text(1024),
+            structured_text(LOG_ATOMS, 96),
+            structured_text(HARNESS_LOG_ATOMS, 96),
+        ],
+    ) {
+        use tutor_rollout_worker::harness::{parsers::HARNESS_STATUSES, LogParser};
+        for parser in [
+            LogParser::Pytest,
+            LogParser::PytestOptions,
+            LogParser::PytestV2,
+            LogParser::Django,
+            LogParser::Seaborn,
+            LogParser::Sympy,
+            LogParser::Matplotlib,
+        ] {
+            for status in parser.parse(&log).values() {
+                prop_assert!(
+                    HARNESS_STATUSES
+                        .iter()
+                        .any(|s| status.starts_with(s) || status.ends_with(s)),
+                    "{}: status {:?}",
+                    parser.name(),
+                    status
+                );
+            }
+        }
+    }
+}
