@@ -1,7 +1,7 @@
 //! What one iteration's rollouts produced, as the scheduler hands it to the driver:
 //! the outcomes, the teacher/student turn counts and DAPO's group statistics.
 
-use tutor_proto::{EpisodeOutcome, TurnRecord};
+use tutor_proto::{EpisodeOutcome, OutcomeStatus, TurnRecord};
 
 /// What one iteration's rollouts produced.
 #[derive(Debug, Default, Clone)]
@@ -98,13 +98,17 @@ impl IterationRollouts {
         }
     }
 
-    /// Finished episodes (training and held-out) whose strict grade differs from the
-    /// harness's grade of the same submission.
+    /// Finished episodes (training and held-out) that strict grading and the harness's
+    /// rules resolve differently (one RESOLVED, the other not; two kinds of failure
+    /// are no disagreement).
     pub fn grading_disagreements(&self) -> u64 {
+        let resolved = OutcomeStatus::Resolved as i32;
         self.train
             .iter()
             .chain(&self.eval)
-            .filter(|o| o.harness_status != 0 && o.harness_status != o.status)
+            .filter(|o| {
+                o.harness_status != 0 && (o.harness_status == resolved) != (o.status == resolved)
+            })
             .count() as u64
     }
 
@@ -201,6 +205,7 @@ mod tests {
                 outcome(Unresolved, Resolved as i32),
                 outcome(Resolved, Resolved as i32),
                 outcome(Unresolved, 0),
+                outcome(Unresolved, tutor_proto::OutcomeStatus::TestsError as i32),
             ],
             eval: vec![outcome(Unresolved, Resolved as i32)],
             ..Default::default()

@@ -237,15 +237,20 @@ impl std::str::FromStr for GradingMode {
 
 /// Files a submission may not change under strict grading: they decide which tests are
 /// collected and how results are reported (a `conftest.py` hook can turn every failure
-/// into a pass), or run code in every Python process (`sitecustomize`, `.pth`).
+/// into a pass; a `setup.py` entry point registers a plugin at the re-install), or run
+/// code in every Python process (`sitecustomize`, `.pth`).
 pub fn is_protected(path: &str) -> bool {
     let name = path.rsplit('/').next().unwrap_or(path);
     matches!(
         name,
         "conftest.py"
             | "pytest.ini"
+            | ".pytest.ini"
+            | "pytest.toml"
+            | ".pytest.toml"
             | "tox.ini"
             | "setup.cfg"
+            | "setup.py"
             | "pyproject.toml"
             | "sitecustomize.py"
             | "usercustomize.py"
@@ -253,57 +258,86 @@ pub fn is_protected(path: &str) -> bool {
 }
 
 /// The pytest plugin behind strict grading's report: each test's outcome by node id,
-/// written at the end of the session to `$TUTOR_GRADE_REPORT` (a fresh temporary file,
-/// outside the repository, printed after the tests end).
+/// with the line pytest's `-rA` summary would print for it, written at the end of the
+/// session to `$TUTOR_GRADE_REPORT` (a fresh directory outside the repository, read by
+/// the grader after the test command has ended). Loaded under a random module name, so
+/// a submission cannot shadow it.
 const REPORT_PLUGIN: &str = r#""""Tutor's grading report: each test's outcome by node id (strict grading)."""
 import json
 import os
 
+import pytest
+
 _RANK = {"PASSED": 0, "XFAIL": 0, "SKIPPED": 1, "XPASS": 1, "FAILED": 2, "ERROR": 2}
 _out = {}
+_config = []
+# pytest >= 7.2 prints an xfail's reason after the id in the -rA summary.
+_XFAIL_REASON = tuple(getattr(pytest, "version_tuple", (0,))[:2]) >= (7, 2)
 
 
-def _set(nodeid, status):
+def pytest_configure(config):
+    _config.append(config)
+
+
+def _set(report, status, reason=""):
+    nodeid = report.nodeid
     prev = _out.get(nodeid)
-    if prev is None or _RANK[status] > _RANK[prev]:
-        _out[nodeid] = status
+    if prev is not None and _RANK[status] <= _RANK[prev["status"]]:
+        return
+    shown = nodeid
+    if _config:
+        try:
+            shown = _config[0].cwd_relative_nodeid(nodeid)
+        except Exception:
+            pass
+    line = status + " " + shown
+    if status == "XFAIL" and reason and _XFAIL_REASON:
+        line += " - " + str(reason).split("\n")[0]
+    _out[nodeid] = {"nodeid": nodeid, "status": status, "line": line}
 
 
 def pytest_runtest_logreport(report):
-    if report.when == "call":
-        if hasattr(report, "wasxfail"):
-            status = "XFAIL" if report.skipped else "XPASS"
-        elif report.passed:
-            status = "PASSED"
-        elif report.failed:
-            status = "FAILED"
-        else:
-            status = "SKIPPED"
-    elif report.failed:
-        status = "ERROR"
-    elif report.skipped:
-        status = "XFAIL" if hasattr(report, "wasxfail") else "SKIPPED"
-    else:
+    if report.outcome == "rerun":
         return
-    _set(report.nodeid, status)
+    wasxfail = getattr(report, "wasxfail", None)
+    if report.when == "call":
+        if wasxfail is not None:
+            _set(report, "XFAIL" if report.skipped else "XPASS", wasxfail)
+        elif report.passed:
+            _set(report, "PASSED")
+        elif report.failed:
+            _set(report, "FAILED")
+        else:
+            _set(report, "SKIPPED")
+    elif report.failed:
+        _set(report, "ERROR")
+    elif report.skipped:
+        _set(report, "XFAIL" if wasxfail is not None else "SKIPPED", wasxfail)
 
 
 def pytest_collectreport(report):
     if report.failed:
-        _set(report.nodeid or ".", "ERROR")
+        _set(report, "ERROR")
 
 
 def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("TUTOR_GRADE_REPORT")
     if path:
         with open(path, "w") as f:
-            for nodeid, status in _out.items():
-                f.write(json.dumps({"nodeid": nodeid, "status": status}) + "\n")
+            for entry in _out.values():
+                f.write(json.dumps(entry) + "\n")
 "#;
 
-/// Whether a test command runs pytest directly (so strict grading can add its plugin;
-/// `tox` and other wrappers do not pass it on).
+/// Whether a test command is one pytest run (so strict grading can add its plugin;
+/// `tox` and other wrappers do not pass it on, and in a compound command it would land
+/// on the wrong part).
 fn runs_pytest(test_cmd: &str) -> bool {
+    if ["&&", "||", ";", "|", "`", "$("]
+        .iter()
+        .any(|op| test_cmd.contains(op))
+    {
+        return false;
+    }
     let words: Vec<&str> = test_cmd.split_whitespace().collect();
     let first = words
         .iter()
@@ -314,6 +348,17 @@ fn runs_pytest(test_cmd: &str) -> bool {
         || first.ends_with("/pytest")
         || words.windows(2).any(|w| w == ["-m", "pytest"])
 }
+
+/// The harness's markers around the test command's output, and the lines whose
+/// presence anywhere in its log makes it read no result (`get_logs_eval`).
+const START_TEST_OUTPUT: &str = ">>>>> Start Test Output";
+const END_TEST_OUTPUT: &str = ">>>>> End Test Output";
+const HARNESS_BAD_CODES: [&str; 4] = [
+    ">>>>> Patch Apply Failed",
+    ">>>>> Reset Failed",
+    ">>>>> Tests Errored",
+    ">>>>> Tests Timed Out",
+];
 
 /// Grades `patch` for `task` in a fresh sandbox built from the task's files (never the
 /// agent's sandbox) under the system temp dir, as the harness does. `timeout` bounds the
@@ -363,9 +408,9 @@ pub fn grade_fresh(
 }
 
 /// Grades in `mode`, each run of the steps in a fresh sandbox from `sandbox`. Strict
-/// grading runs the tests once, reading the harness's verdict from the log and its own
-/// from the report, or twice (the second time with the protected files reset) when the
-/// submission touches a protected file.
+/// grading runs the tests once, reading its verdict from its report and the harness's
+/// from the log; when it had to reset protected files the submission changed, the
+/// harness's steps run again, unchanged, in another fresh sandbox.
 pub fn grade_with(
     task: &TaskRecord,
     patch: &str,
@@ -373,43 +418,36 @@ pub fn grade_with(
     mode: GradingMode,
     mut sandbox: impl FnMut() -> Result<Box<dyn Sandbox>, String>,
 ) -> GradeResult {
-    let mut run = |steps: Steps| match sandbox() {
-        Ok(mut sb) => run_steps(task, patch, timeout, sb.as_mut(), steps),
-        Err(e) => Ran::Early(GradeResult::fail(OutcomeStatus::SandboxError, e.clone()).because(e)),
+    let mut run = |strict: bool| match sandbox() {
+        Ok(mut sb) => run_steps(task, patch, timeout, sb.as_mut(), strict),
+        Err(e) => Ran::early(GradeResult::fail(OutcomeStatus::SandboxError, e.clone()).because(e)),
     };
     if mode == GradingMode::Harness {
-        return run(Steps::HARNESS).harness_verdict(task);
+        return run(false).harness_verdict(task, patch);
     }
-    let touched: Vec<String> = crate::tasks::patch_files(patch)
-        .into_iter()
-        .filter(|f| is_protected(f))
-        .collect();
-    let (harness, mut strict) = if touched.is_empty() {
-        let ran = run(Steps {
-            reset: Vec::new(),
-            report: true,
-        });
-        (ran.clone().harness_verdict(task), ran.strict_verdict(task))
+    let ran = run(true);
+    let reset = ran.reset.clone();
+    let harness = if reset.is_empty() {
+        ran.clone().harness_verdict(task, patch)
     } else {
-        let harness = run(Steps::HARNESS).harness_verdict(task);
-        let strict = run(Steps {
-            reset: touched,
-            report: true,
-        })
-        .strict_verdict(task);
-        (harness, strict)
+        run(false).harness_verdict(task, patch)
     };
+    let mut strict = ran.strict_verdict(task);
     strict.harness_status = Some(harness.status);
-    if harness.status != strict.status {
+    if harness.resolved() != strict.resolved() {
         strict.disagreement = format!(
             "task {}: strict grading says {}, the harness {}{}",
             task.instance_id,
             status_str(strict.status),
             status_str(harness.status),
-            if strict.log.contains(">>> strict: reset ") {
-                " (the submission changes files that decide how tests are collected or reported)"
+            if reset.is_empty() {
+                String::new()
             } else {
-                ""
+                format!(
+                    " (the submission changes {}, which decide how tests are collected or \
+                     reported)",
+                    reset.join(", ")
+                )
             }
         );
         tracing::warn!("{}", strict.disagreement);
@@ -421,125 +459,154 @@ fn status_str(s: OutcomeStatus) -> &'static str {
     s.as_str_name().trim_start_matches("OUTCOME_STATUS_")
 }
 
-/// What a run of the grading steps does besides the harness's script.
-struct Steps {
-    /// Files of the submission reset to the base (or removed) before anything runs.
-    reset: Vec<String>,
-    /// Add Tutor's report plugin to a pytest command and read its report.
-    report: bool,
-}
-
-impl Steps {
-    const HARNESS: Steps = Steps {
-        reset: Vec::new(),
-        report: false,
-    };
-}
-
 /// The outcome of one run of the grading steps.
 #[derive(Clone)]
-enum Ran {
-    /// A verdict before the tests' output could decide one (the patch did not apply, no
-    /// spec, no environment, the test patch failed, a timeout).
-    Early(GradeResult),
-    Tests {
-        spec: TestSpec,
-        log: String,
-        output: String,
-        exit_code: i32,
-        /// Strict grading's report: node id → status (`None`: no report was asked for, or
-        /// the command does not run pytest directly).
-        report: Option<BTreeMap<String, String>>,
-    },
+struct Ran {
+    /// The tests' output, or a verdict before it could decide one (the patch did not
+    /// apply, no spec, no environment, the test patch failed, a timeout).
+    tests: Result<TestsRun, GradeResult>,
+    /// Protected files the submission changed that strict grading reset.
+    reset: Vec<String>,
+}
+
+#[derive(Clone)]
+struct TestsRun {
+    spec: TestSpec,
+    log: String,
+    /// The test command's output between the harness's start and end markers.
+    output: String,
+    exit_code: i32,
+    /// Strict grading's report (`None`: none was asked for, or the command does not
+    /// run pytest directly): per node id, the worst status and its summary line.
+    report: Option<BTreeMap<String, (String, String)>>,
 }
 
 impl Ran {
-    /// The harness's verdict: the spec's parser on the log, the harness's resolution.
-    fn harness_verdict(self, task: &TaskRecord) -> GradeResult {
-        let (spec, log, output, exit_code) = match self {
-            Ran::Early(g) => return g,
-            Ran::Tests {
-                spec,
-                log,
-                output,
-                exit_code,
-                ..
-            } => (spec, log, output, exit_code),
-        };
-        let Some(parser) = spec.parser else {
-            return generic_verdict(task, &spec, log, parse_pytest_log(&output));
-        };
-        let test_statuses = parser.parse(&output);
-        if test_statuses.is_empty() {
-            return no_tests(task, &spec, log, exit_code, parser.name());
-        }
-        let resolution = TestsReport::new(task, &test_statuses).resolution();
-        GradeResult {
-            status: if resolution == Resolution::Full {
-                OutcomeStatus::Resolved
-            } else {
-                OutcomeStatus::Unresolved
-            },
-            test_statuses,
-            resolution: Some(resolution),
-            spec: spec.describe(),
-            mode: GradingMode::Harness,
-            log: truncate_head_tail(&log, MAX_LOG_CHARS),
-            ..GradeResult::default()
+    fn early(g: GradeResult) -> Self {
+        Ran {
+            tests: Err(g),
+            reset: Vec::new(),
         }
     }
 
-    /// Strict grading's verdict: the report when there is one (its node ids spelled as
-    /// the spec's parser spells them), else the parser on the log; every FAIL_TO_PASS and
-    /// PASS_TO_PASS test must be PASSED or XFAIL.
+    /// The harness's verdict: its log checks (`get_logs_eval`: a bad code anywhere in
+    /// the log, which holds the submission's diff too, or a missing marker, and no
+    /// result is read), the spec's parser on the section between the markers, the
+    /// harness's resolution.
+    fn harness_verdict(self, task: &TaskRecord, patch: &str) -> GradeResult {
+        let run = match self.tests {
+            Err(mut g) => {
+                g.mode = GradingMode::Harness;
+                return g;
+            }
+            Ok(run) => run,
+        };
+        let mut g = match run.spec.parser {
+            None => generic_verdict(task, &run.spec, run.log, parse_pytest_log(&run.output)),
+            Some(parser) => {
+                let full = format!("{patch}\n{}", run.output);
+                if let Some(code) = HARNESS_BAD_CODES.iter().find(|c| full.contains(*c)) {
+                    let reason = format!(
+                        "task {}: the log holds the harness's `{code}` line (printed by the \
+                         tests or in the submission's diff), so the harness reads no result",
+                        task.instance_id
+                    );
+                    tests_error(&run.spec, run.log, reason)
+                } else {
+                    match parser.parse_checked(&run.output) {
+                        Err(e) => tests_error(
+                            &run.spec,
+                            run.log,
+                            format!("task {}: {e}", task.instance_id),
+                        ),
+                        Ok(statuses) if statuses.is_empty() => {
+                            no_tests(task, &run.spec, run.log, run.exit_code, parser.name())
+                        }
+                        Ok(statuses) => {
+                            let resolution = TestsReport::new(task, &statuses).resolution();
+                            GradeResult {
+                                status: if resolution == Resolution::Full {
+                                    OutcomeStatus::Resolved
+                                } else {
+                                    OutcomeStatus::Unresolved
+                                },
+                                test_statuses: statuses,
+                                resolution: Some(resolution),
+                                spec: run.spec.describe(),
+                                log: truncate_head_tail(&run.log, MAX_LOG_CHARS),
+                                ..GradeResult::default()
+                            }
+                        }
+                    }
+                }
+            }
+        };
+        g.mode = GradingMode::Harness;
+        g
+    }
+
+    /// Strict grading's verdict: the report when there is one (its summary lines read
+    /// by the spec's parser: the datasets name tests as the harness's parser cuts them),
+    /// else the parser on the log; every FAIL_TO_PASS and PASS_TO_PASS test must be
+    /// PASSED or XFAIL.
     fn strict_verdict(self, task: &TaskRecord) -> GradeResult {
-        let (spec, log, output, exit_code, report) = match self {
-            Ran::Early(mut g) => {
+        let run = match self.tests {
+            Err(mut g) => {
                 g.mode = GradingMode::Strict;
                 return g;
             }
-            Ran::Tests {
-                spec,
-                log,
-                output,
-                exit_code,
-                report,
-            } => (spec, log, output, exit_code, report),
+            Ok(run) => run,
         };
-        let mut g = match (spec.parser, report) {
-            (None, Some(report)) => generic_verdict(task, &spec, log, report),
-            (None, None) => generic_verdict(task, &spec, log, parse_pytest_log(&output)),
+        let mut g = match (run.spec.parser, run.report) {
+            (None, Some(report)) => generic_verdict(
+                task,
+                &run.spec,
+                run.log,
+                report
+                    .into_iter()
+                    .map(|(id, (status, _))| (id, status))
+                    .collect(),
+            ),
+            (None, None) => {
+                generic_verdict(task, &run.spec, run.log, parse_pytest_log(&run.output))
+            }
             (Some(parser), report) => {
                 let statuses = match report {
-                    // The report's node ids through the parser as summary lines: the
-                    // datasets name tests as the harness's parser cuts them.
-                    Some(r) => parser.parse(
-                        &r.iter()
-                            .map(|(id, status)| format!("{status} {id}\n"))
+                    Some(r) => Ok(parser.parse(
+                        &r.values()
+                            .map(|(_, line)| format!("{line}\n"))
                             .collect::<String>(),
-                    ),
-                    None => parser.parse(&output),
+                    )),
+                    None => parser.parse_checked(&run.output),
                 };
-                if statuses.is_empty() {
-                    no_tests(task, &spec, log, exit_code, parser.name())
-                } else {
-                    let passed = |t: &String| {
-                        matches!(
-                            statuses.get(t).map(String::as_str),
-                            Some("PASSED" | "XFAIL")
-                        )
-                    };
-                    let all = task.fail_to_pass.iter().chain(&task.pass_to_pass);
-                    GradeResult {
-                        status: if all.clone().all(passed) {
-                            OutcomeStatus::Resolved
-                        } else {
-                            OutcomeStatus::Unresolved
-                        },
-                        test_statuses: statuses,
-                        spec: spec.describe(),
-                        log: truncate_head_tail(&log, MAX_LOG_CHARS),
-                        ..GradeResult::default()
+                match statuses {
+                    Err(e) => tests_error(
+                        &run.spec,
+                        run.log,
+                        format!("task {}: {e}", task.instance_id),
+                    ),
+                    Ok(s) if s.is_empty() => {
+                        no_tests(task, &run.spec, run.log, run.exit_code, parser.name())
+                    }
+                    Ok(statuses) => {
+                        let passed = |t: &String| {
+                            matches!(
+                                statuses.get(t).map(String::as_str),
+                                Some("PASSED" | "XFAIL")
+                            )
+                        };
+                        let mut all = task.fail_to_pass.iter().chain(&task.pass_to_pass);
+                        GradeResult {
+                            status: if all.all(passed) {
+                                OutcomeStatus::Resolved
+                            } else {
+                                OutcomeStatus::Unresolved
+                            },
+                            test_statuses: statuses,
+                            spec: run.spec.describe(),
+                            log: truncate_head_tail(&run.log, MAX_LOG_CHARS),
+                            ..GradeResult::default()
+                        }
                     }
                 }
             }
@@ -575,11 +642,19 @@ fn generic_verdict(
     }
 }
 
+/// TESTS_ERROR with `reason`, logged.
+fn tests_error(spec: &TestSpec, mut log: String, reason: String) -> GradeResult {
+    log.push_str(&format!("\n>>> TESTS_ERROR: {reason}\n"));
+    GradeResult::fail(OutcomeStatus::TestsError, log)
+        .with_spec(spec)
+        .because(reason)
+}
+
 /// TESTS_ERROR for a log in which the parser found no test.
 fn no_tests(
     task: &TaskRecord,
     spec: &TestSpec,
-    mut log: String,
+    log: String,
     exit_code: i32,
     parser: &str,
 ) -> GradeResult {
@@ -588,10 +663,7 @@ fn no_tests(
          the tests did not run, or the spec's parser does not fit this repository",
         task.instance_id,
     );
-    log.push_str(&format!("\n>>> TESTS_ERROR: {reason}\n"));
-    GradeResult::fail(OutcomeStatus::TestsError, log)
-        .with_spec(spec)
-        .because(reason)
+    tests_error(spec, log, reason)
 }
 
 /// The grading steps in `sb`, which must be a fresh sandbox at the base commit, as the
@@ -605,38 +677,43 @@ pub fn grade_in_sandbox(
     timeout: Duration,
     sb: &mut dyn Sandbox,
 ) -> GradeResult {
-    run_steps(task, patch, timeout, sb, Steps::HARNESS).harness_verdict(task)
+    run_steps(task, patch, timeout, sb, false).harness_verdict(task, patch)
 }
 
+/// Lines of the report read per command (each well under a command's output cap).
+const REPORT_LINES_PER_READ: usize = 2_000;
+
+/// One run of the grading steps; `strict` resets the protected files the submission
+/// changed (the gold patch's own files aside) and asks a pytest command for the report.
 fn run_steps(
     task: &TaskRecord,
     patch: &str,
     timeout: Duration,
     sb: &mut dyn Sandbox,
-    steps: Steps,
+    strict: bool,
 ) -> Ran {
     let spec = match spec_for(task) {
         Ok(s) => s,
         Err(e) => {
-            return Ran::Early(
+            return Ran::early(
                 GradeResult::fail(OutcomeStatus::NoTestSpec, format!(">>> {e}\n"))
                     .because(e.to_string()),
             )
         }
     };
     let mut log = format!(">>> {}\n", spec.describe());
-    let fail = |status: OutcomeStatus, log: String, reason: String| {
-        Ran::Early(
-            GradeResult::fail(status, log)
-                .with_spec(&spec)
-                .because(reason),
-        )
+    let mut reset = Vec::new();
+    let fail = |status: OutcomeStatus, log: String, reason: String, reset: &Vec<String>| Ran {
+        tests: Err(GradeResult::fail(status, log)
+            .with_spec(&spec)
+            .because(reason)),
+        reset: reset.clone(),
     };
     // 1. The submission.
     if !patch.trim().is_empty() {
         let p = match sb.write_scratch("model.patch", &ensure_newline(patch)) {
             Ok(p) => p,
-            Err(e) => return fail(OutcomeStatus::SandboxError, log, e.to_string()),
+            Err(e) => return fail(OutcomeStatus::SandboxError, log, e.to_string(), &reset),
         };
         // As in the SWE-bench harness: git apply, then GNU patch with fuzz as a fallback.
         let out = sb.run(
@@ -649,16 +726,25 @@ fn run_steps(
         log.push_str(&out.output);
         if out.exit_code != 0 || out.timed_out {
             log.push_str("\n>>> APPLY_PATCH_FAIL\n");
-            return Ran::Early(
+            return Ran::early(
                 GradeResult::fail(OutcomeStatus::ApplyPatchFail, log).with_spec(&spec),
             );
         }
     }
-    // 1b. Strict grading: the protected files the submission touched go back to the base.
-    if !steps.reset.is_empty() {
-        log.push_str(&format!(">>> strict: reset {}\n", steps.reset.join(" ")));
-        if let Err(reason) = reset_to_base(sb, &steps.reset, &mut log) {
-            return fail(OutcomeStatus::SandboxError, log, reason);
+    // 1b. Strict grading: the protected files the submission changed, as the sandbox
+    // sees them (renames, quoted paths and deletions included), go back to the base.
+    if strict {
+        let gold = task.gold_files();
+        reset = sb
+            .changed_files()
+            .into_iter()
+            .filter(|f| is_protected(f) && !gold.contains(f))
+            .collect();
+        if !reset.is_empty() {
+            log.push_str(&format!(">>> strict: reset {}\n", reset.join(" ")));
+            if let Err(reason) = reset_to_base(sb, &reset, &mut log) {
+                return fail(OutcomeStatus::SandboxError, log, reason, &reset);
+            }
         }
     }
 
@@ -682,18 +768,20 @@ fn run_steps(
                 out.exit_code
             );
             log.push_str(&format!("\n>>> ENVIRONMENT_ERROR: {reason}\n"));
-            return fail(OutcomeStatus::EnvironmentError, log, reason);
+            return fail(OutcomeStatus::EnvironmentError, log, reason, &reset);
         }
     }
     if let Some(install) = &spec.install {
         let out = sb.run(&format!("{prelude}{install}"), timeout);
         log.push_str(&format!(">>> {install}\n"));
         log.push_str(&truncate_head_tail(&out.output, MAX_LOG_CHARS / 4));
+        log.push_str(&format!("\n>>> install exit {}\n", out.exit_code));
         if out.timed_out {
             log.push_str("\n>>> TESTS_TIMEOUT (install)\n");
-            return Ran::Early(
-                GradeResult::fail(OutcomeStatus::TestsTimeout, log).with_spec(&spec),
-            );
+            return Ran {
+                tests: Err(GradeResult::fail(OutcomeStatus::TestsTimeout, log).with_spec(&spec)),
+                reset,
+            };
         }
     }
 
@@ -702,11 +790,8 @@ fn run_steps(
     if !test_files.is_empty() {
         log.push_str(">>> reset test files\n");
         if reset_to_base(sb, &test_files, &mut log).is_err() {
-            return fail(
-                OutcomeStatus::SandboxError,
-                log,
-                format!("task {}: resetting the test files failed", task.instance_id),
-            );
+            let reason = format!("task {}: resetting the test files failed", task.instance_id);
+            return fail(OutcomeStatus::SandboxError, log, reason, &reset);
         }
     }
 
@@ -714,88 +799,144 @@ fn run_steps(
     if !task.test_patch.trim().is_empty() {
         let p = match sb.write_scratch("test.patch", &ensure_newline(&task.test_patch)) {
             Ok(p) => p,
-            Err(e) => return fail(OutcomeStatus::SandboxError, log, e.to_string()),
+            Err(e) => return fail(OutcomeStatus::SandboxError, log, e.to_string(), &reset),
         };
         let out = sb.run(&format!("git apply --verbose {p}"), GIT_STEP_TIMEOUT);
         log.push_str(">>> apply test patch\n");
         log.push_str(&out.output);
         if out.exit_code != 0 {
             let reason = format!(
-                "task {}: its test_patch does not apply at base commit {} (after the \
-                 submission): the task is broken, not the submission",
+                "task {}: its test_patch does not apply at base commit {} after the \
+                 submission (usually a broken task; a submission that puts files where the \
+                 test patch needs them can cause it too)",
                 task.instance_id,
                 sb.base_commit()
             );
             log.push_str(&format!("\n>>> TEST_PATCH_FAIL: {reason}\n"));
-            return fail(OutcomeStatus::TestPatchFail, log, reason);
+            return fail(OutcomeStatus::TestPatchFail, log, reason, &reset);
         }
     }
 
-    // 5. The tests: only the test command's own output is parsed (the harness reads
-    // between its start and end markers). Strict grading adds its report plugin to a
-    // pytest command and prints the report after a fresh random marker.
+    // 5. The tests, between the harness's markers (the eval commands' output stays
+    // outside). Strict grading adds its report plugin to a pytest command, under a
+    // random module name, writing to a fresh directory read after the command ends.
     let cmd = spec.test_command();
     log.push_str(&format!(">>> {cmd}\n"));
-    let report_marker = if steps.report && runs_pytest(&spec.test_cmd) {
-        match sb.write_scratch("tutor_grade_report.py", REPORT_PLUGIN) {
-            Ok(plugin) => Some((
-                plugin,
-                format!("__TUTOR_GRADE_REPORT_{:032x}__", rand::random::<u128>()),
-            )),
-            Err(e) => return fail(OutcomeStatus::SandboxError, log, e.to_string()),
+    let report = if strict && runs_pytest(&spec.test_cmd) {
+        let module = format!("tutor_grade_report_{:016x}", rand::random::<u64>());
+        let plugin = match sb.write_scratch(&format!("{module}.py"), REPORT_PLUGIN) {
+            Ok(p) => p,
+            Err(e) => return fail(OutcomeStatus::SandboxError, log, e.to_string(), &reset),
+        };
+        // A fresh directory under the sandbox's temporary directory (stable from one
+        // command to the next; the local sandbox shows paths in its output rewritten,
+        // so the path is named, not read back).
+        let dir = format!(
+            "${{TMPDIR:-/tmp}}/tutor-grade-{:016x}",
+            rand::random::<u64>()
+        );
+        let made = sb.run(&format!("mkdir -m 700 \"{dir}\""), GIT_STEP_TIMEOUT);
+        if made.exit_code != 0 {
+            return fail(
+                OutcomeStatus::SandboxError,
+                log,
+                format!("making the report directory failed: {}", made.output),
+                &reset,
+            );
         }
+        Some((module, plugin, dir))
     } else {
         None
     };
-    let full = match &report_marker {
-        None => format!("{prelude}{cmd}"),
-        Some((plugin, marker)) => {
-            let with_plugin = format!(
-                "{} -p tutor_grade_report{}",
-                spec.test_cmd,
-                &cmd[spec.test_cmd.len()..]
-            );
-            format!(
-                "__r=$(mktemp -d) && export TUTOR_GRADE_REPORT=\"$__r/report.jsonl\" \
-                 PYTHONPATH=\"$(dirname {plugin})${{PYTHONPATH:+:$PYTHONPATH}}\"; \
-                 {prelude}{with_plugin}; __rc=$?; printf '\\n%s\\n' {marker}; \
-                 cat \"$__r/report.jsonl\" 2>/dev/null; rm -rf \"$__r\"; exit $__rc"
-            )
-        }
+    let test_cmd = match &report {
+        None => cmd.clone(),
+        Some((module, plugin, dir)) => format!(
+            "TUTOR_GRADE_REPORT=\"{dir}/report.jsonl\" \
+             PYTHONPATH=\"$(dirname {plugin})${{PYTHONPATH:+:$PYTHONPATH}}\" {} -p {module}{}",
+            spec.test_cmd,
+            &cmd[spec.test_cmd.len()..]
+        ),
     };
-    let out = sb.run(&full, timeout);
+    let out = sb.run(
+        &format!(
+            "{prelude}printf '%s\\n' '{START_TEST_OUTPUT}'; {test_cmd}; __rc=$?; \
+             printf '%s\\n' '{END_TEST_OUTPUT}'; exit $__rc"
+        ),
+        timeout,
+    );
+    log.push_str(&out.output);
     if out.timed_out {
-        log.push_str(&out.output);
         log.push_str("\n>>> TESTS_TIMEOUT\n");
-        return Ran::Early(GradeResult::fail(OutcomeStatus::TestsTimeout, log).with_spec(&spec));
+        return Ran {
+            tests: Err(GradeResult::fail(OutcomeStatus::TestsTimeout, log).with_spec(&spec)),
+            reset,
+        };
     }
-    let (output, report) = match &report_marker {
-        None => (out.output, None),
-        Some((_, marker)) => match out.output.rfind(&format!("\n{marker}\n")) {
-            Some(i) => {
-                let report = out.output[i + marker.len() + 2..]
-                    .lines()
-                    .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-                    .filter_map(|v| {
-                        Some((
-                            v["nodeid"].as_str()?.to_string(),
-                            v["status"].as_str()?.to_string(),
-                        ))
-                    })
-                    .collect();
-                (out.output[..i].to_string(), Some(report))
+    // The harness's section: after the first start marker, up to the next end marker.
+    let output = out
+        .output
+        .split(START_TEST_OUTPUT)
+        .nth(1)
+        .map(|s| s.split(END_TEST_OUTPUT).next().unwrap_or(""))
+        .unwrap_or("")
+        .to_string();
+    let report = report.map(|(_, _, dir)| read_report(sb, &dir));
+    Ran {
+        tests: Ok(TestsRun {
+            spec,
+            log,
+            output,
+            exit_code: out.exit_code,
+            report,
+        }),
+        reset,
+    }
+}
+
+/// Reads the report the plugin wrote into `dir` (in pieces, each under a command's
+/// output cap), then removes `dir`. A node id reported twice keeps its worst status.
+/// Lines that are not the plugin's JSON are ignored; a missing report is empty.
+fn read_report(sb: &mut dyn Sandbox, dir: &str) -> BTreeMap<String, (String, String)> {
+    // `dir` is `${TMPDIR:-/tmp}/<name>`: expanded by the shell, so double-quoted.
+    let file = format!("\"{dir}/report.jsonl\"");
+    let mut out: BTreeMap<String, (String, String)> = BTreeMap::new();
+    let mut first = 1;
+    loop {
+        let last = first + REPORT_LINES_PER_READ - 1;
+        let chunk = sb.run(
+            &format!("sed -n '{first},{last}p' {file}"),
+            GIT_STEP_TIMEOUT,
+        );
+        let mut lines = 0;
+        for line in chunk.output.lines() {
+            lines += 1;
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            let (Some(id), Some(status), Some(text)) = (
+                v["nodeid"].as_str(),
+                v["status"].as_str(),
+                v["line"].as_str(),
+            ) else {
+                continue;
+            };
+            if !STATUSES.contains(&status) {
+                continue;
             }
-            None => (out.output, Some(BTreeMap::new())),
-        },
-    };
-    log.push_str(&output);
-    Ran::Tests {
-        spec,
-        log,
-        output,
-        exit_code: out.exit_code,
-        report,
+            match out.get(id) {
+                Some((prev, _)) if severity(prev) >= severity(status) => {}
+                _ => {
+                    out.insert(id.to_string(), (status.to_string(), text.to_string()));
+                }
+            }
+        }
+        if chunk.exit_code != 0 || lines < REPORT_LINES_PER_READ || first > 500_000 {
+            break;
+        }
+        first = last + 1;
     }
+    let _ = sb.run(&format!("rm -rf \"{dir}\""), GIT_STEP_TIMEOUT);
+    out
 }
 
 /// Puts `files` back as they are at the base commit (removing the ones it lacks).

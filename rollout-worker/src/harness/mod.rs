@@ -161,12 +161,24 @@ const ALL_PARSERS: [LogParser; 7] = [
     LogParser::Matplotlib,
 ];
 
-/// A parser by the harness's name (`pytest` or `parse_log_pytest`), or by a repository
-/// whose parser it is (`django/django`).
+/// A parser by the harness's name (`pytest` or `parse_log_pytest`, and its per-repository
+/// aliases such as `parse_log_astropy`), or by a repository whose parser it is
+/// (`django/django`).
 pub fn parser_named(name: &str) -> Option<LogParser> {
     let short = name.trim().trim_start_matches("parse_log_");
     if let Some(p) = ALL_PARSERS.iter().find(|p| p.name() == short) {
         return Some(*p);
+    }
+    let alias = match short {
+        "astroid" | "flask" | "marshmallow" | "pvlib" | "pyvista" | "sqlfluff" | "xarray" => {
+            Some(LogParser::Pytest)
+        }
+        "pydicom" | "requests" | "pylint" => Some(LogParser::PytestOptions),
+        "astropy" | "scikit" | "sphinx" => Some(LogParser::PytestV2),
+        _ => None,
+    };
+    if alias.is_some() {
+        return alias;
     }
     HARNESS_SPECS
         .iter()

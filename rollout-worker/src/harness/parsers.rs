@@ -52,6 +52,26 @@ impl LogParser {
         }
     }
 
+    /// [`LogParser::parse`], or the error where the harness's parser raises and reports
+    /// nothing for the instance: Django's on a `FAIL:` or `ERROR:` line with no test name
+    /// after it (`line.split()[1]`), such as a bare `FAIL:` or `ERROR:root:boom` from
+    /// Python's logging.
+    pub fn parse_checked(self, log: &str) -> Result<BTreeMap<String, String>, String> {
+        if self == LogParser::Django {
+            let bad = log.split('\n').map(py_strip).find(|line| {
+                (line.starts_with("FAIL:") || line.starts_with("ERROR:"))
+                    && py_split(line).len() < 2
+            });
+            if let Some(line) = bad {
+                return Err(format!(
+                    "the harness's django log parser fails on the line {line:?} (a FAIL:/ERROR: \
+                     line with no test name) and reports nothing for the instance"
+                ));
+            }
+        }
+        Ok(self.parse(log))
+    }
+
     /// Test name → status, as the harness reads `log` (the part between its start and
     /// end markers).
     pub fn parse(self, log: &str) -> BTreeMap<String, String> {
@@ -87,13 +107,14 @@ fn starts_with_status(line: &str) -> bool {
     HARNESS_STATUSES.iter().any(|s| line.starts_with(s))
 }
 
-/// pytest's `SKIPPED [N] path:line: reason` summary, where `[N]` is a count, not a test.
+/// pytest's `SKIPPED [N] path:line: reason` summary, where `[N]` is a count, not a test
+/// (the harness's `^\[\d+\]$`, Unicode digits included).
 fn is_skip_summary(status: &str, name: &str) -> bool {
+    static COUNT: OnceLock<Regex> = OnceLock::new();
     status == "SKIPPED"
-        && name.len() > 2
-        && name.starts_with('[')
-        && name.ends_with(']')
-        && name[1..name.len() - 1].bytes().all(|b| b.is_ascii_digit())
+        && COUNT
+            .get_or_init(|| Regex::new(r"^\[\d+\]$").expect("count pattern"))
+            .is_match(name)
 }
 
 /// The common pytest line rule: a line starting with a status; for `FAILED`, every
@@ -309,9 +330,10 @@ fn parse_django(log: &str) -> BTreeMap<String, String> {
     static INTERLEAVED: OnceLock<[Regex; 3]> = OnceLock::new();
     let patterns = INTERLEAVED.get_or_init(|| {
         [
-            r"(?m)^(.*?)\s\.\.\.\sTesting against Django installed in ((?s:.*?)) silenced\)\.\nok$",
-            r"(?m)^(.*?)\s\.\.\.\sInternal Server Error: /(.*)/\nok$",
-            r"(?m)^(.*?)\s\.\.\.\sSystem check identified no issues \(0 silenced\)\nok$",
+            // Python's `\s` (str patterns) also matches 0x1c-0x1f; Rust's does not.
+            r"(?m)^(.*?)[\s\x1c-\x1f]\.\.\.[\s\x1c-\x1f]Testing against Django installed in ((?s:.*?)) silenced\)\.\nok$",
+            r"(?m)^(.*?)[\s\x1c-\x1f]\.\.\.[\s\x1c-\x1f]Internal Server Error: /(.*)/\nok$",
+            r"(?m)^(.*?)[\s\x1c-\x1f]\.\.\.[\s\x1c-\x1f]System check identified no issues \(0 silenced\)\nok$",
         ]
         .map(|p| Regex::new(p).expect("django pattern"))
     });
@@ -628,6 +650,25 @@ test_crash (admin_scripts.tests.Crash) ... Fatal Python error: Segmentation faul
             Some("PASSED")
         );
         assert_eq!(get(&m, "test_crash (admin_scripts.tests.Crash)"), None);
+    }
+
+    /// Where the harness's Django parser raises (IndexError), no result is read; Unicode
+    /// digits make a skip count; 0x1c-0x1f count as the regexes' whitespace.
+    #[test]
+    fn the_harness_quirks_at_the_edges() {
+        for log in ["test_a (m.T) ... ok\nFAIL:\n", "ERROR:root:boom\n"] {
+            let e = LogParser::Django.parse_checked(log).unwrap_err();
+            assert!(e.contains("django log parser fails"), "{e}");
+        }
+        assert!(LogParser::Django
+            .parse_checked("FAIL: test_x (m.T)\n")
+            .is_ok());
+        assert!(LogParser::Pytest
+            .parse("SKIPPED [\u{663}] t.py:1: x\n")
+            .is_empty());
+        let m = LogParser::Django
+            .parse("t\u{1c}...\u{1c}System check identified no issues (0 silenced)\nok\n");
+        assert_eq!(get(&m, "t"), Some("PASSED"), "{m:?}");
     }
 
     #[test]

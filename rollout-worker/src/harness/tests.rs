@@ -161,6 +161,8 @@ fn a_task_command_wins_and_its_parser_is_named_or_the_repositorys() {
     assert_eq!(spec_for(&t).unwrap().parser, Some(LogParser::PytestV2));
     t.log_parser = "django/django".into();
     assert_eq!(spec_for(&t).unwrap().parser, Some(LogParser::Django));
+    t.log_parser = "parse_log_scikit".into();
+    assert_eq!(spec_for(&t).unwrap().parser, Some(LogParser::PytestV2));
     t.log_parser = "junit".into();
     let e = spec_for(&t).unwrap_err();
     assert!(
