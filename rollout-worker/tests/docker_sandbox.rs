@@ -164,6 +164,100 @@ async fn a_command_cannot_forge_the_end_of_its_output() {
     sb.remove().await;
 }
 
+/// Builds tests/fixtures/swebench-mimic with a one-commit repository as /testbed and no
+/// python3 on the default PATH (issue 15, item 2).
+fn build_mimic_without_system_python(tag: &str) {
+    use std::process::Command;
+    let ctx = tempfile::tempdir().unwrap();
+    let fixture =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/swebench-mimic");
+    for f in ["Dockerfile", "activate"] {
+        std::fs::copy(fixture.join(f), ctx.path().join(f)).unwrap();
+    }
+    let repo = ctx.path().join("testbed");
+    std::fs::create_dir_all(repo.join("pkg")).unwrap();
+    std::fs::write(repo.join("pkg/text.py"), "def f():\n    return 1\n").unwrap();
+    for args in [
+        &["init", "-q"][..],
+        &["add", "-A"],
+        &[
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@t",
+            "commit",
+            "-q",
+            "-m",
+            "base",
+        ],
+    ] {
+        let ok = Command::new("git")
+            .current_dir(&repo)
+            .args(args)
+            .status()
+            .unwrap();
+        assert!(ok.success(), "git {args:?}");
+    }
+    let o = Command::new("docker")
+        .args([
+            "build",
+            "-q",
+            "-t",
+            tag,
+            "--build-arg",
+            "HIDE_SYSTEM_PYTHON=1",
+        ])
+        .arg(ctx.path())
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "docker build of {tag} (base tutor/base:bookworm from `make images`): {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// A SWE-bench-style image as it is: the agent's commands run with its conda env
+/// activated (`python` exists only there), and the tools work although the image has no
+/// python3 on the default PATH (the shims find /opt/miniconda3's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swebench_style_image_runs_commands_in_its_environment() {
+    let Some(d) = engine().await else { return };
+    let tag = "tutor/test-swebench-mimic:nopython";
+    build_mimic_without_system_python(tag);
+    let run = format!("test-mimic-{}", std::process::id());
+    let task = tutor_rollout_worker::tasks::TaskRecord {
+        instance_id: "mimic-1".into(),
+        repo: "django/django".into(),
+        ..Default::default()
+    };
+    let mut sb = DockerSandbox::create(
+        &d,
+        &ContainerSpec::new(tag, &run, "test-worker", "e1"),
+        &task,
+    )
+    .await
+    .unwrap();
+    let t = Duration::from_secs(30);
+    let out = sb
+        .run(
+            "env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin sh -c \
+             'command -v python3 || echo no-system-python3'; \
+             python -c 'import sys; print(\"major\", sys.version_info[0])'; \
+             echo \"env=$CONDA_DEFAULT_ENV\"",
+            t,
+        )
+        .await;
+    assert_eq!(out.exit_code, 0, "{}", out.output);
+    for want in ["no-system-python3", "major 3", "env=testbed"] {
+        assert!(out.output.contains(want), "{want}: {}", out.output);
+    }
+    let out = sb.run("find_file text.py && open pkg/text.py", t).await;
+    assert_eq!(out.exit_code, 0, "{}", out.output);
+    assert!(out.output.contains("return 1"), "{}", out.output);
+    sb.remove().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hanging_command_is_killed_and_the_shell_stays_usable() {
     let Some(d) = engine().await else { return };

@@ -491,6 +491,11 @@ __tutor_s=/dev/shm/.tutor
 { mkdir -p "$__tutor_s" && [ -w "$__tutor_s" ]; } 2>/dev/null || __tutor_s=/tmp/.tutor
 readonly __tutor_s
 mkdir -p /tmp/.tutor "$__tutor_s"; echo /testbed > "$__tutor_s/cwd"; __tutor_cwd=/testbed
+# A SWE-bench image keeps its environment in a conda env that must be activated (its
+# `python` and the repository's dependencies are there): every command runs in it.
+if [ -f /opt/miniconda3/bin/activate ]; then
+  . /opt/miniconda3/bin/activate >/dev/null 2>&1 && conda activate testbed >/dev/null 2>&1
+fi
 export PATH="/tmp/.tutor/bin:$PATH" TUTOR_STATE_DIR="$__tutor_s" TUTOR_REPO=/testbed TUTOR_REPO_DISPLAY=/testbed
 # The watchdog: one job for the whole shell, not one per command. It reads
 # "<process group> <seconds>" to arm and any line to disarm from a FIFO the shell keeps

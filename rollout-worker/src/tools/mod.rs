@@ -20,17 +20,27 @@ pub const TOOL_NAMES: &[&str] = &[
     "find_file",
 ];
 
+/// Where the tool shims look for a Python 3 after `python3` on the PATH: conda's own and
+/// the SWE-bench env's (an image's `python` may be Python 2, so it is not tried).
+pub const PYTHON_FALLBACKS: &str =
+    "/opt/miniconda3/bin/python3 /opt/miniconda3/envs/testbed/bin/python3 /opt/conda/bin/python3";
+
 /// The files to install in a tool directory `bin_dir` (as seen inside the sandbox):
 /// `(file name, content)`; every file is executable.
 pub fn tool_files(bin_dir: &str) -> Vec<(String, String)> {
     let helper = format!("{bin_dir}/tutor_tools.py");
     let mut files = vec![("tutor_tools.py".to_string(), TOOLS_PY.to_string())];
+    let helper = crate::sandbox::shell_quote(&helper);
     for name in TOOL_NAMES {
+        // Images need not have `python3` on the default PATH (a SWE-bench image keeps its
+        // Pythons under /opt/miniconda3): the first Python 3 found runs the helper.
         files.push((
             name.to_string(),
             format!(
-                "#!/bin/sh\nexec python3 {} {name} \"$@\"\n",
-                crate::sandbox::shell_quote(&helper)
+                "#!/bin/sh\nfor p in python3 {PYTHON_FALLBACKS}; do\n  \
+                 command -v \"$p\" >/dev/null 2>&1 && exec \"$p\" {helper} {name} \"$@\"\n\
+                 done\necho \"{name}: no Python 3 in this sandbox (tried python3 {PYTHON_FALLBACKS})\" >&2\n\
+                 exit 127\n"
             ),
         ));
     }
