@@ -126,7 +126,8 @@ fn parquet(dir: &Path, name: &str, rows: &str, compression: &str) -> std::path::
 fn swe_bench_parquet_in_both_spellings_loads() {
     let dir = tempfile::tempdir().unwrap();
     // SWE-bench: FAIL_TO_PASS as a JSON string, version a string, extra columns.
-    // SWE-rebench: lists, install_config with test_cmd, version a number.
+    // SWE-rebench: lists, install_config with test_cmd and log_parser, version a
+    // number, the image as docker_image.
     let swe_bench = r#"[{"repo": "astropy/astropy", "instance_id": "astropy__astropy-12907",
    "base_commit": "d16bfe05", "patch": "diff --git a/x b/x\n", "test_patch": "diff --git a/t b/t\n",
    "problem_statement": "Bug é", "hints_text": "", "created_at": "2022-03-03", "version": "4.3",
@@ -135,7 +136,8 @@ fn swe_bench_parquet_in_both_spellings_loads() {
     let swe_rebench = r#"[{"repo": "o/r", "instance_id": "o__r-1", "base_commit": "abc", "patch": "p",
    "test_patch": "tp", "problem_statement": "s", "hints_text": None, "version": 1.5,
    "FAIL_TO_PASS": ["a::b"], "PASS_TO_PASS": ["c::d", "e::f"],
-   "install_config": {"test_cmd": "pytest -rA -x", "python": "3.9"}}]"#;
+   "install_config": {"test_cmd": "pytest -rA -x", "python": "3.9", "log_parser": "parse_log_pytest"},
+   "docker_image": "swerebench/sweb.eval.x86_64.o_1776_r-1"}]"#;
     // One file per spelling (a Parquet column has one type), two compressions.
     for (i, (rows, compression)) in [(swe_bench, "snappy"), (swe_rebench, "zstd")]
         .into_iter()
@@ -158,6 +160,8 @@ fn swe_bench_parquet_in_both_spellings_loads() {
             assert_eq!(t.version, "1.5");
             assert_eq!(t.hints_text, "");
             assert_eq!(t.test_cmd, "pytest -rA -x");
+            assert_eq!(t.log_parser, "parse_log_pytest");
+            assert_eq!(t.image, "swerebench/sweb.eval.x86_64.o_1776_r-1");
         }
     }
 }

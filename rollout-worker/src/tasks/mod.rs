@@ -268,6 +268,15 @@ fn parse_value(value: Value) -> Result<TaskRecord, String> {
                     t.log_parser = p.trim().to_string();
                 }
             }
+            // The image under the names other datasets give it (SWE-rebench's
+            // `docker_image`, `image_name`) when `image` is empty.
+            if t.image.trim().is_empty() {
+                if let Some(Value::String(image)) =
+                    obj.get("docker_image").or_else(|| obj.get("image_name"))
+                {
+                    t.image = image.trim().to_string();
+                }
+            }
             Ok(t)
         }
         Err(e) => Err(diagnose(obj).unwrap_or_else(|| e.to_string())),
