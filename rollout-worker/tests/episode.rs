@@ -58,6 +58,25 @@ fn scripted_endpoint(replies: Vec<String>) -> String {
     format!("http://{addr}/v1")
 }
 
+/// A teacher that answers with `replies` (see [`scripted_endpoint`]), with the runtime
+/// its client runs on (kept alive by the caller).
+fn scripted_teacher(replies: Vec<String>) -> (TeacherSource, tokio::runtime::Runtime) {
+    let url = scripted_endpoint(replies);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let endpoint = ChatEndpoint::new(&TeacherConfig {
+        kind: TeacherKind::Endpoint,
+        base_url: url,
+        model: "scripted".into(),
+        max_retries: 0,
+        ..Default::default()
+    })
+    .unwrap();
+    (
+        TeacherSource::Endpoint(Arc::new(endpoint), rt.handle().clone()),
+        rt,
+    )
+}
+
 fn lease(task: &tutor_proto::Task) -> EpisodeLease {
     EpisodeLease {
         episode_id: "it000-train0000-g0a0".into(),
@@ -82,22 +101,13 @@ fn an_oversized_submission_is_patch_too_large_and_not_graded() {
     let generate = "mkdir -p gen && awk 'BEGIN { l = sprintf(\"%099d\", 0); \
         for (i = 0; i < 300; i++) { f = \"gen/f\" i \".txt\"; \
         for (j = 0; j < 205; j++) print l > f; close(f) } }'";
-    let url = scripted_endpoint(vec![
+    let (teacher, _rt) = scripted_teacher(vec![
         format!("I will generate the data files.\n```command\n{generate}\n```"),
         "Done.\n```command\nsubmit\n```".to_string(),
     ]);
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let endpoint = ChatEndpoint::new(&TeacherConfig {
-        kind: TeacherKind::Endpoint,
-        base_url: url,
-        model: "scripted".into(),
-        max_retries: 0,
-        ..Default::default()
-    })
-    .unwrap();
     let mut s = common::episode_setup(
         tutor_rollout_worker::toy::generate(1, 11).remove(0),
-        TeacherSource::Endpoint(Arc::new(endpoint), rt.handle().clone()),
+        teacher,
     );
     let outcome = run_episode(&s.env, &lease(&s.task));
     // (No `{outcome:?}`: before the fix it holds a 6 MB patch.)
@@ -140,23 +150,14 @@ fn a_reward_hacking_episode_is_unresolved_and_the_disagreement_recorded() {
     let conftest = "cat > conftest.py <<'EOF'\nimport pytest\n\n\
         @pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n    \
         outcome = yield\n    outcome.get_result().outcome = 'passed'\nEOF";
-    let url = scripted_endpoint(vec![
+    let (teacher, _rt) = scripted_teacher(vec![
         format!("Make every test pass.\n```command\n{conftest}\n```"),
         "Done.\n```command\nsubmit\n```".to_string(),
     ]);
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let endpoint = ChatEndpoint::new(&TeacherConfig {
-        kind: TeacherKind::Endpoint,
-        base_url: url,
-        model: "scripted".into(),
-        max_retries: 0,
-        ..Default::default()
-    })
-    .unwrap();
     common::init_python();
     let s = common::episode_setup(
         tutor_rollout_worker::toy::generate(1, 11).remove(0),
-        TeacherSource::Endpoint(Arc::new(endpoint), rt.handle().clone()),
+        teacher,
     );
     let outcome = run_episode(&s.env, &lease(&s.task));
     assert!(outcome.patch.contains("conftest.py"), "{outcome:?}");

@@ -1147,15 +1147,7 @@ proptest! {
         ],
     ) {
         use tutor_rollout_worker::harness::{parsers::HARNESS_STATUSES, LogParser};
-        for parser in [
-            LogParser::Pytest,
-            LogParser::PytestOptions,
-            LogParser::PytestV2,
-            LogParser::Django,
-            LogParser::Seaborn,
-            LogParser::Sympy,
-            LogParser::Matplotlib,
-        ] {
+        for parser in LogParser::ALL {
             for status in parser.parse(&log).values() {
                 prop_assert!(
                     HARNESS_STATUSES

@@ -145,28 +145,18 @@ impl fmt::Display for SpecError {
             SpecError::UnknownParser { instance_id, name } => write!(
                 f,
                 "task {instance_id}: unknown log_parser {name:?}; known: {}",
-                ALL_PARSERS.map(LogParser::name).join(", ")
+                LogParser::ALL.map(LogParser::name).join(", ")
             ),
         }
     }
 }
-
-const ALL_PARSERS: [LogParser; 7] = [
-    LogParser::Pytest,
-    LogParser::PytestOptions,
-    LogParser::PytestV2,
-    LogParser::Django,
-    LogParser::Seaborn,
-    LogParser::Sympy,
-    LogParser::Matplotlib,
-];
 
 /// A parser by the harness's name (`pytest` or `parse_log_pytest`, and its per-repository
 /// aliases such as `parse_log_astropy`), or by a repository whose parser it is
 /// (`django/django`).
 pub fn parser_named(name: &str) -> Option<LogParser> {
     let short = name.trim().trim_start_matches("parse_log_");
-    if let Some(p) = ALL_PARSERS.iter().find(|p| p.name() == short) {
+    if let Some(p) = LogParser::ALL.iter().find(|p| p.name() == short) {
         return Some(*p);
     }
     let alias = match short {

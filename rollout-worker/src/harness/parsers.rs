@@ -39,6 +39,17 @@ pub enum LogParser {
 }
 
 impl LogParser {
+    /// Every parser.
+    pub const ALL: [LogParser; 7] = [
+        LogParser::Pytest,
+        LogParser::PytestOptions,
+        LogParser::PytestV2,
+        LogParser::Django,
+        LogParser::Seaborn,
+        LogParser::Sympy,
+        LogParser::Matplotlib,
+    ];
+
     /// The harness's name for the parser (as in its `MAP_REPO_TO_PARSER`).
     pub fn name(self) -> &'static str {
         match self {
@@ -673,15 +684,7 @@ test_crash (admin_scripts.tests.Crash) ... Fatal Python error: Segmentation faul
 
     #[test]
     fn hostile_lines_do_not_panic() {
-        for parser in [
-            LogParser::Pytest,
-            LogParser::PytestOptions,
-            LogParser::PytestV2,
-            LogParser::Django,
-            LogParser::Seaborn,
-            LogParser::Sympy,
-            LogParser::Matplotlib,
-        ] {
+        for parser in LogParser::ALL {
             for log in [
                 "",
                 "FAILED",
