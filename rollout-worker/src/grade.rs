@@ -490,56 +490,35 @@ impl Ran {
     }
 
     /// The harness's verdict: its log checks (`get_logs_eval`: a bad code anywhere in
-    /// the log, which holds the submission's diff too, or a missing marker, and no
-    /// result is read), the spec's parser on the section between the markers, the
-    /// harness's resolution.
+    /// the log, which holds the submission's diff too, and no result is read), the
+    /// spec's parser on the section between the markers, the harness's resolution.
     fn harness_verdict(self, task: &TaskRecord, patch: &str) -> GradeResult {
-        let run = match self.tests {
-            Err(mut g) => {
-                g.mode = GradingMode::Harness;
-                return g;
-            }
-            Ok(run) => run,
-        };
-        let mut g = match run.spec.parser {
-            None => generic_verdict(task, &run.spec, run.log, parse_pytest_log(&run.output)),
-            Some(parser) => {
-                let full = format!("{patch}\n{}", run.output);
-                if let Some(code) = HARNESS_BAD_CODES.iter().find(|c| full.contains(*c)) {
-                    let reason = format!(
-                        "task {}: the log holds the harness's `{code}` line (printed by the \
-                         tests or in the submission's diff), so the harness reads no result",
-                        task.instance_id
-                    );
-                    tests_error(&run.spec, run.log, reason)
-                } else {
-                    match parser.parse_checked(&run.output) {
-                        Err(e) => tests_error(
-                            &run.spec,
-                            run.log,
-                            format!("task {}: {e}", task.instance_id),
-                        ),
-                        Ok(statuses) if statuses.is_empty() => {
-                            no_tests(task, &run.spec, run.log, run.exit_code, parser.name())
+        let mut g = match self.tests {
+            Err(g) => g,
+            Ok(run) => match run.spec.parser {
+                None => generic_verdict(task, &run.spec, run.log, parse_pytest_log(&run.output)),
+                Some(parser) => {
+                    let full = format!("{patch}\n{}", run.output);
+                    match HARNESS_BAD_CODES.iter().find(|c| full.contains(*c)) {
+                        Some(code) => {
+                            let reason = format!(
+                                "task {}: the log holds the harness's `{code}` line (printed \
+                                 by the tests or in the submission's diff), so the harness \
+                                 reads no result",
+                                task.instance_id
+                            );
+                            tests_error(&run.spec, run.log, reason)
                         }
-                        Ok(statuses) => {
-                            let resolution = TestsReport::new(task, &statuses).resolution();
-                            GradeResult {
-                                status: if resolution == Resolution::Full {
-                                    OutcomeStatus::Resolved
-                                } else {
-                                    OutcomeStatus::Unresolved
-                                },
-                                test_statuses: statuses,
-                                resolution: Some(resolution),
-                                spec: run.spec.describe(),
-                                log: truncate_head_tail(&run.log, MAX_LOG_CHARS),
-                                ..GradeResult::default()
-                            }
+                        None => {
+                            let statuses = parser.parse_checked(&run.output);
+                            parsed_verdict(task, run, parser, statuses, |s| {
+                                let r = TestsReport::new(task, s).resolution();
+                                (r == Resolution::Full, Some(r))
+                            })
                         }
                     }
                 }
-            }
+            },
         };
         g.mode = GradingMode::Harness;
         g
@@ -550,69 +529,89 @@ impl Ran {
     /// else the parser on the log; every FAIL_TO_PASS and PASS_TO_PASS test must be
     /// PASSED or XFAIL.
     fn strict_verdict(self, task: &TaskRecord) -> GradeResult {
-        let run = match self.tests {
-            Err(mut g) => {
-                g.mode = GradingMode::Strict;
-                return g;
-            }
-            Ok(run) => run,
-        };
-        let mut g = match (run.spec.parser, run.report) {
-            (None, Some(report)) => generic_verdict(
-                task,
-                &run.spec,
-                run.log,
-                report
-                    .into_iter()
-                    .map(|(id, (status, _))| (id, status))
-                    .collect(),
-            ),
-            (None, None) => {
-                generic_verdict(task, &run.spec, run.log, parse_pytest_log(&run.output))
-            }
-            (Some(parser), report) => {
-                let statuses = match report {
-                    Some(r) => Ok(parser.parse(
-                        &r.values()
-                            .map(|(_, line)| format!("{line}\n"))
-                            .collect::<String>(),
-                    )),
-                    None => parser.parse_checked(&run.output),
-                };
-                match statuses {
-                    Err(e) => tests_error(
-                        &run.spec,
-                        run.log,
-                        format!("task {}: {e}", task.instance_id),
-                    ),
-                    Ok(s) if s.is_empty() => {
-                        no_tests(task, &run.spec, run.log, run.exit_code, parser.name())
-                    }
-                    Ok(statuses) => {
-                        let passed = |t: &String| {
-                            matches!(
-                                statuses.get(t).map(String::as_str),
-                                Some("PASSED" | "XFAIL")
-                            )
-                        };
-                        let mut all = task.fail_to_pass.iter().chain(&task.pass_to_pass);
-                        GradeResult {
-                            status: if all.all(passed) {
-                                OutcomeStatus::Resolved
-                            } else {
-                                OutcomeStatus::Unresolved
-                            },
-                            test_statuses: statuses,
-                            spec: run.spec.describe(),
-                            log: truncate_head_tail(&run.log, MAX_LOG_CHARS),
-                            ..GradeResult::default()
-                        }
-                    }
+        let mut g = match self.tests {
+            Err(g) => g,
+            Ok(mut run) => match (run.spec.parser, run.report.take()) {
+                (None, report) => {
+                    let statuses = match report {
+                        Some(r) => r
+                            .into_iter()
+                            .map(|(id, (status, _))| (id, status))
+                            .collect(),
+                        None => parse_pytest_log(&run.output),
+                    };
+                    generic_verdict(task, &run.spec, run.log, statuses)
                 }
-            }
+                (Some(parser), report) => {
+                    let statuses = match report {
+                        Some(r) => Ok(parser.parse(
+                            &r.values()
+                                .map(|(_, line)| format!("{line}\n"))
+                                .collect::<String>(),
+                        )),
+                        None => parser.parse_checked(&run.output),
+                    };
+                    parsed_verdict(task, run, parser, statuses, |s| {
+                        let passed = |t: &String| {
+                            matches!(s.get(t).map(String::as_str), Some("PASSED" | "XFAIL"))
+                        };
+                        let all = task
+                            .fail_to_pass
+                            .iter()
+                            .chain(&task.pass_to_pass)
+                            .all(passed);
+                        (all, None)
+                    })
+                }
+            },
         };
         g.mode = GradingMode::Strict;
         g
+    }
+}
+
+/// The verdict on the statuses `parser` read: TESTS_ERROR where it could not read the
+/// log (the harness's parser raises) or found no test in it, else RESOLVED or
+/// UNRESOLVED as `decide` says (with the harness's resolution where it gives one).
+fn parsed_verdict(
+    task: &TaskRecord,
+    run: TestsRun,
+    parser: crate::harness::LogParser,
+    statuses: Result<BTreeMap<String, String>, String>,
+    decide: impl FnOnce(&BTreeMap<String, String>) -> (bool, Option<Resolution>),
+) -> GradeResult {
+    let statuses = match statuses {
+        Err(e) => {
+            return tests_error(
+                &run.spec,
+                run.log,
+                format!("task {}: {e}", task.instance_id),
+            )
+        }
+        Ok(s) => s,
+    };
+    if statuses.is_empty() {
+        let reason = format!(
+            "task {}: the test log (exit {}) has no line the {} log parser reads: the tests \
+             did not run, or the spec's parser does not fit this repository",
+            task.instance_id,
+            run.exit_code,
+            parser.name()
+        );
+        return tests_error(&run.spec, run.log, reason);
+    }
+    let (resolved, resolution) = decide(&statuses);
+    GradeResult {
+        status: if resolved {
+            OutcomeStatus::Resolved
+        } else {
+            OutcomeStatus::Unresolved
+        },
+        test_statuses: statuses,
+        resolution,
+        spec: run.spec.describe(),
+        log: truncate_head_tail(&run.log, MAX_LOG_CHARS),
+        ..GradeResult::default()
     }
 }
 
@@ -648,36 +647,6 @@ fn tests_error(spec: &TestSpec, mut log: String, reason: String) -> GradeResult 
     GradeResult::fail(OutcomeStatus::TestsError, log)
         .with_spec(spec)
         .because(reason)
-}
-
-/// TESTS_ERROR for a log in which the parser found no test.
-fn no_tests(
-    task: &TaskRecord,
-    spec: &TestSpec,
-    log: String,
-    exit_code: i32,
-    parser: &str,
-) -> GradeResult {
-    let reason = format!(
-        "task {}: the test log (exit {exit_code}) has no line the {parser} log parser reads: \
-         the tests did not run, or the spec's parser does not fit this repository",
-        task.instance_id,
-    );
-    tests_error(spec, log, reason)
-}
-
-/// The grading steps in `sb`, which must be a fresh sandbox at the base commit, as the
-/// SWE-bench harness's eval script runs them (one run, harness verdict): the
-/// submission, the environment (activation, eval commands, re-install), the test files
-/// reset and the test patch, the test command on the spec's directives, the spec's log
-/// parser and the harness's resolution.
-pub fn grade_in_sandbox(
-    task: &TaskRecord,
-    patch: &str,
-    timeout: Duration,
-    sb: &mut dyn Sandbox,
-) -> GradeResult {
-    run_steps(task, patch, timeout, sb, false).harness_verdict(task, patch)
 }
 
 /// Lines of the report read per command (each well under a command's output cap).
@@ -778,10 +747,7 @@ fn run_steps(
         log.push_str(&format!("\n>>> install exit {}\n", out.exit_code));
         if out.timed_out {
             log.push_str("\n>>> TESTS_TIMEOUT (install)\n");
-            return Ran {
-                tests: Err(GradeResult::fail(OutcomeStatus::TestsTimeout, log).with_spec(&spec)),
-                reset,
-            };
+            return fail(OutcomeStatus::TestsTimeout, log, String::new(), &reset);
         }
     }
 
@@ -867,10 +833,7 @@ fn run_steps(
     log.push_str(&out.output);
     if out.timed_out {
         log.push_str("\n>>> TESTS_TIMEOUT\n");
-        return Ran {
-            tests: Err(GradeResult::fail(OutcomeStatus::TestsTimeout, log).with_spec(&spec)),
-            reset,
-        };
+        return fail(OutcomeStatus::TestsTimeout, log, String::new(), &reset);
     }
     // The harness's section: after the first start marker, up to the next end marker.
     let output = out

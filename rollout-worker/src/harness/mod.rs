@@ -176,16 +176,6 @@ pub fn parser_named(name: &str) -> Option<LogParser> {
         .map(|r| r.parser)
 }
 
-/// The repositories the harness table covers, each with its parser and versions' test
-/// commands (for docs and `--help`).
-pub fn known_repos() -> impl Iterator<Item = (&'static str, LogParser, Vec<&'static str>)> {
-    HARNESS_SPECS.iter().map(|r| {
-        let mut cmds: Vec<&str> = r.groups.iter().map(|g| g.test_cmd).collect();
-        cmds.dedup();
-        (r.repo, r.parser, cmds)
-    })
-}
-
 /// The test spec for `task` (see the module docs for the order).
 pub fn spec_for(task: &TaskRecord) -> Result<TestSpec, SpecError> {
     let named_parser = if task.log_parser.trim().is_empty() {
