@@ -61,8 +61,10 @@ pub enum PolicyError {
     Tokenizer { context: String, message: String },
 
     #[error(
-        "tokenizer {context} has no special token `{token}`; a ChatML tokenizer needs \
-         <|endoftext|>, <|im_start|> and <|im_end|>"
+        "tokenizer {context} has no special token `{token}`: rendering chats in the built-in \
+         ChatML needs <|im_start|> and <|im_end|>; a model of another family renders with its \
+         own chat template (chat_template.jinja, or tokenizer_config.json's chat_template, \
+         beside tokenizer.json)"
     )]
     MissingSpecialToken { context: String, token: String },
 }

@@ -1,9 +1,15 @@
-//! Byte-level BPE tokenizer with the ChatML template Qwen uses.
+//! Byte-level BPE tokenizer and the chat format its model was trained with.
 //!
 //! Either trained here from a corpus (for toy models) or loaded from a Hugging Face
 //! `tokenizer.json` (for real checkpoints). Special token ids are looked up by name, so a
 //! real Qwen tokenizer (where `<|im_end|>` is 151645) works the same as a trained one
 //! (where it is 2).
+//!
+//! Chats are rendered either in the built-in ChatML (Tutor's own models and ChatML
+//! tokenizers without a template) or with the model directory's chat template, for any
+//! model family: the template says which special token closes an assistant turn (ChatML's
+//! `<|im_end|>`, Llama-3's `<|eot_id|>`, Mistral's `</s>`, ...), and generation stops on
+//! that token and on the model's end-of-sequence tokens (`generation_config.json`).
 //!
 //! Chat rendering inserts the special tokens by id and encodes message *contents* with
 //! special-token recognition turned off: a file or command output that happens to contain
@@ -28,32 +34,50 @@ pub const ENDOFTEXT: &str = "<|endoftext|>";
 pub const IM_START: &str = "<|im_start|>";
 pub const IM_END: &str = "<|im_end|>";
 
+/// Where generation settings (`eos_token_id`) are read from, as `transformers`' `generate`
+/// reads them: `generation_config.json`, else the model's `config.json`.
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+const MODEL_CONFIG_FILE: &str = "config.json";
+
+/// How chats are rendered into ids.
+#[derive(Clone)]
+enum Format {
+    /// The built-in ChatML, by the ids of its two tokens.
+    ChatMl { im_start: u32, im_end: u32 },
+    /// The model directory's own template.
+    Template(Arc<ChatTemplate>),
+}
+
 #[derive(Clone)]
 pub struct ChatTokenizer {
     /// Recognizes special tokens in text.
     tokenizer: Tokenizer,
     /// The same vocabulary, encoding special-token strings as ordinary text.
     plain: Tokenizer,
-    eos: u32,
-    im_start: u32,
-    im_end: u32,
+    format: Format,
+    /// The special token that closes an assistant turn (and ends a generated message).
+    turn_end: u32,
+    /// Generation stops on any of these: `turn_end`, then the model's end-of-sequence
+    /// tokens, no id twice.
+    stops: Vec<u32>,
     /// The text of every special token (to spot message contents that contain one).
     specials: Vec<String>,
-    /// The model directory's own chat template; `None` renders the built-in ChatML.
-    template: Option<Arc<ChatTemplate>>,
 }
 
 /// Stands for one message content in a second rendering (see `template_ids`).
 const SENTINEL: char = '\u{F8FF}';
 
+/// Stand in for contents when a template is probed for its turn structure.
+const PROBE_USER: &str = "\u{E001}";
+const PROBE_MARK: &str = "\u{E000}";
+
 impl std::fmt::Debug for ChatTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChatTokenizer")
             .field("vocab_size", &self.vocab_size())
-            .field("eos", &self.eos)
-            .field("im_start", &self.im_start)
-            .field("im_end", &self.im_end)
-            .field("template", &self.template.as_ref().map(|t| t.source()))
+            .field("turn_end", &self.turn_end)
+            .field("stops", &self.stops)
+            .field("template", &self.template().map(|t| t.source()))
             .finish()
     }
 }
@@ -97,32 +121,58 @@ impl ChatTokenizer {
         .map_err(|e| tok_err("building the tokenizer", e))?;
         tk.train(&mut trainer, corpus.iter())
             .map_err(|e| tok_err("training", e))?;
-        Self::from_tokenizer(Tokenizer::from(tk), "being trained")
+        Self::build(Tokenizer::from(tk), None, &[], "being trained")
     }
 
-    /// Loads a Hugging Face `tokenizer.json`.
+    /// Loads a Hugging Face `tokenizer.json` alone, rendering chats in the built-in
+    /// ChatML: the vocabulary must have `<|im_start|>` and `<|im_end|>`. A model of
+    /// another family is loaded with [`ChatTokenizer::from_dir`], which reads its template.
     pub fn from_file(path: &Path) -> Result<Self, PolicyError> {
-        if !path.exists() {
-            return Err(PolicyError::io(
-                path,
-                std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+        let tokenizer = load_tokenizer(path)?;
+        Self::build(tokenizer, None, &[], &path.display().to_string())
+    }
+
+    /// Loads a model directory's tokenizer: `tokenizer.json`, the chat template
+    /// `transformers` would use (`chat_template.jinja`, else `tokenizer_config.json`'s
+    /// `chat_template`; see [`ChatTemplate::from_dir`]) and the end-of-sequence tokens
+    /// generation stops on (`generation_config.json`'s `eos_token_id`, else
+    /// `config.json`'s; and the template's `eos_token`). Without a template, prompts are
+    /// rendered in the built-in ChatML, which needs its tokens in the vocabulary.
+    pub fn from_dir(dir: &Path) -> Result<Self, PolicyError> {
+        let path = dir.join("tokenizer.json");
+        let tokenizer = load_tokenizer(&path)?;
+        let template = ChatTemplate::from_dir(dir)?;
+        let mut eos = eos_token_ids(dir)?;
+        if let Some(t) = &template {
+            if let Some(id) = t
+                .special_tokens()
+                .get("eos_token")
+                .and_then(|e| tokenizer.token_to_id(e))
+            {
+                eos.push(id);
+            }
+        }
+        let vocab = tokenizer.get_vocab_size(true);
+        if let Some(bad) = eos.iter().find(|&&id| id as usize >= vocab) {
+            return Err(tok_err(
+                &dir.display().to_string(),
+                format!(
+                    "eos_token_id {bad} (generation_config.json or config.json) is outside the \
+                     tokenizer's {vocab} ids"
+                ),
             ));
         }
-        let tokenizer =
-            Tokenizer::from_file(path).map_err(|e| tok_err(&path.display().to_string(), e))?;
-        Self::from_tokenizer(tokenizer, &path.display().to_string())
+        Self::build(tokenizer, template, &eos, &dir.display().to_string())
     }
 
-    fn from_tokenizer(tokenizer: Tokenizer, context: &str) -> Result<Self, PolicyError> {
-        let id = |token: &str| {
-            tokenizer
-                .token_to_id(token)
-                .ok_or_else(|| PolicyError::MissingSpecialToken {
-                    context: context.to_string(),
-                    token: token.to_string(),
-                })
-        };
-        let (eos, im_start, im_end) = (id(ENDOFTEXT)?, id(IM_START)?, id(IM_END)?);
+    /// The tokenizer with its chat format: the template when there is one (its turn end
+    /// found by rendering a probe conversation), else ChatML; then the stop ids.
+    fn build(
+        tokenizer: Tokenizer,
+        template: Option<ChatTemplate>,
+        eos: &[u32],
+        context: &str,
+    ) -> Result<Self, PolicyError> {
         let mut plain = tokenizer.clone();
         plain.set_encode_special_tokens(true);
         let mut specials: Vec<String> = tokenizer
@@ -132,38 +182,48 @@ impl ChatTokenizer {
             .map(|t| t.content.clone())
             .collect();
         specials.sort();
+        let (format, turn_end) = match template {
+            Some(t) => {
+                let turn_end = template_turn_end(&tokenizer, &specials, &t)?;
+                (Format::Template(Arc::new(t)), turn_end)
+            }
+            None => {
+                let id = |token: &str| {
+                    tokenizer
+                        .token_to_id(token)
+                        .ok_or_else(|| PolicyError::MissingSpecialToken {
+                            context: context.to_string(),
+                            token: token.to_string(),
+                        })
+                };
+                let (im_start, im_end) = (id(IM_START)?, id(IM_END)?);
+                (Format::ChatMl { im_start, im_end }, im_end)
+            }
+        };
+        let mut stops = vec![turn_end];
+        // ChatML's end of text ends a generation too, as Qwen's generation configs say.
+        let endoftext = tokenizer.token_to_id(ENDOFTEXT);
+        for &id in eos.iter().chain(endoftext.iter()) {
+            if !stops.contains(&id) {
+                stops.push(id);
+            }
+        }
         Ok(ChatTokenizer {
             tokenizer,
             plain,
-            eos,
-            im_start,
-            im_end,
+            format,
+            turn_end,
+            stops,
             specials,
-            template: None,
         })
-    }
-
-    /// Loads a model directory's tokenizer: `tokenizer.json`, and the chat template
-    /// `transformers` would use (`chat_template.jinja`, else `tokenizer_config.json`'s
-    /// `chat_template`; see [`ChatTemplate::from_dir`]). Without a template, prompts are
-    /// rendered in the built-in ChatML.
-    pub fn from_dir(dir: &Path) -> Result<Self, PolicyError> {
-        let tok = Self::from_file(&dir.join("tokenizer.json"))?;
-        Ok(match ChatTemplate::from_dir(dir)? {
-            Some(t) => tok.with_template(t),
-            None => tok,
-        })
-    }
-
-    /// Renders prompts with `template` instead of the built-in ChatML.
-    pub fn with_template(mut self, template: ChatTemplate) -> Self {
-        self.template = Some(Arc::new(template));
-        self
     }
 
     /// The chat template prompts are rendered with (`None`: the built-in ChatML).
     pub fn template(&self) -> Option<&ChatTemplate> {
-        self.template.as_deref()
+        match &self.format {
+            Format::Template(t) => Some(t),
+            Format::ChatMl { .. } => None,
+        }
     }
 
     /// Writes `tokenizer.json`, loadable by Hugging Face `tokenizers`.
@@ -211,16 +271,30 @@ impl ChatTokenizer {
         self.tokenizer.decode(&[id], false).unwrap_or_default()
     }
 
-    pub fn im_end_id(&self) -> u32 {
-        self.im_end
+    /// The text `ids` stand for, special tokens included: what the model reads.
+    pub fn render_text(&self, ids: &[u32]) -> String {
+        self.tokenizer.decode(ids, false).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "tokenizer could not decode ids");
+            String::from(char::REPLACEMENT_CHARACTER)
+        })
     }
 
-    pub fn im_start_id(&self) -> u32 {
-        self.im_start
+    /// The special token that closes an assistant turn: ChatML's `<|im_end|>`, or what
+    /// the model's template writes right after an assistant message (Llama-3's
+    /// `<|eot_id|>`). A generated message ends with it.
+    pub fn turn_end_id(&self) -> u32 {
+        self.turn_end
     }
 
-    pub fn eos_id(&self) -> u32 {
-        self.eos
+    /// The ids generation stops on: the turn end first, then the model's end-of-sequence
+    /// tokens.
+    pub fn stop_ids(&self) -> &[u32] {
+        &self.stops
+    }
+
+    /// The id of a token by its text (special tokens included), if the vocabulary has it.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.tokenizer.token_to_id(token)
     }
 
     /// The first prompt of an episode: a system and a user message, then the assistant
@@ -241,7 +315,7 @@ impl ChatTokenizer {
         messages: impl IntoIterator<Item = (&'a str, &'a str)>,
     ) -> Result<Vec<u32>, PolicyError> {
         let messages: Vec<(&str, &str)> = messages.into_iter().collect();
-        if let Some(t) = &self.template {
+        if let Some(t) = self.template() {
             return self.template_ids(t, &messages, true, None);
         }
         let mut ids = Vec::new();
@@ -253,32 +327,33 @@ impl ChatTokenizer {
         Ok(ids)
     }
 
-    /// What follows an assistant turn that ended with `<|im_end|>` (the stop token the
-    /// rollouts sample): the rest of that turn's closing text, the observation as a user
-    /// message, and the next assistant header. Built-in ChatML:
+    /// What follows an assistant turn that ended with its turn end (`turn_end_id`, the
+    /// token the rollouts stop on): the rest of that turn's closing text, the observation
+    /// as a user message, and the next assistant header. Built-in ChatML:
     /// `\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n`.
     ///
     /// With the model's template: the template renders `[user, assistant, user
     /// observation]` with the generation prompt, and the delta is what follows the
-    /// assistant's content and its `<|im_end|>`. The history before it is never rendered
-    /// or encoded again, so generated ids stay as generated. An error if the template
-    /// does not end assistant turns with `<|im_end|>`.
+    /// assistant's content and its turn end. The history before it is never rendered
+    /// or encoded again, so generated ids stay as generated.
     pub fn render_observation(&self, observation: &str) -> Result<Vec<u32>, PolicyError> {
-        let Some(t) = &self.template else {
+        let Some(t) = self.template() else {
             let mut ids = self.encode_plain("\n");
             ids.extend(self.message("user", observation));
             ids.extend(self.encode_plain("\n"));
             ids.extend(self.assistant_header());
             return Ok(ids);
         };
-        const MARK: &str = "\u{E000}";
-        let stop = self.token_text(self.im_end);
+        let stop = self.token_text(self.turn_end);
+        // The probe's characters (private-use code points) cannot come from the
+        // observation, or it could move the cut.
+        let observation = strip_probe_chars(observation);
         let messages = [
-            ("user", "\u{E001}"),
-            ("assistant", MARK),
-            ("user", observation),
+            ("user", PROBE_USER),
+            ("assistant", PROBE_MARK),
+            ("user", observation.as_ref()),
         ];
-        self.template_ids(t, &messages, true, Some((MARK, &stop)))
+        self.template_ids(t, &messages, true, Some((PROBE_MARK, &stop)))
     }
 
     /// Renders `messages` with the template, keeps what follows `after` = (marker, stop)
@@ -304,8 +379,10 @@ impl ChatTokenizer {
             let Some((mark, stop)) = after else {
                 return Ok(text);
             };
-            text.split_once(mark)
-                .and_then(|(_, rest)| rest.strip_prefix(stop))
+            // The assistant's content is where the marker is followed by the turn end (a
+            // template may also print the messages as JSON before, marker and all).
+            text.match_indices(mark)
+                .find_map(|(at, _)| text[at + mark.len()..].strip_prefix(stop))
                 .map(str::to_owned)
                 .ok_or_else(|| PolicyError::Tokenizer {
                     context: t.source().to_string(),
@@ -375,26 +452,124 @@ impl ChatTokenizer {
         }
     }
 
-    /// A teacher's text as assistant tokens: the text followed by `<|im_end|>`.
+    /// A teacher's text as assistant tokens: the text followed by the turn end.
     pub fn encode_assistant(&self, text: &str) -> Vec<u32> {
         let mut ids = self.encode_plain(text);
-        ids.push(self.im_end);
+        ids.push(self.turn_end);
         ids
+    }
+
+    /// ChatML's two token ids; only called where no template is set, which `build` makes
+    /// ChatML.
+    fn chatml(&self) -> (u32, u32) {
+        match self.format {
+            Format::ChatMl { im_start, im_end } => (im_start, im_end),
+            Format::Template(_) => unreachable!("ChatML rendering with a template set"),
+        }
     }
 
     /// `<|im_start|>{role}\n{content}<|im_end|>`
     fn message(&self, role: &str, content: &str) -> Vec<u32> {
-        let mut ids = vec![self.im_start];
+        let (im_start, im_end) = self.chatml();
+        let mut ids = vec![im_start];
         ids.extend(self.encode_plain(&format!("{role}\n{content}")));
-        ids.push(self.im_end);
+        ids.push(im_end);
         ids
     }
 
     fn assistant_header(&self) -> Vec<u32> {
-        let mut ids = vec![self.im_start];
+        let mut ids = vec![self.chatml().0];
         ids.extend(self.encode_plain("assistant\n"));
         ids
     }
+}
+
+/// `text` without the probe's characters (replaced by U+FFFD), borrowed when it has none.
+fn strip_probe_chars(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.contains([PROBE_USER, PROBE_MARK].map(|s| s.chars().next().unwrap())) {
+        text.replace(PROBE_USER, "\u{FFFD}")
+            .replace(PROBE_MARK, "\u{FFFD}")
+            .into()
+    } else {
+        text.into()
+    }
+}
+
+fn load_tokenizer(path: &Path) -> Result<Tokenizer, PolicyError> {
+    if !path.exists() {
+        return Err(PolicyError::io(
+            path,
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+        ));
+    }
+    Tokenizer::from_file(path).map_err(|e| tok_err(&path.display().to_string(), e))
+}
+
+/// The special token a template writes right after an assistant message's content: what
+/// closes a turn, and what generation must stop on. Found by rendering a probe
+/// conversation `[user, assistant]` without the generation prompt.
+fn template_turn_end(
+    tokenizer: &Tokenizer,
+    specials: &[String],
+    t: &ChatTemplate,
+) -> Result<u32, PolicyError> {
+    let text = t.render([("user", PROBE_USER), ("assistant", PROBE_MARK)], false)?;
+    // The assistant's content is the last message; a template may print the messages
+    // (as JSON) before it, so the last marker is the content's.
+    let Some((_, after)) = text.rsplit_once(PROBE_MARK) else {
+        return Err(tok_err(
+            t.source(),
+            "the chat template leaves out the content of an assistant message, so a \
+             generated turn cannot be placed in the conversation",
+        ));
+    };
+    specials
+        .iter()
+        .filter(|s| after.starts_with(s.as_str()))
+        .max_by_key(|s| s.len())
+        .and_then(|s| tokenizer.token_to_id(s))
+        .ok_or_else(|| {
+            let shown: String = after.chars().take(40).collect();
+            tok_err(
+                t.source(),
+                format!(
+                    "the chat template does not close an assistant message with a special \
+                     token right after its content (it writes {shown:?}), so generation has \
+                     no token to stop a turn on"
+                ),
+            )
+        })
+}
+
+/// `eos_token_id` (an id or a list of ids) from `generation_config.json`, else from
+/// `config.json`; none when neither names it.
+fn eos_token_ids(dir: &Path) -> Result<Vec<u32>, PolicyError> {
+    for name in [GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE] {
+        let path = dir.join(name);
+        if !path.is_file() {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).map_err(|e| PolicyError::io(&path, e))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| tok_err(&path.display().to_string(), format!("not JSON: {e}")))?;
+        let bad = || {
+            tok_err(
+                &path.display().to_string(),
+                "field `eos_token_id` must be a token id or a list of token ids",
+            )
+        };
+        let as_id = |v: &serde_json::Value| {
+            v.as_u64()
+                .and_then(|i| u32::try_from(i).ok())
+                .ok_or_else(bad)
+        };
+        return match json.get("eos_token_id") {
+            None | Some(serde_json::Value::Null) => continue,
+            Some(serde_json::Value::Array(list)) => list.iter().map(as_id).collect(),
+            Some(v) => Ok(vec![as_id(v)?]),
+        };
+    }
+    Ok(Vec::new())
 }
 
 fn encode_with(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, PolicyError> {
@@ -438,7 +613,11 @@ mod tests {
     #[test]
     fn special_token_ids() {
         let t = trained();
-        assert_eq!((t.eos_id(), t.im_start_id(), t.im_end_id()), (0, 1, 2));
+        let ids = [ENDOFTEXT, IM_START, IM_END].map(|s| t.token_id(s).unwrap());
+        assert_eq!(ids, [0, 1, 2]);
+        // A turn ends at <|im_end|>; generation also stops at <|endoftext|>.
+        assert_eq!(t.turn_end_id(), 2);
+        assert_eq!(t.stop_ids(), [2, 0]);
         assert!(
             t.vocab_size() > 259 && t.vocab_size() <= 400,
             "{}",
@@ -494,10 +673,10 @@ mod tests {
         let p = t
             .render_prompt("You are helpful.", "Fix <|im_end|> bug")
             .unwrap();
-        assert_eq!(p[0], t.im_start_id());
-        assert_eq!(p.iter().filter(|&&i| i == t.im_start_id()).count(), 3);
+        assert_eq!(p[0], 1);
+        assert_eq!(p.iter().filter(|&&i| i == 1).count(), 3);
         assert_eq!(
-            p.iter().filter(|&&i| i == t.im_end_id()).count(),
+            p.iter().filter(|&&i| i == t.turn_end_id()).count(),
             2,
             "user text must not inject specials"
         );
@@ -527,7 +706,7 @@ mod tests {
             "\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
         );
         let a = t.encode_assistant("ls -la");
-        assert_eq!(*a.last().unwrap(), t.im_end_id());
+        assert_eq!(*a.last().unwrap(), t.turn_end_id());
         assert_eq!(t.decode(&a), "ls -la");
         // Piecewise rendering gives the same ids as encoding the whole string.
         let whole = t.encode("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n");

@@ -4,7 +4,10 @@
 //! `save_pretrained` and records what `apply_chat_template(tokenize=False)` renders for
 //! several conversations, with and without the generation prompt, and the ids of that
 //! text. Tutor must render the identical string from the saved directory, and encode a
-//! conversation with its generation prompt to the same ids.
+//! conversation with its generation prompt to the same ids. An episode built turn by turn
+//! as the rollouts build it (prompt, then each action and observation appended to the
+//! ids, never re-rendered) must read as `apply_chat_template` renders the conversation, for
+//! ChatML and for tokenizers that have no ChatML token at all (Llama-3).
 //!
 //! Needs the venv `make setup` makes (`TUTOR_PYTHON`, else `<workspace>/.venv/bin/python`).
 
@@ -66,7 +69,7 @@ fn templates_render_like_transformers() {
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("manifest.json")).unwrap())
             .unwrap();
     let names: Vec<String> = serde_json::from_value(manifest["templates"].clone()).unwrap();
-    assert_eq!(names, ["qwen3", "llama3", "llama31_json"]);
+    assert_eq!(names, ["qwen3", "llama3", "llama31_json", "llama3_only"]);
     let mut checked = 0;
     for name in &names {
         let model_dir = dir.path().join(name);
@@ -105,7 +108,7 @@ fn templates_render_like_transformers() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 3 * 8 + 1);
+    assert_eq!(checked, 4 * 8 + 1);
 }
 
 /// With the Qwen3-style template, prompts and observations give the same ids as the
@@ -129,8 +132,9 @@ fn template_prompts_keep_contents_plain_and_match_chatml() {
             "{system:?} {user:?}"
         );
         // Exactly the template's own specials: 3 starts, 2 ends.
-        assert_eq!(a.iter().filter(|&&t| t == with.im_start_id()).count(), 3);
-        assert_eq!(a.iter().filter(|&&t| t == with.im_end_id()).count(), 2);
+        let im_start = with.token_id("<|im_start|>").unwrap();
+        assert_eq!(a.iter().filter(|&&t| t == im_start).count(), 3);
+        assert_eq!(a.iter().filter(|&&t| t == with.turn_end_id()).count(), 2);
     }
     for obs in [
         "ok",
@@ -143,12 +147,115 @@ fn template_prompts_keep_contents_plain_and_match_chatml() {
             "{obs:?}"
         );
     }
-    // A Llama-3 template closes assistant turns with <|eot_id|>, not the <|im_end|> the
-    // rollouts stop on: an observation cannot be appended, and the error says why.
-    let llama = ChatTokenizer::from_dir(&dir.path().join("llama3")).unwrap();
-    let err = llama.render_observation("ok").unwrap_err().to_string();
+}
+
+fn reference(dir: &std::path::Path, name: &str) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap())
+        .unwrap()
+}
+
+/// An episode's context, built as the rollouts build it, is the conversation as
+/// `transformers` renders it at every turn, whatever the family: ChatML (Qwen3's
+/// template), Llama-3 sharing a vocabulary with ChatML, and a Llama-3 tokenizer without any
+/// ChatML token. Generation stops on the template's turn end and on the end-of-sequence
+/// ids of generation_config.json. (llama31_json prints the whole conversation as JSON at
+/// its start: no template of that kind renders a conversation as an extension of its
+/// earlier turns, so an episode, whose generated ids are never re-rendered, cannot match
+/// it; only its stop ids are checked.)
+#[test]
+fn episodes_render_like_transformers_in_every_family() {
+    let dir = make_references();
+    for name in ["qwen3", "llama3", "llama31_json", "llama3_only"] {
+        let tok = ChatTokenizer::from_dir(&dir.path().join(name)).unwrap();
+        let reference = reference(dir.path(), name);
+        let stops: Vec<u32> = serde_json::from_value(reference["stops"].clone()).unwrap();
+        assert_eq!(tok.stop_ids()[0], tok.turn_end_id(), "{name}");
+        // The tokenizers share `<|endoftext|>` except llama3_only, whose
+        // generation_config.json names its own.
+        let mut expected_stops = stops.clone();
+        if let Some(eot) = tok.token_id("<|endoftext|>") {
+            expected_stops.push(eot);
+        }
+        assert_eq!(tok.stop_ids(), expected_stops, "{name}: stop ids");
+        if name == "llama31_json" {
+            continue;
+        }
+        let episode = reference["episode"].as_array().unwrap();
+        let all = messages(episode.last().unwrap());
+        let mut ids = tok.render_prompt(&all[0].1, &all[1].1).unwrap();
+        for (k, step) in episode.iter().enumerate() {
+            if k > 0 {
+                ids.extend(tok.encode_assistant(&all[2 * k].1));
+                ids.extend(tok.render_observation(&all[2 * k + 1].1).unwrap());
+            }
+            assert_eq!(
+                tok.render_text(&ids),
+                step["text"].as_str().unwrap(),
+                "{name}: the context after turn {k}"
+            );
+            let expected: Vec<u32> = serde_json::from_value(step["ids"].clone()).unwrap();
+            assert_eq!(ids, expected, "{name}: ids after turn {k}");
+        }
+    }
+    let llama = ChatTokenizer::from_dir(&dir.path().join("llama3_only")).unwrap();
+    assert_eq!(llama.token_id("<|im_end|>"), None);
+    assert_eq!(
+        llama.token_text(llama.turn_end_id()),
+        "<|eot_id|>",
+        "the template closes turns with <|eot_id|>"
+    );
+}
+
+/// A tokenizer without ChatML tokens loaded without its template, and a template that
+/// closes assistant turns with no special token, are refused with what is missing.
+#[test]
+fn a_chat_format_without_a_turn_end_is_refused() {
+    let dir = make_references();
+    let llama = dir.path().join("llama3_only");
+    let err = ChatTokenizer::from_file(&llama.join("tokenizer.json"))
+        .unwrap_err()
+        .to_string();
     assert!(
-        err.contains("<|im_end|>") && err.contains("chat_template.jinja"),
+        err.contains("<|im_start|>") && err.contains("chat_template.jinja"),
+        "{err}"
+    );
+    // A template whose assistant turns end in plain text.
+    let plain = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        llama.join("tokenizer.json"),
+        plain.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    std::fs::write(
+        plain.path().join("chat_template.jinja"),
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n\n{% endfor %}\
+         {% if add_generation_prompt %}assistant: {% endif %}",
+    )
+    .unwrap();
+    let err = ChatTokenizer::from_dir(plain.path())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("chat_template.jinja") && err.contains("special token"),
+        "{err}"
+    );
+    // generation_config.json naming an id outside the vocabulary.
+    let bad = tempfile::tempdir().unwrap();
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        std::fs::copy(llama.join(f), bad.path().join(f)).unwrap();
+    }
+    std::fs::write(
+        bad.path().join("generation_config.json"),
+        r#"{"eos_token_id": [4, 128009]}"#,
+    )
+    .unwrap();
+    let err = ChatTokenizer::from_dir(bad.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("128009") && err.contains("eos_token_id"),
         "{err}"
     );
 }

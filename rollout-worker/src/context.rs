@@ -13,8 +13,8 @@
 pub const KEEP_RECENT_OBSERVATIONS: usize = 3;
 
 enum Part {
-    /// Never elided: the prompt, an executed message, the `<|im_end|>` closing a message
-    /// cut at `max_new_tokens`.
+    /// Never elided: the prompt, an executed message, the turn end (`<|im_end|>`, ...)
+    /// closing a message cut at `max_new_tokens`.
     Fixed(Vec<u32>),
     /// An observation as rendered, and the note that replaces it when elided.
     Observation {
@@ -101,7 +101,7 @@ impl Context {
         }
     }
 
-    /// Appends context the next record carries: `close` (the `<|im_end|>` of a message cut
+    /// Appends context the next record carries: `close` (the turn end of a message cut
     /// at `max_new_tokens`, or nothing), then the rendered observation, with the note that
     /// stands for it once elided. Elides old observations if the budget needs it.
     pub fn push_observation(&mut self, close: Vec<u32>, full: Vec<u32>, note: Vec<u32>) {

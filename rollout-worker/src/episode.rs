@@ -105,7 +105,7 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
         }
     };
     let tok = &env.tokenizer;
-    let im_end = tok.im_end_id();
+    let turn_end = tok.turn_end_id();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(lease.seed);
     let mut teacher = env.teacher.make(lease.seed);
     let settings = TurnSettings::from_lease(lease);
@@ -210,12 +210,12 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
             break;
         }
         // A message cut at max_new_tokens is closed here, as context, so the tokens the
-        // student generated stay exactly as generated.
-        let close = if executed_tokens.last() != Some(&im_end) {
-            vec![im_end]
-        } else {
-            Vec::new()
-        };
+        // student generated stay exactly as generated. One that ended on another stop
+        // token (the model's end of sequence) is closed by it.
+        let stopped = executed_tokens
+            .last()
+            .is_some_and(|t| tok.stop_ids().contains(t));
+        let close = if !stopped { vec![turn_end] } else { Vec::new() };
         let rendered = tok.render_observation(&done.observation).and_then(|full| {
             let note = tok.render_observation(&elision_note(&done.observation))?;
             Ok((full, note))
@@ -415,7 +415,7 @@ fn student_proposal(
         top_p: 1.0,
         max_new_tokens: settings.max_new_tokens,
         seed: settings.sampling_seed.wrapping_add(t as u64),
-        stop_token_ids: vec![env.tokenizer.im_end_id()],
+        stop_token_ids: env.tokenizer.stop_ids().to_vec(),
     };
     let g = env
         .student

@@ -2,7 +2,10 @@
 //! sandbox, oracle teacher, tiny student) whose lease allows fewer tokens than its
 //! history grows to. Older observations become a note; the prompt (system prompt and
 //! issue) stays whole at every turn; the records rebuild, through the coordinator's
-//! dataset builders, contexts that fit without cutting anything.
+//! dataset builders, contexts that fit without cutting anything. And the student's
+//! sampling log-probs, stored with its turns, are what a fresh forward pass of the same
+//! weights gives on the training example built from those turns, elisions included: one
+//! context, from generation to the loss.
 
 mod common;
 
@@ -14,6 +17,10 @@ use tutor_rollout_worker::episode::{run_episode, TeacherSource};
 const MAX_NEW: u32 = 8;
 
 fn lease(task: &tutor_proto::Task, max_context_tokens: u32) -> EpisodeLease {
+    oracle_lease(task, max_context_tokens)
+}
+
+fn oracle_lease(task: &tutor_proto::Task, max_context_tokens: u32) -> EpisodeLease {
     EpisodeLease {
         episode_id: "it000-train0000-g0a0".into(),
         task: Some(task.clone()),
@@ -35,8 +42,32 @@ fn lease(task: &tutor_proto::Task, max_context_tokens: u32) -> EpisodeLease {
     }
 }
 
+/// DAPO's lease: the student acts on every turn, sampling unbiased; the teacher is never
+/// asked.
+fn student_lease(task: &tutor_proto::Task, max_context_tokens: u32) -> EpisodeLease {
+    EpisodeLease {
+        beta: 0.0,
+        labels_unused: true,
+        max_turns: 7,
+        sampling: Some(SamplingParams {
+            temperature: 1.0,
+            max_new_tokens: MAX_NEW,
+            seed: 5,
+            unbiased: true,
+        }),
+        ..oracle_lease(task, max_context_tokens)
+    }
+}
+
 fn run(s: &mut common::EpisodeSetup, max_context_tokens: u32) -> (EpisodeOutcome, Vec<TurnRecord>) {
-    let outcome = run_episode(&s.env, &lease(&s.task, max_context_tokens));
+    run_lease(s, &lease(&s.task, max_context_tokens))
+}
+
+fn run_lease(
+    s: &mut common::EpisodeSetup,
+    lease: &EpisodeLease,
+) -> (EpisodeOutcome, Vec<TurnRecord>) {
+    let outcome = run_episode(&s.env, lease);
     let mut turns = Vec::new();
     while let Ok(ev) = s.events.try_recv() {
         if let Some(episode_event::Event::Turn(t)) = ev.event {
@@ -136,4 +167,93 @@ fn old_observations_are_elided_and_the_prompt_kept_within_the_lease_limit() {
         text.contains(tail.trim()),
         "the newest observation was elided:\n{text}"
     );
+}
+
+/// ℓ_θ(token j | tokens < j) of every token of `tokens` (0 for token 0), by one forward
+/// pass over the whole sequence.
+fn fresh_logprobs(policy: &tutor_policy::Policy, tokens: &[u32]) -> Vec<f64> {
+    use tch::{Device, Kind, Tensor};
+    let _g = tch::no_grad_guard();
+    let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+    let n = ids.len() as i64;
+    let input = Tensor::from_slice(&ids).reshape([1, n]);
+    let logits = policy.forward(&input, &Tensor::ones([1, n], (Kind::Int64, Device::Cpu)));
+    let lsm = logits.log_softmax(-1, Kind::Double);
+    let mut out = vec![0.0];
+    for (j, &tok) in tokens.iter().enumerate().skip(1) {
+        out.push(lsm.double_value(&[0, j as i64 - 1, tok as i64]));
+    }
+    out
+}
+
+#[test]
+fn stored_old_logprobs_equal_a_fresh_forward_on_the_training_examples() {
+    let mut s = common::episode_setup(
+        tutor_rollout_worker::toy::generate(1, 11).remove(0),
+        TeacherSource::Oracle,
+    );
+    // The weights the student samples with: the model directory's configuration,
+    // initialised as the student host initialises it (seed 0; no version loaded).
+    let config = tutor_policy::ModelConfig::load(&s.dir.path().join("config.json")).unwrap();
+    let policy = tutor_policy::Policy::new(config, tch::Device::Cpu, 0);
+
+    // How long the history grows unlimited; then a limit the last turns exceed, so the
+    // context is rebuilt with old observations elided.
+    let unlimited = student_lease(&s.task, 0);
+    let (_, full) = run_lease(&mut s, &unlimited);
+    assert!(full.len() >= 6, "{} turns", full.len());
+    assert!(full
+        .iter()
+        .all(|t| t.executed == tutor_proto::Actor::Student as i32));
+    // The context the last turn generated from: every delta, and every message before it.
+    let longest: usize = full
+        .iter()
+        .map(|t| t.context_delta_tokens.len())
+        .sum::<usize>()
+        + full[..full.len() - 1]
+            .iter()
+            .map(|t| t.student_tokens.len())
+            .sum::<usize>();
+    let limit = longest - 1 + MAX_NEW as usize;
+    let limited = student_lease(&s.task, limit as u32);
+    let (_, cut) = run_lease(&mut s, &limited);
+    assert!(
+        cut.iter().any(|t| t.context_rebuilt),
+        "no context was rebuilt under a limit of {limit}"
+    );
+
+    for (name, turns) in [("unlimited", &full), ("elided", &cut)] {
+        let examples =
+            tutor_coordinator::dataset::policy_gradient_examples("e", turns, usize::MAX, false);
+        let rebuilt = turns.iter().filter(|t| t.context_rebuilt).count();
+        assert_eq!(
+            examples.len(),
+            1 + rebuilt,
+            "{name}: one example per context segment"
+        );
+        let mut checked = 0;
+        for ex in &examples {
+            assert_eq!(ex.old_logprobs.len(), ex.tokens.len(), "{name}");
+            let fresh = fresh_logprobs(&policy, &ex.tokens);
+            for (j, &trained) in ex.loss_mask.iter().enumerate() {
+                if !trained {
+                    continue;
+                }
+                let old = ex.old_logprobs[j] as f64;
+                assert!(
+                    (fresh[j] - old).abs() < 1e-3,
+                    "{name}: token {j} of {}: stored {old} vs fresh forward {}",
+                    ex.tokens.len(),
+                    fresh[j]
+                );
+                checked += 1;
+            }
+        }
+        let generated: usize = turns.iter().map(|t| t.student_tokens.len()).sum();
+        assert!(generated > 0, "{name}: the student generated nothing");
+        assert_eq!(
+            checked, generated,
+            "{name}: every generated token is trained"
+        );
+    }
 }

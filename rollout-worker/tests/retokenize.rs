@@ -36,7 +36,7 @@ fn generated_ids_survive_where_retokenizing_would_change_them() {
     assert_ne!(tok.encode(&tok.decode(&split)), split);
 
     let mut generated = split.clone();
-    generated.push(tok.im_end_id());
+    generated.push(tok.turn_end_id());
     let logprobs: Vec<f32> = (0..generated.len())
         .map(|i| -0.1 * (i + 1) as f32)
         .collect();

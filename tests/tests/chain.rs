@@ -297,3 +297,184 @@ max_tokens = 24
         .unwrap_or_else(|| panic!("no reverse_kl in the distillation's metrics row: {row}"));
     assert!(kl.abs() < 2e-3, "reverse KL {kl} between identical weights");
 }
+
+/// BC from a student of another family: a Llama-3-style directory (tests/fixtures/
+/// llama3-student/make.py: Llama weights, a tokenizer with Llama-3's special tokens and no
+/// ChatML token, Meta's chat template, two end-of-sequence ids in generation_config.json).
+fn bc_from(init_from: &Path) -> String {
+    format!(
+        r#"
+[run]
+name = "llama"
+workers = 1
+
+[tasks]
+source = "toy"
+toy_train = 4
+toy_heldout = 1
+seed = 5
+
+[model]
+init_from = "{}"
+
+[coordinator]
+algorithm = "bc"
+iterations = 1
+episodes_per_iteration = 3
+heldout_episodes = 1
+max_turns = 3
+max_new_tokens = 12
+epochs_per_iteration = 1
+max_steps_per_iteration = 2
+
+[learner]
+learning_rate = 5e-3
+warmup_steps = 0
+"#,
+        init_from.display()
+    )
+}
+
+/// A student without ChatML tokens rolls out in its own chat format, trains and exports:
+/// every stored context reads as the Llama-3 template renders the conversation (checked
+/// with transformers' tokenizer of the same directory), teacher messages close with
+/// `<|eot_id|>`, student messages end on a stop id of the model or at max_new_tokens, and
+/// the export renders chats with the model's template in transformers.
+#[test]
+fn a_llama3_student_rolls_out_in_its_own_chat_format_and_exports() {
+    let dir = tempfile::tempdir().unwrap();
+    let student = dir.path().join("llama3");
+    let maker = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/llama3-student/make.py");
+    let made = std::process::Command::new(common::python())
+        .arg(&maker)
+        .arg(&student)
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let run_dir = run(dir.path(), "llama", &bc_from(&student));
+    assert!(final_version(&run_dir) >= 1, "BC trained the Llama student");
+
+    // Every stored turn, for transformers to read.
+    let (events, _) =
+        tutor_coordinator::store::scan(&run_dir.join("trajectories/events.log")).unwrap();
+    let mut turns = Vec::new();
+    for ev in &events {
+        let Some(tutor_proto::episode_event::Event::Turn(t)) = &ev.event else {
+            continue;
+        };
+        let student_acted = t.executed == tutor_proto::Actor::Student as i32;
+        let executed = if student_acted {
+            &t.student_tokens
+        } else {
+            &t.teacher_tokens
+        };
+        turns.push(serde_json::json!({
+            "episode": ev.episode_id,
+            "turn": t.turn_index,
+            "delta": t.context_delta_tokens,
+            "executed": executed,
+            "student": student_acted,
+            "rebuilt": t.context_rebuilt,
+        }));
+    }
+    assert!(
+        turns.iter().any(|t| t["student"] == true),
+        "no student turn"
+    );
+    assert!(
+        turns.iter().any(|t| t["student"] == false),
+        "no teacher turn"
+    );
+    let turns_file = dir.path().join("turns.json");
+    std::fs::write(&turns_file, serde_json::to_string(&turns).unwrap()).unwrap();
+    let check = r#"
+import json, re, sys
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+turns = json.load(open(sys.argv[2]))
+max_new = int(sys.argv[3])
+eot, eos = tok.convert_tokens_to_ids("<|eot_id|>"), tok.convert_tokens_to_ids("<|end_of_text|>")
+H = "<|start_header_id|>{}<|end_header_id|>\n\n"
+prompt = re.compile(re.escape("<|begin_of_text|>" + H.format("system")) + "(.*)<\\|eot_id\\|>"
+                    + re.escape(H.format("user")) + "(.*)<\\|eot_id\\|>" + re.escape(H.format("assistant")), re.S)
+prev = {}
+for t in sorted(turns, key=lambda t: (t["episode"], t["turn"])):
+    text = tok.decode(t["delta"], skip_special_tokens=False)
+    assert "<|im_" not in text, text
+    if t["turn"] == 0:
+        m = prompt.fullmatch(text)
+        assert m, repr(text)
+        msgs = [{"role": "system", "content": m[1]}, {"role": "user", "content": m[2]}]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        assert ids == t["delta"], "the prompt's ids differ from apply_chat_template's"
+    elif t["rebuilt"]:
+        # The whole context again, old observations elided: the same format throughout.
+        assert text.startswith("<|begin_of_text|>" + H.format("system")), repr(text)
+        assert text.endswith("<|eot_id|>" + H.format("assistant")), repr(text)
+    else:
+        closed = prev[t["episode"]][-1] in (eot, eos)
+        body = text if closed else text.removeprefix("<|eot_id|>")
+        assert closed or text.startswith("<|eot_id|>"), repr(text)
+        assert body.startswith(H.format("user")) and body.endswith(H.format("assistant")), repr(text)
+    ex = t["executed"]
+    if t["student"]:
+        assert ex[-1] in (eot, eos) or len(ex) == max_new, (ex, max_new)
+        assert eot not in ex[:-1] and eos not in ex[:-1], ex
+    else:
+        assert ex[-1] == eot and eot not in ex[:-1], ex
+    prev[t["episode"]] = ex
+print("checked", len(turns))
+"#;
+    let py = std::process::Command::new(common::python())
+        .args(["-c", check])
+        .arg(&student)
+        .arg(&turns_file)
+        .arg("12")
+        .output()
+        .unwrap();
+    assert!(
+        py.status.success(),
+        "the stored contexts are not the Llama-3 chat format:\n{}\n{}",
+        String::from_utf8_lossy(&py.stdout),
+        String::from_utf8_lossy(&py.stderr)
+    );
+
+    // The export keeps the model's own template and generation config.
+    let export = dir.path().join("export");
+    let out = common::tutor(&[
+        "export",
+        run_dir.to_str().unwrap(),
+        "--out",
+        export.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let script = r#"
+import sys, transformers
+d = sys.argv[1]
+model = transformers.AutoModelForCausalLM.from_pretrained(d)
+tok = transformers.AutoTokenizer.from_pretrained(d)
+text = tok.apply_chat_template([{"role": "user", "content": "fix it"}], tokenize=False, add_generation_prompt=True)
+assert text == "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nfix it<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n", repr(text)
+assert model.generation_config.eos_token_id == [1, 4], model.generation_config.eos_token_id
+print("ok", model.config.model_type)
+"#;
+    let py = std::process::Command::new(common::python())
+        .args(["-c", script, export.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        py.status.success(),
+        "transformers could not load the export:\n{}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    assert!(String::from_utf8_lossy(&py.stdout).starts_with("ok llama"));
+}

@@ -123,7 +123,7 @@ fn write_export(model_dir: &Path, weights: &Path, out: &Path) -> Result<usize> {
     let config_path = model_dir.join(CONFIG);
     let config = ModelConfig::load(&config_path)?;
     let tokenizer_path = model_dir.join(TOKENIZER);
-    let tokenizer = ChatTokenizer::from_file(&tokenizer_path)?;
+    let tokenizer = ChatTokenizer::from_dir(model_dir)?;
     // Loading checks every tensor's presence and shape against the config.
     let mut policy = Policy::new(config.clone(), Device::Cpu, 0);
     policy
@@ -150,9 +150,10 @@ fn write_export(model_dir: &Path, weights: &Path, out: &Path) -> Result<usize> {
             "clean_up_tokenization_spaces": false,
         });
         write_json(&out.join("tokenizer_config.json"), &tokenizer_config)?;
+        // No template: the tokenizer is ChatML (from_dir refuses one that is not).
         let generation = json!({
-            "eos_token_id": tokenizer.im_end_id(),
-            "pad_token_id": tokenizer.eos_id(),
+            "eos_token_id": tokenizer.turn_end_id(),
+            "pad_token_id": tokenizer.token_id(ENDOFTEXT),
         });
         write_json(&out.join("generation_config.json"), &generation)?;
     }
@@ -182,10 +183,13 @@ pub fn install_initial_model(source: &Path, model_dir: &Path) -> Result<String> 
     }
     let config = ModelConfig::load(&source.join(CONFIG))
         .with_context(|| format!("model.init_from = {}", source.display()))?;
-    let tokenizer = ChatTokenizer::from_file(&source.join(TOKENIZER)).with_context(|| {
+    // The tokenizer and its chat format: the directory's template (any model family) or,
+    // without one, ChatML's tokens.
+    let tokenizer = ChatTokenizer::from_dir(source).with_context(|| {
         format!(
-            "model.init_from = {}: the student's tokenizer.json must load and carry the chat \
-             tokens {ENDOFTEXT}, <|im_start|> and {IM_END}",
+            "model.init_from = {}: the student's tokenizer.json must load, with a chat \
+             template (chat_template.jinja or tokenizer_config.json's chat_template) or the \
+             ChatML tokens <|im_start|> and {IM_END}",
             source.display()
         )
     })?;
@@ -276,7 +280,7 @@ mod tests {
         let tok = ChatTokenizer::train(&corpus, 320).unwrap();
         tok.save(&model.join(TOKENIZER)).unwrap();
         let mut mc = ModelConfig::tiny(tok.vocab_size());
-        mc.eos_token_id = Some(tok.im_end_id());
+        mc.eos_token_id = Some(tok.turn_end_id());
         mc.save(&model.join(CONFIG)).unwrap();
         let versions = dir.join(VERSIONS);
         let v0 = Policy::new(mc.clone(), Device::Cpu, 1);

@@ -320,7 +320,7 @@ fn fill(
                 .context("training the tokenizer")?;
             tokenizer.save(&model_dir.join("tokenizer.json"))?;
             let mut mc = config.model.model_config(tokenizer.vocab_size());
-            mc.eos_token_id = Some(tokenizer.im_end_id());
+            mc.eos_token_id = Some(tokenizer.turn_end_id());
             mc.save(&model_dir.join("config.json"))?;
             mc.num_parameters()
         }

@@ -100,12 +100,12 @@ pub fn report(run_dir: &Path, episodes: bool) -> Result<()> {
 }
 
 /// Prints one stored episode's conversation, decoded with the run's tokenizer
-/// (`<run>/model/tokenizer.json`): the context each turn added, then the executed reply,
-/// and the other side's reply where it differed.
+/// (`<run>/model`, with its chat template where it has one): the context each turn added,
+/// then the executed reply, and the other side's reply where it differed.
 pub fn transcript(run_dir: &Path, episode_id: &str) -> Result<()> {
-    let tok_path = run_dir.join("model").join("tokenizer.json");
-    let tok = tutor_policy::ChatTokenizer::from_file(&tok_path)
-        .with_context(|| format!("loading the run's tokenizer {}", tok_path.display()))?;
+    let model_dir = run_dir.join("model");
+    let tok = tutor_policy::ChatTokenizer::from_dir(&model_dir)
+        .with_context(|| format!("loading the run's tokenizer from {}", model_dir.display()))?;
     let store = run_dir.join("trajectories").join("events.log");
     let (events, _) = tutor_coordinator::store::scan(&store)?;
     let mut turns: BTreeMap<u32, tutor_proto::TurnRecord> = BTreeMap::new();

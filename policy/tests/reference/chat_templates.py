@@ -9,15 +9,23 @@ writes, for every template NAME in TEMPLATES:
                         with the template set (tokenizer.json, tokenizer_config.json and,
                         as current transformers writes it, chat_template.jinja)
     OUT_DIR/NAME.json   {"cases": [{"messages", "add_generation_prompt", "text", "ids"}]}:
-                        apply_chat_template(tokenize=False) and the ids of that text
+                        apply_chat_template(tokenize=False) and the ids of that text;
+                        "episode": an episode's conversation (system, task, then turns
+                        of assistant action and user observation) with the text and ids
+                        apply_chat_template(add_generation_prompt=True) gives at each
+                        turn; "stops": the ids generation stops on (the turn's closing
+                        token, then generation_config.json's eos_token_id)
 and OUT_DIR/manifest.json listing the names.
+
+"llama3_only" is a Llama-3 tokenizer with no ChatML token at all, and a
+generation_config.json naming two end-of-sequence ids, as Meta's checkpoints ship.
 """
 import json
 import os
 import sys
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 SPECIALS = [
     "<|endoftext|>",
@@ -150,11 +158,36 @@ LLAMA31_JSON = """{{- bos_token }}
 {% endif %}
 """
 
+LLAMA3_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
+
 TEMPLATES = {
     "qwen3": (QWEN3, dict(eos_token="<|im_end|>", pad_token="<|endoftext|>")),
     "llama3": (LLAMA3, dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")),
     "llama31_json": (LLAMA31_JSON, dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")),
+    "llama3_only": (LLAMA3, dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")),
 }
+
+# What each template closes an assistant turn with, and the end-of-sequence ids each
+# generation_config.json names (by token text; none: no generation_config.json).
+TURN_END = {"qwen3": "<|im_end|>", "llama3": "<|eot_id|>", "llama31_json": "<|eot_id|>", "llama3_only": "<|eot_id|>"}
+GENERATION_EOS = {"llama3_only": ["<|end_of_text|>", "<|eot_id|>"]}
+
+# An episode as Tutor renders one: system and task, then (action, observation) turns.
+# Contents without surrounding whitespace, which Llama-3's template trims.
+EPISODE = [
+    {"role": "system", "content": "You are a careful engineer."},
+    {"role": "user", "content": "Fix the bug in src/main.py"},
+    {"role": "assistant", "content": "```command\nls -la\n```"},
+    {"role": "user", "content": "total 0\nsrc"},
+    {"role": "assistant", "content": "```command\ncat src/main.py\n```"},
+    {"role": "user", "content": "def add(a, b):\n    return a - b"},
+]
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],
@@ -184,23 +217,32 @@ CORPUS = [
 ] * 4
 
 
-def main(out):
+def train(specials):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=400,
         min_frequency=2,
-        special_tokens=SPECIALS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def main(out):
+    shared = train(SPECIALS)
     for name, (template, specials) in TEMPLATES.items():
+        tok = train(LLAMA3_SPECIALS) if name == "llama3_only" else shared
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, **specials)
         fast.chat_template = template
         path = os.path.join(out, name)
         fast.save_pretrained(path)
+        eos = [fast.convert_tokens_to_ids(t) for t in GENERATION_EOS.get(name, [])]
+        if eos:
+            GenerationConfig(eos_token_id=eos, bos_token_id=fast.bos_token_id).save_pretrained(path)
         fast = PreTrainedTokenizerFast.from_pretrained(path)
         cases = []
         for messages in CONVERSATIONS:
@@ -216,8 +258,25 @@ def main(out):
                 raise SystemExit("expected the template to raise")
             except Exception as e:  # jinja2's TemplateError
                 cases.append(dict(messages=bad, add_generation_prompt=False, error=str(e)))
+        # The episode's context after its prompt and after each observation: what the
+        # student sees when it generates.
+        episode = []
+        for end in range(2, len(EPISODE) + 1, 2):
+            messages = EPISODE[:end]
+            text = fast.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = fast.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+            if not isinstance(ids, list):  # a BatchEncoding in some versions
+                ids = ids["input_ids"]
+            episode.append(dict(messages=messages, text=text, ids=ids))
+        turn_end = fast.convert_tokens_to_ids(TURN_END[name])
+        stops = [turn_end] + [i for i in eos if i != turn_end]
         with open(os.path.join(out, name + ".json"), "w") as f:
-            json.dump(dict(files=sorted(os.listdir(path)), cases=cases), f, ensure_ascii=False, indent=1)
+            json.dump(
+                dict(files=sorted(os.listdir(path)), cases=cases, episode=episode, stops=stops),
+                f,
+                ensure_ascii=False,
+                indent=1,
+            )
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(dict(templates=list(TEMPLATES)), f)
 

@@ -364,7 +364,7 @@ fn prepare(s: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
         top_p: top_p as f32,
         max_new_tokens: max_new,
         seed: req.seed.map_or_else(rand::random::<u64>, |s| s as u64),
-        stop_token_ids: vec![s.tokenizer.im_end_id(), s.tokenizer.eos_id()],
+        stop_token_ids: s.tokenizer.stop_ids().to_vec(),
     };
     s.engine.check(&prompt, max_new)?;
     Ok(Prepared {
@@ -549,7 +549,7 @@ async fn run_completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiEr
         temperature: temperature as f32,
         max_new_tokens: req.max_tokens.unwrap_or(16) as usize,
         seed: req.seed.unwrap_or(0) as u64,
-        stop_token_ids: vec![s.tokenizer.im_end_id(), s.tokenizer.eos_id()],
+        stop_token_ids: s.tokenizer.stop_ids().to_vec(),
         ..GenParams::default()
     };
     s.engine.check(&prompt, params.max_new_tokens)?;
