@@ -138,6 +138,11 @@ impl CoordinatorConfig {
             "grading_disagreements".into(),
             rollouts.grading_disagreements().into(),
         );
+        // Every algorithm: episodes without a verdict (a broken task, image or sandbox):
+        // left out of DAPO's groups, unsolved in the held-out rate.
+        let (train, heldout) = rollouts.ungraded();
+        m.insert("ungraded_train".into(), train.into());
+        m.insert("ungraded_heldout".into(), heldout.into());
         if self.algorithm == Algorithm::Dapo {
             m.insert("groups_kept".into(), rollouts.groups.kept.into());
             m.insert("groups_dropped".into(), rollouts.groups.dropped.into());
@@ -150,6 +155,25 @@ impl CoordinatorConfig {
 
 pub fn is_resolved(outcome: &EpisodeOutcome) -> bool {
     outcome.status == OutcomeStatus::Resolved as i32
+}
+
+/// Whether the episode ended without a verdict on the submission: the sandbox failed
+/// (SANDBOX_ERROR, also a slot whose attempts ran out), the task's test patch does not
+/// apply (TEST_PATCH_FAIL), no test spec fits it (NO_TEST_SPEC) or the image lacks its
+/// environment (ENVIRONMENT_ERROR). Such an episode has no reward: DAPO leaves it out of
+/// its group instead of counting a 0 (with the turn penalty, a broken task's group would
+/// otherwise train on episode lengths). Failures a submission causes (APPLY_PATCH_FAIL,
+/// TESTS_TIMEOUT, TESTS_ERROR, PATCH_TOO_LARGE) are graded: unresolved. Leaving an episode
+/// out gives its actions no gradient, so causing one of these pays nothing.
+pub fn is_ungraded(outcome: &EpisodeOutcome) -> bool {
+    [
+        OutcomeStatus::SandboxError,
+        OutcomeStatus::TestPatchFail,
+        OutcomeStatus::NoTestSpec,
+        OutcomeStatus::EnvironmentError,
+    ]
+    .iter()
+    .any(|&s| outcome.status == s as i32)
 }
 
 /// Rewards of each group, by group id.

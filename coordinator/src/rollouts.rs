@@ -112,6 +112,17 @@ impl IterationRollouts {
             .count() as u64
     }
 
+    /// Training and held-out episodes that ended without a verdict on their submission
+    /// (`algorithms::is_ungraded`).
+    pub fn ungraded(&self) -> (u64, u64) {
+        let count = |o: &[EpisodeOutcome]| {
+            o.iter()
+                .filter(|o| crate::algorithms::is_ungraded(o))
+                .count() as u64
+        };
+        (count(&self.train), count(&self.eval))
+    }
+
     /// The mean per-token reverse KL estimate (nats per token) over the scored student
     /// tokens; `None` when the teacher scored none (the oracle cannot).
     pub fn reverse_kl(&self) -> Option<f64> {

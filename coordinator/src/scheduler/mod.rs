@@ -26,6 +26,7 @@ use self::lease::{episode_lease, Leases};
 use self::plan::Plan;
 use self::recovery::Backlog;
 use self::workers::Workers;
+use crate::algorithms::is_ungraded;
 use crate::config::{Algorithm, CoordinatorConfig};
 use crate::dataset::{EpisodeData, IterationDatasets};
 use crate::episode_id::{EpisodeId, Purpose};
@@ -948,16 +949,30 @@ impl Scheduler {
                     .episode_examples(&id.to_string(), &turns, &outcome);
                 self.rollouts.teacher_labels += examples.len() as u64;
                 let reward = self.config.reward(&outcome);
-                self.datasets.push(
-                    self.plan.iteration,
-                    EpisodeData {
-                        slot,
-                        policy_version: outcome.policy_version,
-                        examples,
-                        group: self.plan.slots[slot].group,
-                        reward,
-                    },
-                );
+                if self.config.algorithm == Algorithm::Dapo && is_ungraded(&outcome) {
+                    // No verdict, no reward: out of its group (see `is_ungraded`).
+                    let status = tutor_proto::OutcomeStatus::try_from(outcome.status)
+                        .map(|s| s.as_str_name())
+                        .unwrap_or("?");
+                    tracing::warn!(
+                        episode = %id,
+                        task = %outcome.instance_id,
+                        status,
+                        error = %outcome.error,
+                        "the episode ended without a verdict: left out of its DAPO group"
+                    );
+                } else {
+                    self.datasets.push(
+                        self.plan.iteration,
+                        EpisodeData {
+                            slot,
+                            policy_version: outcome.policy_version,
+                            examples,
+                            group: self.plan.slots[slot].group,
+                            reward,
+                        },
+                    );
+                }
                 self.rollouts.train.push(outcome);
                 self.completed_train += 1;
             }

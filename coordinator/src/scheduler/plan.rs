@@ -236,6 +236,22 @@ mod tests {
 
     /// A student turn (logprobs recorded) and the outcome of an episode.
     async fn finish(sched: &SchedulerHandle, worker: &str, lease: &EpisodeLease, resolved: bool) {
+        let status = if resolved {
+            OutcomeStatus::Resolved
+        } else {
+            OutcomeStatus::Unresolved
+        };
+        finish_with(sched, worker, lease, status, 1).await
+    }
+
+    /// `finish` with any status and number of turns.
+    async fn finish_with(
+        sched: &SchedulerHandle,
+        worker: &str,
+        lease: &EpisodeLease,
+        status: OutcomeStatus,
+        num_turns: u32,
+    ) {
         sched
             .stored(EpisodeEvent {
                 episode_id: lease.episode_id.clone(),
@@ -250,17 +266,12 @@ mod tests {
                 })),
             })
             .await;
-        let status = if resolved {
-            OutcomeStatus::Resolved
-        } else {
-            OutcomeStatus::Unresolved
-        };
         sched
             .stored(EpisodeEvent {
                 episode_id: lease.episode_id.clone(),
                 worker_id: worker.to_string(),
                 event: Some(episode_event::Event::Outcome(EpisodeOutcome {
-                    num_turns: 1,
+                    num_turns,
                     status: status as i32,
                     ..Default::default()
                 })),
@@ -368,6 +379,72 @@ mod tests {
             for (a, w) in e.advantages.iter().zip(&want) {
                 assert!((a - w).abs() < 1e-4, "{:?} vs {want:?}", e.advantages);
             }
+        }
+    }
+
+    /// Episodes without a verdict (a broken sandbox, task or image) are no reward of 0:
+    /// they leave their group. A group of [resolved, unresolved, SANDBOX_ERROR] trains its
+    /// two graded episodes with Â = ±1; a broken task's group, whose episodes differ only
+    /// in length, would train on the turn penalty if counted, and is dropped instead.
+    #[tokio::test]
+    async fn dapo_leaves_episodes_without_a_verdict_out_of_their_groups() {
+        let config = CoordinatorConfig {
+            algorithm: Algorithm::Dapo,
+            group_size: 3,
+            tasks_per_iteration: 2,
+            max_refill_rounds: 0,
+            heldout_episodes: 0,
+            max_turns: 10,
+            turn_penalty_start: Some(2),
+            ..Default::default()
+        };
+        let tasks: Vec<Task> = (0..2)
+            .map(|i| Task {
+                instance_id: format!("t{i}"),
+                ..Default::default()
+            })
+            .collect();
+        let sched = SchedulerHandle::spawn(config, tasks, vec![]);
+        let (worker, _) = sched.register("w".into(), 8).await.unwrap();
+        let runner = sched.clone();
+        let iteration = tokio::spawn(async move { runner.run_iteration(0, 0.0).await });
+        let leases = lease_n(&sched, &worker, 6).await;
+        let ended = [
+            (OutcomeStatus::Resolved, 1),
+            (OutcomeStatus::Unresolved, 1),
+            (OutcomeStatus::SandboxError, 1),
+            // The broken task: every episode NO_TEST_SPEC / ENVIRONMENT_ERROR /
+            // TEST_PATCH_FAIL, after different numbers of turns.
+            (OutcomeStatus::NoTestSpec, 2),
+            (OutcomeStatus::EnvironmentError, 6),
+            (OutcomeStatus::TestPatchFail, 9),
+        ];
+        for (l, (status, turns)) in leases.iter().zip(ended) {
+            finish_with(&sched, &worker, l, status, turns).await;
+        }
+        let rollouts = iteration.await.unwrap().unwrap();
+        assert_eq!(
+            rollouts.groups,
+            GroupStats {
+                kept: 1,
+                dropped: 0
+            },
+            "the broken task's group has no graded episode"
+        );
+        assert_eq!(rollouts.ungraded(), (4, 0));
+        assert!(
+            (rollouts.mean_reward - 0.5).abs() < 1e-12,
+            "{}",
+            rollouts.mean_reward
+        );
+        let examples = sched.examples(0, false).await;
+        let ids: Vec<&str> = examples.iter().map(|e| e.episode_id.as_str()).collect();
+        assert_eq!(
+            ids,
+            vec![leases[0].episode_id.as_str(), leases[1].episode_id.as_str()]
+        );
+        for (e, sign) in examples.iter().zip([1.0f32, -1.0]) {
+            assert!((e.advantages[4] - sign).abs() < 1e-4, "{:?}", e.advantages);
         }
     }
 
