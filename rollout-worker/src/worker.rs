@@ -76,7 +76,10 @@ pub struct WorkerConfig {
     pub disk_mb: u64,
     /// Docker: /tmp's tmpfs, in MiB (read-only root only).
     pub tmp_mb: u64,
-    /// Docker: uid:gid the agent's shell runs as (the task image's unprivileged user).
+    /// Docker: uid:gid the agent's shell runs as (the task image's unprivileged user), or
+    /// "image": each image's own `USER` where it is a numeric non-root uid[:gid] (an image
+    /// that runs as root or names its user is refused, saying so). The repository is
+    /// always the image's `WORKDIR` (/testbed where it names none).
     pub container_user: String,
     /// Docker: pull a sandbox image the engine does not have from its registry (with the
     /// engine's credentials) instead of failing the episode. For engines that start
@@ -278,9 +281,18 @@ impl WorkerConfig {
                 Ok(factory)
             }
             SandboxKind::Docker => {
-                let user = parse_user(&self.container_user).with_context(|| {
-                    format!("worker.container_user = {:?}", self.container_user)
-                })?;
+                // "image": each image's own (numeric, non-root) user.
+                let user_from_image = self.container_user.trim() == "image";
+                let user = if user_from_image {
+                    (1000, 1000)
+                } else {
+                    parse_user(&self.container_user).with_context(|| {
+                        format!(
+                            "worker.container_user = {:?} (uid:gid, or \"image\")",
+                            self.container_user
+                        )
+                    })?
+                };
                 let docker = crate::sandbox::docker::connect().await?;
                 let removed =
                     crate::sandbox::docker::remove_orphans(&docker, run, Some(worker)).await?;
@@ -307,6 +319,7 @@ impl WorkerConfig {
                     disk_bytes: (self.disk_mb as i64) << 20,
                     tmp_bytes: (self.tmp_mb as i64) << 20,
                     user,
+                    user_from_image,
                     pull_missing: self.pull_images,
                     pool: None,
                 };

@@ -167,6 +167,11 @@ async fn a_command_cannot_forge_the_end_of_its_output() {
 /// Builds tests/fixtures/swebench-mimic with a one-commit repository as /testbed and no
 /// python3 on the default PATH (issue 15, item 2).
 fn build_mimic_without_system_python(tag: &str) {
+    build_mimic(tag, &["HIDE_SYSTEM_PYTHON=1"]);
+}
+
+/// The SWE-bench-like fixture image (tests/fixtures/swebench-mimic) with `build_args`.
+fn build_mimic(tag: &str, build_args: &[&str]) {
     use std::process::Command;
     let ctx = tempfile::tempdir().unwrap();
     let fixture =
@@ -198,18 +203,12 @@ fn build_mimic_without_system_python(tag: &str) {
             .unwrap();
         assert!(ok.success(), "git {args:?}");
     }
-    let o = Command::new("docker")
-        .args([
-            "build",
-            "-q",
-            "-t",
-            tag,
-            "--build-arg",
-            "HIDE_SYSTEM_PYTHON=1",
-        ])
-        .arg(ctx.path())
-        .output()
-        .unwrap();
+    let mut build = Command::new("docker");
+    build.args(["build", "-q", "-t", tag]);
+    for a in build_args {
+        build.args(["--build-arg", a]);
+    }
+    let o = build.arg(ctx.path()).output().unwrap();
     assert!(
         o.status.success(),
         "docker build of {tag} (base tutor/base:bookworm from `make images`): {}",
@@ -256,6 +255,59 @@ async fn a_swebench_style_image_runs_commands_in_its_environment() {
     assert_eq!(out.exit_code, 0, "{}", out.output);
     assert!(out.output.contains("return 1"), "{}", out.output);
     sb.remove().await;
+}
+
+/// An image that keeps its repository elsewhere than /testbed and names its own
+/// (numeric, non-root) user: the sandbox works in the image's WORKDIR, as the image's
+/// user where the worker takes it (`container_user = "image"`), and the submission is
+/// the diff there. An image running as root is refused for `"image"`, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_with_its_own_workdir_and_user_is_used_as_it_is() {
+    let Some(d) = engine().await else { return };
+    let tag = "tutor/test-swebench-mimic:workdir";
+    build_mimic(tag, &["REPO_DIR=/work/project", "IMAGE_USER=1234:1234"]);
+    let run = format!("test-workdir-{}", std::process::id());
+    let task = tutor_rollout_worker::tasks::TaskRecord {
+        instance_id: "workdir-1".into(),
+        ..Default::default()
+    };
+    let mut spec = ContainerSpec::new(tag, &run, "test-worker", "e1");
+    spec.user_from_image = true;
+    let mut sb = DockerSandbox::create(&d, &spec, &task).await.unwrap();
+    let t = Duration::from_secs(30);
+    let out = sb.run("pwd; id -u; echo \"repo=$TUTOR_REPO\"", t).await;
+    assert_eq!(out.exit_code, 0, "{}", out.output);
+    for want in ["/work/project\n", "1234\n", "repo=/work/project"] {
+        assert!(out.output.contains(want), "{want:?}: {}", out.output);
+    }
+    let out = sb
+        .run("open pkg/text.py && replace 'return 1' 'return 2'", t)
+        .await;
+    assert!(out.output.contains("return 2"), "{}", out.output);
+    let sub = sb.submission().await;
+    assert!(
+        sub.patch.contains("a/pkg/text.py") && sub.patch.contains("+    return 2"),
+        "{}",
+        sub.patch
+    );
+    sb.remove().await;
+
+    // The stock mimic runs as root: "image" refuses it.
+    let root_tag = "tutor/test-swebench-mimic:root";
+    build_mimic(root_tag, &[]);
+    let mut spec = ContainerSpec::new(root_tag, &run, "test-worker", "e2");
+    spec.user_from_image = true;
+    let err = match DockerSandbox::create(&d, &spec, &task).await {
+        Ok(mut sb) => {
+            sb.remove().await;
+            panic!("an image running as root was taken for container_user = \"image\"");
+        }
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains(root_tag) && err.contains("non-root") && err.contains("container_user"),
+        "{err}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -165,15 +165,16 @@ pub fn parser_named(name: &str) -> Option<LogParser> {
         }
         "pydicom" | "requests" | "pylint" => Some(LogParser::PytestOptions),
         "astropy" | "scikit" | "sphinx" => Some(LogParser::PytestV2),
+        // SWE-Gym's fork.
+        "mypy" | "moto" | "conan" | "modin" | "monai" | "dvc" | "dask" | "bokeh" | "mne"
+        | "hypothesis" | "pandas" | "hydra" => Some(LogParser::Pytest),
+        "pydantic" => Some(LogParser::PytestPydantic),
         _ => None,
     };
     if alias.is_some() {
         return alias;
     }
-    HARNESS_SPECS
-        .iter()
-        .find(|r| r.repo == name.trim())
-        .map(|r| r.parser)
+    repo_specs(name).map(|r| r.parser)
 }
 
 /// The test spec for `task` (see the module docs for the order).
@@ -188,7 +189,7 @@ pub fn spec_for(task: &TaskRecord) -> Result<TestSpec, SpecError> {
             })?,
         )
     };
-    let table = HARNESS_SPECS.iter().find(|r| r.repo == task.repo);
+    let table = repo_specs(&task.repo);
     if !task.test_cmd.trim().is_empty() {
         return Ok(TestSpec {
             source: SpecSource::Task,
@@ -241,9 +242,20 @@ pub fn spec_for(task: &TaskRecord) -> Result<TestSpec, SpecError> {
 
 /// The harness's `get_test_directives`: every `diff --git a/… b/PATH` of the test patch
 /// (the last ` b/` of such a line, wherever it stands), less non-test files; for Django,
-/// dotted module names without `tests/` and `.py`.
+/// dotted module names without `tests/` and `.py`. For mypy (SWE-Gym's fork), one
+/// directive: the `[case NAME]` headers of the test patch joined by ` or `, which the
+/// test command's trailing `-k` selects.
 pub fn test_directives(repo: &str, test_patch: &str) -> Vec<String> {
     const HEAD: &str = "diff --git a/";
+    if repo.trim().eq_ignore_ascii_case("python/mypy") {
+        static CASE: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+        let case = CASE.get_or_init(|| regex::Regex::new(r"\[case ([^\]]+)\]").expect("case"));
+        let names: Vec<&str> = case
+            .captures_iter(test_patch)
+            .map(|c| c.get(1).expect("group").as_str())
+            .collect();
+        return vec![names.join(" or ")];
+    }
     let mut out = Vec::new();
     for line in test_patch.split('\n') {
         // re.findall: a match takes the rest of its line; a line's first header without
@@ -336,6 +348,20 @@ impl TestsReport {
 /// The harness's table, by repository (generated from the harness's published specs:
 /// versions that share their test command, eval commands and install are grouped).
 const HARNESS_SPECS: &[RepoSpecs] = &include!("specs_table.rs");
+/// SWE-Gym's repositories, from its harness fork.
+const SWEGYM_SPECS: &[RepoSpecs] = &include!("specs_swegym.rs");
+
+/// Every repository with harness specs: SWE-bench's, then SWE-Gym's.
+fn harness_specs() -> impl Iterator<Item = &'static RepoSpecs> {
+    HARNESS_SPECS.iter().chain(SWEGYM_SPECS)
+}
+
+/// The specs of `repo` (as the harness forks look them up, case aside:
+/// `Project-MONAI/MONAI` and `project-monai/monai` are one repository).
+fn repo_specs(repo: &str) -> Option<&'static RepoSpecs> {
+    let repo = repo.trim();
+    harness_specs().find(|r| r.repo.eq_ignore_ascii_case(repo))
+}
 
 #[cfg(test)]
 mod tests;

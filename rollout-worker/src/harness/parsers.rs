@@ -36,11 +36,15 @@ pub enum LogParser {
     Sympy,
     /// pytest, with matplotlib's `MouseButton` ids spelled as numbers.
     Matplotlib,
+    /// SWE-Gym's pydantic parser (`parse_log_pytest_pydantic`): colour codes and control
+    /// characters stripped, `FAILED [..]` read as `FAILED`, `NAME STATUS` lines read too
+    /// (the name the first word, the status the second).
+    PytestPydantic,
 }
 
 impl LogParser {
     /// Every parser.
-    pub const ALL: [LogParser; 7] = [
+    pub const ALL: [LogParser; 8] = [
         LogParser::Pytest,
         LogParser::PytestOptions,
         LogParser::PytestV2,
@@ -48,6 +52,7 @@ impl LogParser {
         LogParser::Seaborn,
         LogParser::Sympy,
         LogParser::Matplotlib,
+        LogParser::PytestPydantic,
     ];
 
     /// The harness's name for the parser (as in its `MAP_REPO_TO_PARSER`).
@@ -60,6 +65,7 @@ impl LogParser {
             LogParser::Seaborn => "seaborn",
             LogParser::Sympy => "sympy",
             LogParser::Matplotlib => "matplotlib",
+            LogParser::PytestPydantic => "pytest_pydantic",
         }
     }
 
@@ -80,6 +86,20 @@ impl LogParser {
                 ));
             }
         }
+        if self == LogParser::PytestPydantic {
+            // The fork indexes the second word without a length check.
+            let bad = log.split('\n').map(pydantic_clean).find(|line| {
+                let status_line =
+                    starts_with_status(line) || HARNESS_STATUSES.iter().any(|s| line.ends_with(s));
+                status_line && py_split(line).len() < 2
+            });
+            if let Some(line) = bad {
+                return Err(format!(
+                    "the harness's pytest_pydantic log parser fails on the line {line:?} (a \
+                     status with no test name) and reports nothing for the instance"
+                ));
+            }
+        }
         Ok(self.parse(log))
     }
 
@@ -94,6 +114,7 @@ impl LogParser {
             LogParser::Seaborn => parse_seaborn(log),
             LogParser::Sympy => parse_sympy(log),
             LogParser::Matplotlib => parse_matplotlib(log),
+            LogParser::PytestPydantic => parse_pytest_pydantic(log),
         }
     }
 }
@@ -221,6 +242,48 @@ fn parse_pytest_v2(log: &str) -> BTreeMap<String, String> {
             if words.len() >= 2 {
                 let (status, name) = words.split_last().expect("two words");
                 out.insert(name.join(" "), status.to_string());
+            }
+        }
+    }
+    out
+}
+
+/// A line as SWE-Gym's pydantic parser sees it: `[NNm` colour codes and the control
+/// characters 0x01–0x1f removed, then `FAILED [...]` (pytest's progress percentage)
+/// shortened to `FAILED`.
+fn pydantic_clean(line: &str) -> String {
+    static COLOUR: OnceLock<Regex> = OnceLock::new();
+    static FAILED: OnceLock<Regex> = OnceLock::new();
+    let colour = COLOUR.get_or_init(|| Regex::new(r"\[(\d+)m").expect("colour pattern"));
+    let failed = FAILED.get_or_init(|| Regex::new(r"FAILED\s*\[.*?\]").expect("failed pattern"));
+    let line = colour.replace_all(line, "");
+    let line: String = line
+        .chars()
+        .filter(|&c| !('\u{1}'..='\u{1f}').contains(&c))
+        .collect();
+    failed.replace_all(&line, "FAILED").into_owned()
+}
+
+/// SWE-Gym's `parse_log_pytest_pydantic`. Lines with a status and no second word make
+/// the fork's parser raise ([`LogParser::parse_checked`] says so); here they are skipped.
+fn parse_pytest_pydantic(log: &str) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for line in log.split('\n') {
+        let line = pydantic_clean(line);
+        if starts_with_status(&line) {
+            let line = if line.starts_with("FAILED") {
+                line.replace(" - ", " ")
+            } else {
+                line
+            };
+            let words = py_split(&line);
+            if words.len() >= 2 {
+                out.insert(words[1].to_string(), words[0].to_string());
+            }
+        } else if HARNESS_STATUSES.iter().any(|s| line.ends_with(s)) {
+            let words = py_split(&line);
+            if words.len() >= 2 {
+                out.insert(words[0].to_string(), words[1].to_string());
             }
         }
     }
@@ -476,6 +539,43 @@ Fatal Python error: Segmentation fault
         assert_eq!(get(&m, "tests/test_lint.py::test_x[a]"), Some("FAILED"));
         assert_eq!(get(&m, "tests/test_plain.py::test_plain"), Some("PASSED"));
         assert_eq!(m.len(), 6);
+    }
+
+    #[test]
+    fn pytest_pydantic_reads_swegym_logs() {
+        let log = "\
+tests/test_main.py::test_ok PASSED
+\u{1b}[31mFAILED\u{1b}[0m [ 42%] tests/test_main.py::test_bad - AssertionError: x
+FAILED tests/test_main.py::test_p[a - b] - boom
+tests/test_types.py::test_old[1 2] PASSED
+SKIPPED [1] tests/test_x.py:3: needs email-validator
+ERROR tests/test_collect.py
+";
+        let m = LogParser::PytestPydantic.parse(log);
+        assert_eq!(get(&m, "tests/test_main.py::test_ok"), Some("PASSED"));
+        // The progress percentage after FAILED is dropped, colours first.
+        assert_eq!(get(&m, "tests/test_main.py::test_bad"), Some("FAILED"));
+        // " - " becomes a space, and the second word is the name.
+        assert_eq!(get(&m, "tests/test_main.py::test_p[a"), Some("FAILED"));
+        // Old-style lines: the first word is the name, the second the "status".
+        assert_eq!(get(&m, "tests/test_types.py::test_old[1"), Some("2]"));
+        // A skip summary's count is taken as a name, as in the fork.
+        assert_eq!(get(&m, "[1]"), Some("SKIPPED"));
+        assert_eq!(get(&m, "tests/test_collect.py"), Some("ERROR"));
+        assert!(LogParser::PytestPydantic.parse_checked(log).is_ok());
+        // A bare status line makes the fork's parser raise: nothing is reported.
+        let e = LogParser::PytestPydantic
+            .parse_checked("PASSED tests/a.py::t\nFAILED\n")
+            .unwrap_err();
+        assert!(e.contains("pytest_pydantic"), "{e}");
+        assert_eq!(
+            crate::harness::parser_named("parse_log_pydantic"),
+            Some(LogParser::PytestPydantic)
+        );
+        assert_eq!(
+            crate::harness::parser_named("Project-MONAI/MONAI"),
+            Some(LogParser::Pytest)
+        );
     }
 
     #[test]

@@ -136,6 +136,7 @@ fn each_repository_gets_its_command_and_parser() {
         );
     }
     assert_eq!(HARNESS_SPECS.len(), 18);
+    assert_eq!(SWEGYM_SPECS.len(), 11);
 }
 
 #[test]
@@ -262,4 +263,105 @@ fn resolution_follows_the_harness_rules() {
     );
     assert_eq!(r(&[]), Resolution::No);
     assert_eq!(Resolution::Partial.name(), "RESOLVED_PARTIAL");
+}
+
+#[test]
+fn swegym_repositories_get_their_forks_specs() {
+    let cases = [
+        ("getmoto/moto", "4.1", LogParser::Pytest, "pytest -n0 -rA"),
+        // The dataset spells it so; the fork also keys it lowercased.
+        (
+            "Project-MONAI/MONAI",
+            "1.3",
+            LogParser::Pytest,
+            "pytest -rA",
+        ),
+        (
+            "project-monai/monai",
+            "0.105",
+            LogParser::Pytest,
+            "pytest -rA",
+        ),
+        (
+            "pandas-dev/pandas",
+            "2.2",
+            LogParser::Pytest,
+            "pytest -rA --tb=long",
+        ),
+        ("iterative/dvc", "3.49", LogParser::Pytest, "pytest -rA"),
+        ("iterative/dvc", "0.12", LogParser::Pytest, "pytest -rA"),
+        (
+            "conan-io/conan",
+            "1.60",
+            LogParser::Pytest,
+            "pytest -n0 -rA",
+        ),
+        (
+            "pydantic/pydantic",
+            "2.01",
+            LogParser::PytestPydantic,
+            "--tb=short -vv -o console_output_style=classic --no-header",
+        ),
+        ("dask/dask", "2022.6", LogParser::Pytest, "--color=no"),
+        ("dask/dask", "2021.07", LogParser::Pytest, "--color=no"),
+        (
+            "modin-project/modin",
+            "0.25",
+            LogParser::Pytest,
+            "pytest -n0 -rA",
+        ),
+        (
+            "facebookresearch/hydra",
+            "1.1",
+            LogParser::Pytest,
+            "--tb=long",
+        ),
+        (
+            "bokeh/bokeh",
+            "0.1181316818",
+            LogParser::Pytest,
+            "pytest -rA -n0",
+        ),
+    ];
+    for (repo, version, parser, cmd) in cases {
+        let spec =
+            spec_for(&task(repo, version)).unwrap_or_else(|e| panic!("{repo} {version}: {e}"));
+        assert_eq!(spec.source, SpecSource::Harness, "{repo}");
+        assert_eq!(spec.parser, Some(parser), "{repo}");
+        assert!(spec.test_cmd.contains(cmd), "{repo}: {}", spec.test_cmd);
+        assert_eq!(spec.activate.as_deref(), Some(CONDA_ACTIVATE), "{repo}");
+    }
+    let conan = spec_for(&task("conan-io/conan", "2.0")).unwrap();
+    assert_eq!(
+        conan.eval_commands,
+        ["export PYTHONPATH=${PYTHONPATH:-}:$(pwd)"]
+    );
+    assert!(conan.install.unwrap().contains("PIP_CONSTRAINT"));
+    assert!(spec_for(&task("getmoto/moto", "9.9")).is_err());
+}
+
+/// mypy's tests are data-driven `[case NAME]` blocks: the fork selects the test patch's
+/// cases with `-k "a or b"` instead of passing files.
+#[test]
+fn mypy_selects_the_test_patchs_cases_by_name() {
+    let mut t = task("python/mypy", "1.8");
+    t.test_patch =
+        "diff --git a/test-data/unit/check-final.test b/test-data/unit/check-final.test\n\
+                    @@ -1,3 +1,9 @@\n\
+                    +[case testFinalOverload]\n\
+                    +x = 1\n\
+                     [case testFinalDefiningModuleVar]\n\
+                    -[case testRemoved-skip]\n"
+            .into();
+    let spec = spec_for(&t).unwrap();
+    assert_eq!(
+        spec.directives,
+        ["testFinalOverload or testFinalDefiningModuleVar or testRemoved-skip"]
+    );
+    assert_eq!(
+        spec.test_command(),
+        "pytest -rA -k 'testFinalOverload or testFinalDefiningModuleVar or testRemoved-skip'"
+    );
+    let old = spec_for(&task("python/mypy", "0.800")).unwrap();
+    assert_eq!(old.test_cmd, "pytest -n0 -rA -k");
 }

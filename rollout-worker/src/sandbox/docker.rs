@@ -21,7 +21,9 @@
 //! Limits ([`ContainerSpec`]; docs/security.md, "Docker sandbox", says what each is
 //! for): memory without swap, CPU, pids, open files and file size, no network, no
 //! capabilities, and a read-only root whose writable places are size-capped tmpfs
-//! mounts (the image's own /testbed copied in). Files go in through `tar` in an exec,
+//! mounts (the image's own repository directory copied in). The repository is the
+//! image's working directory (`WORKDIR`; /testbed where it names none), as SWE-bench,
+//! SWE-Gym and SWE-rebench images keep it. Files go in through `tar` in an exec,
 //! and the worker's own execs are cut at [`EXEC_OUTPUT_CAP`] and a time limit inside
 //! the container.
 
@@ -52,8 +54,51 @@ pub const LABEL_RUN: &str = "tutor.run";
 pub const LABEL_WORKER: &str = "tutor.worker";
 pub const LABEL_EPISODE: &str = "tutor.episode";
 
-/// Where the repository lives inside the container.
-pub const WORKDIR: &str = "/testbed";
+/// Where the repository lives inside the container when the image names no working
+/// directory (or `/`): SWE-bench's layout.
+pub const DEFAULT_WORKDIR: &str = "/testbed";
+
+/// The repository directory for an image whose working directory is `image_wd`: that
+/// directory, else [`DEFAULT_WORKDIR`]. It goes into shell scripts unquoted, so only an
+/// absolute path of plain characters is taken; anything else is an error naming the
+/// image.
+pub fn repo_dir(image: &str, image_wd: Option<&str>) -> Result<String, DockerError> {
+    let wd = image_wd.map(str::trim).unwrap_or_default();
+    if wd.is_empty() || wd.trim_end_matches('/').is_empty() {
+        return Ok(DEFAULT_WORKDIR.to_string());
+    }
+    let wd = wd.trim_end_matches('/');
+    let plain = wd
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "/._-+@".contains(c));
+    if !wd.starts_with('/') || !plain || wd.split('/').any(|p| p == "..") {
+        return Err(DockerError::Shell(format!(
+            "image {image}: its working directory {wd:?} is not an absolute path of plain \
+             characters (letters, digits, / . _ - + @), so the repository cannot be placed \
+             there; rebuild the image with WORKDIR /testbed"
+        )));
+    }
+    Ok(wd.to_string())
+}
+
+/// The user the agent's shell runs as for an image whose own user (`USER`) is
+/// `image_user`, where the worker takes the image's (`container_user = "image"`): a
+/// numeric, non-root `uid[:gid]` (gid = uid when absent). Root or a name is an error
+/// naming the image: with every capability dropped root is not confined by ownership of
+/// the image's files, and a name would need the image's /etc/passwd.
+pub fn image_user(image: &str, image_user: Option<&str>) -> Result<(u32, u32), DockerError> {
+    let u = image_user.map(str::trim).unwrap_or_default();
+    let (uid, gid) = u.split_once(':').unwrap_or((u, u));
+    match (uid.parse::<u32>(), gid.parse::<u32>()) {
+        (Ok(uid), Ok(gid)) if uid != 0 => Ok((uid, gid)),
+        _ => Err(DockerError::Shell(format!(
+            "image {image} runs as {:?}, but worker.container_user = \"image\" takes only a \
+             numeric non-root user (uid or uid:gid): set worker.container_user to the uid:gid \
+             the agent should run as (1000:1000 by default)",
+            if u.is_empty() { "root" } else { u }
+        ))),
+    }
+}
 
 /// Where the tools (crate::tools) are installed inside the container.
 const TOOLS_DIR: &str = "/tmp/.tutor/bin";
@@ -61,10 +106,10 @@ const TOOLS_DIR: &str = "/tmp/.tutor/bin";
 /// repository's objects borrowed through `objects/info/alternates`.
 const BOOK_DIR: &str = "/tmp/.tutor/bookkeeping.git";
 
-/// `git` against [`BOOK_DIR`] with /testbed as its work tree, bounded in time (an exec
-/// cannot be killed from outside).
-fn book_git() -> String {
-    let mut git = format!("timeout -k 5 120 git --git-dir={BOOK_DIR} --work-tree={WORKDIR}");
+/// `git` against [`BOOK_DIR`] with the repository `workdir` as its work tree, bounded in
+/// time (an exec cannot be killed from outside).
+fn book_git(workdir: &str) -> String {
+    let mut git = format!("timeout -k 5 120 git --git-dir={BOOK_DIR} --work-tree={workdir}");
     for (key, value) in BOOKKEEPING_CONFIG {
         git.push_str(&format!(" -c {key}={value}"));
     }
@@ -72,7 +117,7 @@ fn book_git() -> String {
 }
 
 /// The submission's script (see [`DockerSandbox::submission`]); `@GIT@` is [`book_git`],
-/// the other `@…@` the base commit and the caps. Its stderr goes to a file, shown when a
+/// `@REPO@` the repository, the other `@…@` the base commit and the caps. Its stderr goes to a file, shown when a
 /// step fails (exit 1). Its answer, on stdout: a line `<diff bytes> <large files> <binary
 /// files>`, then the first `@LISTED@` of the large files as `<size>\t<path>\0` records,
 /// the first `@LISTED@` of the binary ones as `<path>\0`, then the patch unless the
@@ -82,7 +127,7 @@ S=/tmp/.tutor/submission
 rm -rf "$S" && mkdir -p "$S" || { echo "cannot make $S"; exit 1; }
 exec 2>"$S/err"
 fail() { printf '%s failed: ' "$1"; head -c 2000 "$S/err"; exit 1; }
-cd /testbed || fail cd
+cd @REPO@ || fail cd
 export GIT_INDEX_FILE=/tmp/.tutor/diff-index
 rm -f "$GIT_INDEX_FILE"
 @GIT@ read-tree @BASE@ || fail read-tree
@@ -237,13 +282,16 @@ pub struct ContainerSpec {
     /// dropped, root could not write files owned by anyone else, so the agent runs as
     /// the image's unprivileged user (1000 in deploy/images/python-task).
     pub user: (u32, u32),
+    /// Take the image's own user instead of [`Self::user`] (`[worker] container_user =
+    /// "image"`): a numeric non-root one, else the launch fails (see [`image_user`]).
+    pub user_from_image: bool,
     /// Open files per process (`ulimit -n`, soft and hard).
     pub nofile: i64,
     /// Largest file a process may write, in bytes (`ulimit -f`, soft and hard): a write
     /// past it fails with EFBIG (SIGXFSZ, "File size limit exceeded", where not ignored).
     pub fsize_bytes: i64,
     /// The root filesystem read-only; the writable places are size-capped tmpfs mounts:
-    /// [`WORKDIR`] ([`Self::disk_bytes`], the image's own content copied in at launch),
+    /// the repository ([`Self::disk_bytes`], the image's own content copied in at launch),
     /// /tmp ([`Self::tmp_bytes`]) and /dev/shm ([`SHM_BYTES`]). Off for an image that
     /// must write elsewhere (a SWE-bench image whose tests install into its environment);
     /// then [`Self::disk_bytes`] caps the container's writable layer where the storage
@@ -251,7 +299,7 @@ pub struct ContainerSpec {
     /// devicemapper), and nothing but [`Self::fsize_bytes`] caps the disk elsewhere
     /// (fuse-overlayfs, overlay2 on ext4; a warning says so once).
     pub read_only_root: bool,
-    /// What the agent can write: the size of [`WORKDIR`]'s tmpfs (read-only root), or of
+    /// What the agent can write: the size of the repository's tmpfs (read-only root), or of
     /// the writable layer (writable root, where supported). Past it: ENOSPC.
     pub disk_bytes: i64,
     /// The size of /tmp's tmpfs (read-only root only; the tools and the bookkeeping git
@@ -279,6 +327,7 @@ impl ContainerSpec {
             pids_limit: 512,
             network: false,
             user: (1000, 1000),
+            user_from_image: false,
             nofile: 1024,
             fsize_bytes: 1 << 30,
             read_only_root: true,
@@ -298,6 +347,7 @@ impl ContainerSpec {
             && self.pids_limit == other.pids_limit
             && self.network == other.network
             && self.user == other.user
+            && self.user_from_image == other.user_from_image
             && self.nofile == other.nofile
             && self.fsize_bytes == other.fsize_bytes
             && self.read_only_root == other.read_only_root
@@ -305,9 +355,10 @@ impl ContainerSpec {
             && self.tmp_bytes == other.tmp_bytes
     }
 
-    /// The container's host configuration; `storage_quota`: give a writable root
-    /// `--storage-opt size` (only where the engine's driver supports it).
-    fn host_config(&self, storage_quota: bool) -> HostConfig {
+    /// The container's host configuration for the repository at `workdir`, its files
+    /// owned by `user`; `storage_quota`: give a writable root `--storage-opt size` (only
+    /// where the engine's driver supports it).
+    fn host_config(&self, storage_quota: bool, workdir: &str, user: (u32, u32)) -> HostConfig {
         let ulimit = |name: &str, n: i64| ResourcesUlimits {
             name: Some(name.into()),
             soft: Some(n),
@@ -334,13 +385,13 @@ impl ContainerSpec {
             ..Default::default()
         };
         if self.read_only_root {
-            let (uid, gid) = self.user;
+            let (uid, gid) = user;
             host.readonly_rootfs = Some(true);
             // Docker's tmpfs defaults to noexec: the tools in /tmp and whatever the agent
-            // builds in /testbed must run.
+            // builds in the repository must run.
             host.tmpfs = Some(HashMap::from([
                 (
-                    WORKDIR.to_string(),
+                    workdir.to_string(),
                     format!(
                         "rw,exec,nosuid,nodev,size={},uid={uid},gid={gid},mode=0755",
                         self.disk_bytes
@@ -475,7 +526,8 @@ pub async fn remove_orphans(
     Ok(n)
 }
 
-/// The bash function every command goes through (see the module comment).
+/// The bash function every command goes through (see the module comment); the shell is
+/// given `__tutor_repo` (the repository directory, readonly) before it.
 const SHELL_PRELUDE: &str = r#"
 # The shell's own stderr carries only its notices (job status, "Killed"); every command's
 # stderr is merged into its stdout below.
@@ -490,13 +542,13 @@ set -m
 __tutor_s=/dev/shm/.tutor
 { mkdir -p "$__tutor_s" && [ -w "$__tutor_s" ]; } 2>/dev/null || __tutor_s=/tmp/.tutor
 readonly __tutor_s
-mkdir -p /tmp/.tutor "$__tutor_s"; echo /testbed > "$__tutor_s/cwd"; __tutor_cwd=/testbed
+mkdir -p /tmp/.tutor "$__tutor_s"; echo "$__tutor_repo" > "$__tutor_s/cwd"; __tutor_cwd=$__tutor_repo
 # A SWE-bench image keeps its environment in a conda env that must be activated (its
 # `python` and the repository's dependencies are there): every command runs in it.
 if [ -f /opt/miniconda3/bin/activate ]; then
   . /opt/miniconda3/bin/activate >/dev/null 2>&1 && conda activate testbed >/dev/null 2>&1
 fi
-export PATH="/tmp/.tutor/bin:$PATH" TUTOR_STATE_DIR="$__tutor_s" TUTOR_REPO=/testbed TUTOR_REPO_DISPLAY=/testbed
+export PATH="/tmp/.tutor/bin:$PATH" TUTOR_STATE_DIR="$__tutor_s" TUTOR_REPO="$__tutor_repo" TUTOR_REPO_DISPLAY="$__tutor_repo"
 # The watchdog: one job for the whole shell, not one per command. It reads
 # "<process group> <seconds>" to arm and any line to disarm from a FIFO the shell keeps
 # open read-write on fd 9, and kills the group at the deadline (`read -t` is its timer,
@@ -527,7 +579,7 @@ __tutor_run() {
   fi
   # A watchdog that died (a command may kill it) is replaced before it is needed.
   kill -0 "$__tutor_wd" 2>/dev/null || __tutor_start_watchdog
-  cd "$__tutor_cwd" 2>/dev/null || cd /testbed
+  cd "$__tutor_cwd" 2>/dev/null || cd "$__tutor_repo"
   # The command: a forked subshell (no exec), job control off inside so everything it
   # starts stays in its group, without the watchdog's FIFO; the EXIT trap records where
   # it ended.
@@ -571,12 +623,15 @@ pub struct DockerSandbox {
     removed: bool,
     /// uid and gid the shell runs as and the task files belong to.
     owner: (u32, u32),
+    /// The repository: the image's working directory, else [`DEFAULT_WORKDIR`].
+    workdir: String,
     /// Taken from the warm pool (its container carries the pool label, not the episode's).
     pooled: bool,
 }
 
 impl DockerSandbox {
-    /// Creates and starts the container, copies the task's files into /testbed as a tar
+    /// Creates and starts the container, copies the task's files into its repository
+    /// directory as a tar
     /// and commits them as the base of the episode's diff.
     pub async fn create(
         docker: &Docker,
@@ -604,16 +659,27 @@ impl DockerSandbox {
         spec: &ContainerSpec,
         labels: HashMap<String, String>,
     ) -> Result<Self, DockerError> {
-        if docker.inspect_image(&spec.image).await.is_err() {
-            if !spec.pull_missing {
-                return Err(DockerError::MissingImage(spec.image.clone()));
+        let info = match docker.inspect_image(&spec.image).await {
+            Ok(info) => info,
+            Err(_) if spec.pull_missing => {
+                pull(docker, &spec.image).await?;
+                docker.inspect_image(&spec.image).await?
             }
-            pull(docker, &spec.image).await?;
-        }
+            Err(_) => return Err(DockerError::MissingImage(spec.image.clone())),
+        };
+        // The image's own layout: its working directory holds the repository, and its
+        // user runs the shell where the worker is told to take it.
+        let config = info.config.unwrap_or_default();
+        let workdir = repo_dir(&spec.image, config.working_dir.as_deref())?;
+        let user = if spec.user_from_image {
+            image_user(&spec.image, config.user.as_deref())?
+        } else {
+            spec.user
+        };
         let body = |host_config| ContainerCreateBody {
             image: Some(spec.image.clone()),
             cmd: Some(vec!["sleep".into(), "infinity".into()]),
-            working_dir: Some(WORKDIR.into()),
+            working_dir: Some(workdir.clone()),
             labels: Some(labels.clone()),
             network_disabled: Some(!spec.network),
             host_config: Some(host_config),
@@ -623,7 +689,10 @@ impl DockerSandbox {
         let quota = !spec.read_only_root && STORAGE_QUOTA.load(Relaxed) != 2;
         let options = || CreateContainerOptionsBuilder::default().build();
         let created = match docker
-            .create_container(Some(options()), body(spec.host_config(quota)))
+            .create_container(
+                Some(options()),
+                body(spec.host_config(quota, &workdir, user)),
+            )
             .await
         {
             Ok(c) => {
@@ -639,7 +708,10 @@ impl DockerSandbox {
                     tracing::warn!(error = %e, "the Docker storage driver has no disk quota: sandboxes with a writable root have no cap on what they write but the file size limit (a read-only root caps it with tmpfs; see docs/security.md)");
                 }
                 docker
-                    .create_container(Some(options()), body(spec.host_config(false)))
+                    .create_container(
+                        Some(options()),
+                        body(spec.host_config(false, &workdir, user)),
+                    )
                     .await?
             }
             Err(e) => return Err(e.into()),
@@ -647,10 +719,11 @@ impl DockerSandbox {
         let mut sb = Self {
             docker: docker.clone(),
             id: created.id,
-            user: format!("{}:{}", spec.user.0, spec.user.1),
-            owner: spec.user,
+            user: format!("{}:{}", user.0, user.1),
+            owner: user,
             shell: None,
-            cwd: WORKDIR.into(),
+            cwd: workdir.clone(),
+            workdir,
             current_file: None,
             base: String::new(),
             base_files: Default::default(),
@@ -666,7 +739,7 @@ impl DockerSandbox {
     }
 
     /// Starts the container, installs the tools and starts the shell. With a read-only
-    /// root, [`WORKDIR`] is a tmpfs that hides the image's own content (a SWE-bench image
+    /// root, the repository directory is a tmpfs that hides the image's own content (a SWE-bench image
     /// ships its repository there): that content is read before the start and copied in.
     async fn prepare(&mut self, read_only_root: bool) -> Result<(), DockerError> {
         let image_workdir = if read_only_root {
@@ -690,11 +763,12 @@ impl DockerSandbox {
                 "-f",
                 "-",
                 "-C",
-                WORKDIR,
+                &self.workdir,
             ];
+            let workdir = self.workdir.clone();
             self.exec_stdin(&cmd, file, COPY_LIMIT).await.map_err(|e| {
                 DockerError::Shell(format!(
-                    "copying the image's {WORKDIR} ({size} bytes as tar) into the container's \
+                    "copying the image's {workdir} ({size} bytes as tar) into the container's \
                      tmpfs failed (too large for disk_bytes, or for memory_bytes, which the \
                      tmpfs is charged to? a writable root avoids the copy): {e}"
                 ))
@@ -704,21 +778,22 @@ impl DockerSandbox {
         self.start_shell().await
     }
 
-    /// The image's own [`WORKDIR`] as a tar archive in a temporary file, with its size,
+    /// The image's own repository directory as a tar archive in a temporary file, with its size,
     /// read from the created container before it starts (its tmpfs is mounted at the
     /// start); `None` when the image has no such directory or an empty one.
     async fn image_workdir(&self) -> Result<Option<(tokio::fs::File, u64)>, DockerError> {
         use tokio::io::AsyncSeekExt;
         let io = |e: std::io::Error| {
             DockerError::Shell(format!(
-                "reading the image's {WORKDIR} into a temporary file: {e}"
+                "reading the image's {} into a temporary file: {e}",
+                self.workdir
             ))
         };
         let mut stream = self.docker.download_from_container(
             &self.id,
             Some(
                 DownloadFromContainerOptionsBuilder::default()
-                    .path(WORKDIR)
+                    .path(&self.workdir)
                     .build(),
             ),
         );
@@ -752,7 +827,7 @@ impl DockerSandbox {
         Ok(Some((file, size)))
     }
 
-    /// Copies the task's files into /testbed and commits them as the base of the diff
+    /// Copies the task's files into the repository directory and commits them as the base of the diff
     /// (or tags the image's own checkout as the base).
     pub(crate) async fn setup_task(&mut self, task: &TaskRecord) -> Result<(), DockerError> {
         let (uid, gid) = self.owner;
@@ -794,7 +869,8 @@ impl DockerSandbox {
             .map_err(|e| DockerError::Shell(format!("packing the task files: {e}")))?;
         let uploading = !task.files.is_empty();
         if uploading {
-            self.upload(WORKDIR, tar).await?;
+            let workdir = self.workdir.clone();
+            self.upload(&workdir, tar).await?;
         }
         // Our own tasks are committed here as the base; images that ship the repository
         // (SWE-bench) are at the base commit already.
@@ -807,16 +883,17 @@ impl DockerSandbox {
         let out = self.run(setup, Duration::from_secs(60)).await;
         if out.exit_code != 0 {
             return Err(DockerError::Shell(format!(
-                "setting up the repository in {WORKDIR} failed (exit {}): {}",
-                out.exit_code, out.output
+                "setting up the repository in {} failed (exit {}): {}",
+                self.workdir, out.exit_code, out.output
             )));
         }
         // The bookkeeping git directory, made before the agent acts.
         let mut setup = format!(
             "printf %s {} >> .git/info/exclude && git init -q --bare {BOOK_DIR} \
-             && echo {WORKDIR}/.git/objects > {BOOK_DIR}/objects/info/alternates \
+             && echo {workdir}/.git/objects > {BOOK_DIR}/objects/info/alternates \
              && cp .git/info/exclude {BOOK_DIR}/info/exclude",
-            shell_quote(SUBMISSION_EXCLUDE)
+            shell_quote(SUBMISSION_EXCLUDE),
+            workdir = self.workdir
         );
         setup.push_str(" && git rev-parse tutor-base");
         let out = self.run(&setup, Duration::from_secs(30)).await;
@@ -979,7 +1056,7 @@ impl DockerSandbox {
                     attach_stdout: Some(true),
                     attach_stderr: Some(true),
                     cmd: Some(vec!["bash".into(), "--noprofile".into(), "--norc".into()]),
-                    working_dir: Some(WORKDIR.into()),
+                    working_dir: Some(self.workdir.clone()),
                     user: Some(self.user.clone()),
                     env: Some(vec![
                         "HOME=/tmp/.tutor".into(),
@@ -991,8 +1068,12 @@ impl DockerSandbox {
             .await?;
         match self.docker.start_exec(&exec.id, None).await? {
             bollard::exec::StartExecResults::Attached { output, mut input } => {
+                let prelude = format!(
+                    "readonly __tutor_repo={}\n{SHELL_PRELUDE}",
+                    shell_quote(&self.workdir)
+                );
                 input
-                    .write_all(SHELL_PRELUDE.as_bytes())
+                    .write_all(prelude.as_bytes())
                     .await
                     .map_err(|e| DockerError::Shell(format!("starting the shell: {e}")))?;
                 self.shell = Some(std::sync::Mutex::new(Shell { input, output }));
@@ -1207,7 +1288,7 @@ impl DockerSandbox {
                     attach_stdout: Some(true),
                     attach_stderr: Some(true),
                     cmd: Some(argv.iter().map(|s| s.to_string()).collect()),
-                    working_dir: Some(WORKDIR.into()),
+                    working_dir: Some(self.workdir.clone()),
                     user: Some(self.user.clone()),
                     env: Some(vec![
                         "HOME=/tmp/.tutor".into(),
@@ -1262,16 +1343,16 @@ impl DockerSandbox {
         Ok((code, out))
     }
 
-    /// A git command in /testbed through [`Self::exec_capture`]; `index` names a private
+    /// A git command in the repository through [`Self::exec_capture`]; `index` names a private
     /// index file (so the agent's staging area is untouched).
     async fn git(&self, args: &[&str], index: Option<&str>) -> Option<Vec<u8>> {
-        self.git_in(&book_git(), args, index).await
+        self.git_in(&book_git(&self.workdir), args, index).await
     }
 
     /// As [`Self::git`] with `git` the command line to run git with (the bookkeeping one,
     /// or plain `git` for reading the agent's own HEAD).
     async fn git_in(&self, git: &str, args: &[&str], index: Option<&str>) -> Option<Vec<u8>> {
-        let mut script = String::from("cd /testbed && ");
+        let mut script = format!("cd {} && ", self.workdir);
         if let Some(i) = index {
             script.push_str(&format!("export GIT_INDEX_FILE=/tmp/.tutor/{i} && rm -f \"$GIT_INDEX_FILE\" && {git} read-tree {} && {git} add -A && ", self.base));
         }
@@ -1301,7 +1382,8 @@ impl DockerSandbox {
     /// (through `head -c`, inside the container). An empty patch if git fails (logged).
     pub async fn submission(&self) -> Submission {
         let script = SUBMISSION_SCRIPT
-            .replace("@GIT@", &book_git())
+            .replace("@GIT@", &book_git(&self.workdir))
+            .replace("@REPO@", &self.workdir)
             .replace("@BASE@", &shell_quote(&self.base))
             .replace("@CAP@", &MAX_SUBMISSION_BYTES.to_string())
             .replace("@CAP1@", &(MAX_SUBMISSION_BYTES + 1).to_string())
@@ -1365,10 +1447,11 @@ impl DockerSandbox {
             .map(|b| String::from_utf8_lossy(&b).trim().to_string())
     }
 
-    /// A file of the working tree, relative to /testbed (`None` if missing or outside).
+    /// A file of the working tree, relative to the repository (`None` if missing or
+    /// outside).
     pub async fn read_file(&self, rel: &str) -> Option<String> {
         let rel = crate::sandbox::safe_rel(rel)?;
-        let path = format!("{WORKDIR}/{}", rel.display());
+        let path = format!("{}/{}", self.workdir, rel.display());
         match self.exec_capture(&["cat", "--", &path], FILE_LIMIT).await {
             Ok((0, out)) => Some(String::from_utf8_lossy(&out).into_owned()),
             Ok(_) => None,
@@ -1412,10 +1495,11 @@ impl DockerSandbox {
             .await
             .map_err(|e| SandboxError::Backend(Box::new(e)))?;
         let script = format!(
-            "cd /testbed && export GIT_INDEX_FILE=/tmp/.tutor/apply-index && rm -f \"$GIT_INDEX_FILE\" \
+            "cd {repo} && export GIT_INDEX_FILE=/tmp/.tutor/apply-index && rm -f \"$GIT_INDEX_FILE\" \
              && {git} read-tree {} && {git} apply --cached {path} 2>&1",
             self.base,
-            git = book_git()
+            repo = self.workdir,
+            git = book_git(&self.workdir)
         );
         match self.exec_capture(&["bash", "-c", &script], GIT_LIMIT).await {
             Ok((0, _)) => {}
@@ -1429,8 +1513,9 @@ impl DockerSandbox {
         let mut files = BTreeMap::new();
         for f in crate::tasks::patch_files(patch) {
             let script = format!(
-                "cd /testbed && GIT_INDEX_FILE=/tmp/.tutor/apply-index {} cat-file blob {}",
-                book_git(),
+                "cd {} && GIT_INDEX_FILE=/tmp/.tutor/apply-index {} cat-file blob {}",
+                self.workdir,
+                book_git(&self.workdir),
                 shell_quote(&format!(":{f}"))
             );
             let content = match self.exec_capture(&["bash", "-c", &script], GIT_LIMIT).await {
@@ -1523,10 +1608,10 @@ impl Sandbox for BlockingDocker {
         self.sb().cwd().to_string()
     }
     fn at_root(&self) -> bool {
-        self.sb().cwd() == WORKDIR
+        self.sb().cwd() == self.sb().workdir
     }
     fn repo_display(&self) -> &str {
-        WORKDIR
+        &self.sb().workdir
     }
     fn current_file(&self) -> Option<String> {
         self.sb().current_file().map(str::to_string)
@@ -1603,4 +1688,44 @@ impl Drop for DockerSandbox {
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_repository_is_the_images_workdir() {
+        assert_eq!(repo_dir("i", None).unwrap(), "/testbed");
+        assert_eq!(repo_dir("i", Some("")).unwrap(), "/testbed");
+        assert_eq!(repo_dir("i", Some("/")).unwrap(), "/testbed");
+        assert_eq!(
+            repo_dir("i", Some("/work/project/")).unwrap(),
+            "/work/project"
+        );
+        for bad in ["relative/dir", "/a b", "/x;rm -rf /", "/a/../etc", "/$(id)"] {
+            let e = repo_dir("img:1", Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("img:1") && e.contains("WORKDIR"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn only_a_numeric_non_root_image_user_is_taken() {
+        assert_eq!(image_user("i", Some("1234")).unwrap(), (1234, 1234));
+        assert_eq!(image_user("i", Some("1000:1001")).unwrap(), (1000, 1001));
+        for bad in [
+            None,
+            Some(""),
+            Some("root"),
+            Some("0"),
+            Some("0:0"),
+            Some("agent"),
+        ] {
+            let e = image_user("img:1", bad).unwrap_err().to_string();
+            assert!(
+                e.contains("img:1") && e.contains("container_user"),
+                "{bad:?}: {e}"
+            );
+        }
+    }
 }

@@ -83,6 +83,8 @@ pub struct DockerSettings {
     pub disk_bytes: i64,
     pub tmp_bytes: i64,
     pub user: (u32, u32),
+    /// Take each image's own user (see [`ContainerSpec::user_from_image`]).
+    pub user_from_image: bool,
     /// Pull an image the engine lacks (see [`ContainerSpec::pull_missing`]).
     pub pull_missing: bool,
     /// Started containers kept ready per image (`[worker] warm_pool`); `None`: every
@@ -109,6 +111,7 @@ impl DockerSettings {
         spec.disk_bytes = self.disk_bytes;
         spec.tmp_bytes = self.tmp_bytes;
         spec.user = self.user;
+        spec.user_from_image = self.user_from_image;
         spec.pull_missing = self.pull_missing;
         spec
     }
