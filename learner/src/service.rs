@@ -781,12 +781,20 @@ impl TrainerHost {
     /// schedule, RNG; see `Trainer::save_checkpoint`) with the tokenizer beside it and
     /// the train cursor as its data cursor.
     fn save_checkpoint(&mut self, dir: &Path) -> Result<()> {
-        let tok = self.model_dir.join("tokenizer.json");
-        let extra: Vec<&Path> = if tok.exists() {
-            vec![tok.as_path()]
-        } else {
-            vec![]
-        };
+        // The tokenizer and the chat format it renders with (a Llama-3 student's
+        // template and stop ids), so the checkpoint loads as the run's model.
+        let files: Vec<PathBuf> = [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "generation_config.json",
+            "special_tokens_map.json",
+        ]
+        .iter()
+        .map(|f| self.model_dir.join(f))
+        .filter(|p| p.exists())
+        .collect();
+        let extra: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
         if let Some(g) = &mut self.group {
             g.send_checkpoint(&mut self.trainer)?;
         }

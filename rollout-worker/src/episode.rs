@@ -209,13 +209,15 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
         if submitted {
             break;
         }
-        // A message cut at max_new_tokens is closed here, as context, so the tokens the
-        // student generated stay exactly as generated. One that ended on another stop
-        // token (the model's end of sequence) is closed by it.
-        let stopped = executed_tokens
-            .last()
-            .is_some_and(|t| tok.stop_ids().contains(t));
-        let close = if !stopped { vec![turn_end] } else { Vec::new() };
+        // A message cut at max_new_tokens, or ended by another stop id (the model's end
+        // of sequence), is closed here with the turn end, as context, so the tokens the
+        // student generated stay exactly as generated and the observation follows a
+        // turn end as the template renders it.
+        let close = if executed_tokens.last() != Some(&turn_end) {
+            vec![turn_end]
+        } else {
+            Vec::new()
+        };
         let rendered = tok.render_observation(&done.observation).and_then(|full| {
             let note = tok.render_observation(&elision_note(&done.observation))?;
             Ok((full, note))

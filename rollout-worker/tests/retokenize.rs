@@ -3,7 +3,7 @@
 //! of the merged token the tokenizer produces); decoding and encoding again would change
 //! those ids, so the history and the training examples must carry the generated ids
 //! themselves. This builds an episode's turns the way `run_episode` does (prompt delta,
-//! the student's ids + `<|im_end|>`, observation delta) and checks what the coordinator's
+//! the student's ids + the turn end, observation delta) and checks what the coordinator's
 //! dataset builders make of them.
 
 use tutor_coordinator::dataset::{policy_gradient_example, rft_examples};

@@ -417,7 +417,7 @@ for t in sorted(turns, key=lambda t: (t["episode"], t["turn"])):
         assert text.startswith("<|begin_of_text|>" + H.format("system")), repr(text)
         assert text.endswith("<|eot_id|>" + H.format("assistant")), repr(text)
     else:
-        closed = prev[t["episode"]][-1] in (eot, eos)
+        closed = prev[t["episode"]][-1] == eot
         body = text if closed else text.removeprefix("<|eot_id|>")
         assert closed or text.startswith("<|eot_id|>"), repr(text)
         assert body.startswith(H.format("user")) and body.endswith(H.format("assistant")), repr(text)

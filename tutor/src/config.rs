@@ -135,8 +135,9 @@ pub struct ModelSection {
     pub tie_word_embeddings: bool,
     /// Start from trained weights instead of a random student with a tokenizer trained on
     /// the tasks: a run directory (its latest version; BC → RFT → DAPO chains this way)
-    /// or a Hugging Face model directory (config.json, tokenizer.json with the ChatML
-    /// tokens, safetensors). The size fields above are then unused.
+    /// or a Hugging Face model directory (config.json, tokenizer.json with its chat
+    /// template, or the ChatML tokens without one, safetensors; any family Tutor
+    /// implements). The size fields above are then unused.
     pub init_from: Option<PathBuf>,
 }
 

@@ -131,31 +131,43 @@ fn write_export(model_dir: &Path, weights: &Path, out: &Path) -> Result<usize> {
         .with_context(|| format!("loading {}", weights.display()))?;
     policy.save_dir(out)?;
     copy(&tokenizer_path, &out.join(TOKENIZER))?;
-    let mut has_template = false;
     for extra in HF_EXTRAS {
         let from = model_dir.join(extra);
         if from.is_file() {
             copy(&from, &out.join(extra))?;
-            has_template |= extra != "generation_config.json";
         }
     }
-    if !has_template {
-        // A directory transformers' AutoTokenizer loads, rendering chats as the run did.
-        let tokenizer_config = json!({
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "eos_token": IM_END,
-            "pad_token": ENDOFTEXT,
-            "model_max_length": config.max_position_embeddings,
-            "chat_template": CHATML_TEMPLATE,
-            "clean_up_tokenization_spaces": false,
-        });
-        write_json(&out.join("tokenizer_config.json"), &tokenizer_config)?;
-        // No template: the tokenizer is ChatML (from_dir refuses one that is not).
-        let generation = json!({
-            "eos_token_id": tokenizer.turn_end_id(),
-            "pad_token_id": tokenizer.token_id(ENDOFTEXT),
-        });
-        write_json(&out.join("generation_config.json"), &generation)?;
+    if tokenizer.template().is_none() {
+        // The run rendered chats in the built-in ChatML (from_dir refuses a tokenizer
+        // without its tokens and without a template): a directory transformers'
+        // AutoTokenizer loads, rendering chats as the run did. A tokenizer_config.json
+        // the model came with keeps its fields and gains the template.
+        let config_path = out.join("tokenizer_config.json");
+        let mut tokenizer_config = match std::fs::read_to_string(&config_path) {
+            Ok(text) => serde_json::from_str::<serde_json::Value>(&text)
+                .ok()
+                .filter(|v| v.is_object())
+                .with_context(|| format!("{}: not a JSON object", config_path.display()))?,
+            Err(_) => json!({
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": config.max_position_embeddings,
+                "clean_up_tokenization_spaces": false,
+            }),
+        };
+        let fields = tokenizer_config.as_object_mut().expect("an object");
+        fields.insert("chat_template".into(), json!(CHATML_TEMPLATE));
+        fields.entry("eos_token").or_insert(json!(IM_END));
+        if tokenizer.token_id(ENDOFTEXT).is_some() {
+            fields.entry("pad_token").or_insert(json!(ENDOFTEXT));
+        }
+        write_json(&config_path, &tokenizer_config)?;
+        if !out.join("generation_config.json").is_file() {
+            let generation = json!({
+                "eos_token_id": tokenizer.turn_end_id(),
+                "pad_token_id": tokenizer.token_id(ENDOFTEXT),
+            });
+            write_json(&out.join("generation_config.json"), &generation)?;
+        }
     }
     Ok(config.num_parameters())
 }
