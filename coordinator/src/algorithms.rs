@@ -147,6 +147,7 @@ impl CoordinatorConfig {
             m.insert("groups_kept".into(), rollouts.groups.kept.into());
             m.insert("groups_dropped".into(), rollouts.groups.dropped.into());
             m.insert("refill_rounds".into(), rollouts.refill_rounds.into());
+            // null when no training episode had a verdict (not a reward of 0).
             m.insert("mean_reward".into(), rollouts.mean_reward.into());
         }
         m

@@ -24,7 +24,8 @@ pub struct IterationRollouts {
     /// reward of the training episodes.
     pub groups: GroupStats,
     pub refill_rounds: u32,
-    pub mean_reward: f64,
+    /// `None` when no training episode had a verdict.
+    pub mean_reward: Option<f64>,
     /// Turns of the training episodes, and those whose executed action was the student's.
     pub train_turns: u64,
     pub train_student_executed: u64,

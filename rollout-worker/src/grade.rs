@@ -331,6 +331,21 @@ def pytest_sessionfinish(session, exitstatus):
 /// Whether a test command is one pytest run (so strict grading can add its plugin;
 /// `tox` and other wrappers do not pass it on, and in a compound command it would land
 /// on the wrong part).
+/// `cmd` with `-p module` right after its `pytest` word, before any option: a command
+/// ending in an option that takes the directives as its value (mypy's `-k`) keeps them.
+fn with_plugin(cmd: &str, module: &str) -> String {
+    let mut at = 0;
+    for word in cmd.split_whitespace() {
+        let start = at + cmd[at..].find(word).expect("a word of cmd");
+        let end = start + word.len();
+        if word == "pytest" || word.ends_with("/pytest") {
+            return format!("{} -p {module}{}", &cmd[..end], &cmd[end..]);
+        }
+        at = end;
+    }
+    format!("{cmd} -p {module}")
+}
+
 fn runs_pytest(test_cmd: &str) -> bool {
     if ["&&", "||", ";", "|", "`", "$("]
         .iter()
@@ -818,9 +833,8 @@ fn run_steps(
         None => cmd.clone(),
         Some((module, plugin, dir)) => format!(
             "TUTOR_GRADE_REPORT=\"{dir}/report.jsonl\" \
-             PYTHONPATH=\"$(dirname {plugin})${{PYTHONPATH:+:$PYTHONPATH}}\" {} -p {module}{}",
-            spec.test_cmd,
-            &cmd[spec.test_cmd.len()..]
+             PYTHONPATH=\"$(dirname {plugin})${{PYTHONPATH:+:$PYTHONPATH}}\" {}",
+            with_plugin(&cmd, module)
         ),
     };
     let out = sb.run(
@@ -956,6 +970,22 @@ pub(crate) mod tests_support {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_report_plugin_goes_right_after_pytest() {
+        assert_eq!(
+            with_plugin("pytest -rA -k 'testA or testB'", "m"),
+            "pytest -p m -rA -k 'testA or testB'"
+        );
+        assert_eq!(
+            with_plugin("python -m pytest -rA tests/a.py", "m"),
+            "python -m pytest -p m -rA tests/a.py"
+        );
+        assert_eq!(
+            with_plugin("FOO=pytest /opt/env/bin/pytest -rA", "m"),
+            "FOO=pytest /opt/env/bin/pytest -p m -rA"
+        );
+    }
 
     /// An escape sequence cut short stops at the first byte that cannot belong to it:
     /// before, `\x1b[` swallowed everything up to the next letter, newline and the start

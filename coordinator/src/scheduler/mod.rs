@@ -947,7 +947,6 @@ impl Scheduler {
                 let examples = self
                     .config
                     .episode_examples(&id.to_string(), &turns, &outcome);
-                self.rollouts.teacher_labels += examples.len() as u64;
                 let reward = self.config.reward(&outcome);
                 if self.config.algorithm == Algorithm::Dapo && is_ungraded(&outcome) {
                     // No verdict, no reward: out of its group (see `is_ungraded`).
@@ -962,6 +961,7 @@ impl Scheduler {
                         "the episode ended without a verdict: left out of its DAPO group"
                     );
                 } else {
+                    self.rollouts.teacher_labels += examples.len() as u64;
                     self.datasets.push(
                         self.plan.iteration,
                         EpisodeData {
@@ -1004,7 +1004,7 @@ impl Scheduler {
                     rollouts.refill_rounds = self.plan.refills();
                 }
                 if let Some(mean) = self.datasets.mean_reward(iteration) {
-                    rollouts.mean_reward = mean;
+                    rollouts.mean_reward = Some(mean);
                 }
                 let _ = reply.send(rollouts);
             }

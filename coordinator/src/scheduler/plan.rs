@@ -361,7 +361,7 @@ mod tests {
             }
         );
         assert_eq!(rollouts.refill_rounds, 2);
-        assert!((rollouts.mean_reward - 3.0 / 8.0).abs() < 1e-12);
+        assert!((rollouts.mean_reward.unwrap() - 3.0 / 8.0).abs() < 1e-12);
 
         // Training data: only group 0, its two episodes with Â = ±1 on their tokens.
         let examples = sched.examples(0, false).await;
@@ -433,8 +433,8 @@ mod tests {
         );
         assert_eq!(rollouts.ungraded(), (4, 0));
         assert!(
-            (rollouts.mean_reward - 0.5).abs() < 1e-12,
-            "{}",
+            (rollouts.mean_reward.unwrap() - 0.5).abs() < 1e-12,
+            "{:?}",
             rollouts.mean_reward
         );
         let examples = sched.examples(0, false).await;

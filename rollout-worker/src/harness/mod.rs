@@ -233,7 +233,12 @@ pub fn spec_for(task: &TaskRecord) -> Result<TestSpec, SpecError> {
         source: SpecSource::Harness,
         parser: Some(named_parser.unwrap_or(repo.parser)),
         test_cmd: group.test_cmd.to_string(),
-        directives: test_directives(repo.repo, &task.test_patch),
+        // A command ending in `-k` (SWE-Gym's mypy) selects cases by name, not files.
+        directives: if group.test_cmd.trim_end().ends_with(" -k") {
+            vec![mypy_cases(&task.test_patch)]
+        } else {
+            test_directives(repo.repo, &task.test_patch)
+        },
         eval_commands: group.eval_commands.iter().map(|c| c.to_string()).collect(),
         install: Some(group.install.to_string()),
         activate: Some(CONDA_ACTIVATE.to_string()),
@@ -242,20 +247,9 @@ pub fn spec_for(task: &TaskRecord) -> Result<TestSpec, SpecError> {
 
 /// The harness's `get_test_directives`: every `diff --git a/… b/PATH` of the test patch
 /// (the last ` b/` of such a line, wherever it stands), less non-test files; for Django,
-/// dotted module names without `tests/` and `.py`. For mypy (SWE-Gym's fork), one
-/// directive: the `[case NAME]` headers of the test patch joined by ` or `, which the
-/// test command's trailing `-k` selects.
+/// dotted module names without `tests/` and `.py`.
 pub fn test_directives(repo: &str, test_patch: &str) -> Vec<String> {
     const HEAD: &str = "diff --git a/";
-    if repo.trim().eq_ignore_ascii_case("python/mypy") {
-        static CASE: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
-        let case = CASE.get_or_init(|| regex::Regex::new(r"\[case ([^\]]+)\]").expect("case"));
-        let names: Vec<&str> = case
-            .captures_iter(test_patch)
-            .map(|c| c.get(1).expect("group").as_str())
-            .collect();
-        return vec![names.join(" or ")];
-    }
     let mut out = Vec::new();
     for line in test_patch.split('\n') {
         // re.findall: a match takes the rest of its line; a line's first header without
@@ -277,6 +271,19 @@ pub fn test_directives(repo: &str, test_patch: &str) -> Vec<String> {
         }
     }
     out
+}
+
+/// SWE-Gym's mypy selection (its fork's `make_test_command`): the `[case NAME]` headers
+/// of the test patch (added, removed or context lines) joined by ` or `, the value of the
+/// test command's trailing `-k`.
+fn mypy_cases(test_patch: &str) -> String {
+    static CASE: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+    let case = CASE.get_or_init(|| regex::Regex::new(r"\[case ([^\]]+)\]").expect("case"));
+    let names: Vec<&str> = case
+        .captures_iter(test_patch)
+        .map(|c| c.get(1).expect("group").as_str())
+        .collect();
+    names.join(" or ")
 }
 
 /// The harness's resolution of an instance.

@@ -89,9 +89,16 @@ impl LogParser {
         if self == LogParser::PytestPydantic {
             // The fork indexes the second word without a length check.
             let bad = log.split('\n').map(pydantic_clean).find(|line| {
-                let status_line =
-                    starts_with_status(line) || HARNESS_STATUSES.iter().any(|s| line.ends_with(s));
-                status_line && py_split(line).len() < 2
+                if starts_with_status(line) {
+                    let line = if line.starts_with("FAILED") {
+                        line.replace(" - ", " ")
+                    } else {
+                        line.clone()
+                    };
+                    py_split(&line).len() < 2
+                } else {
+                    HARNESS_STATUSES.iter().any(|s| line.ends_with(s)) && py_split(line).len() < 2
+                }
             });
             if let Some(line) = bad {
                 return Err(format!(
@@ -568,6 +575,10 @@ ERROR tests/test_collect.py
             .parse_checked("PASSED tests/a.py::t\nFAILED\n")
             .unwrap_err();
         assert!(e.contains("pytest_pydantic"), "{e}");
+        // "FAILED - " is one word once " - " becomes a space: the fork raises there too.
+        assert!(LogParser::PytestPydantic
+            .parse_checked("FAILED - ")
+            .is_err());
         assert_eq!(
             crate::harness::parser_named("parse_log_pydantic"),
             Some(LogParser::PytestPydantic)

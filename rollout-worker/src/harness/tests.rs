@@ -362,6 +362,10 @@ fn mypy_selects_the_test_patchs_cases_by_name() {
         spec.test_command(),
         "pytest -rA -k 'testFinalOverload or testFinalDefiningModuleVar or testRemoved-skip'"
     );
+    // A mypy task that brings its own command (SWE-rebench) gets files, as any other.
+    t.test_cmd = "pytest -rA".into();
+    let own = spec_for(&t).unwrap();
+    assert_eq!(own.directives, ["test-data/unit/check-final.test"]);
     let old = spec_for(&task("python/mypy", "0.800")).unwrap();
     assert_eq!(old.test_cmd, "pytest -n0 -rA -k");
 }

@@ -71,7 +71,25 @@ pub fn repo_dir(image: &str, image_wd: Option<&str>) -> Result<String, DockerErr
     let plain = wd
         .chars()
         .all(|c| c.is_ascii_alphanumeric() || "/._-+@".contains(c));
-    if !wd.starts_with('/') || !plain || wd.split('/').any(|p| p == "..") {
+    // The sandbox's own mounts and the kernel's, and the system's top-level directories,
+    // which a tmpfs over the repository would hide.
+    const UNDER: [&str; 5] = ["/tmp", "/dev", "/proc", "/sys", "/run"];
+    const EXACTLY: [&str; 15] = [
+        "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc", "/boot", "/var", "/opt",
+        "/home", "/root", "/srv", "/mnt", "/media",
+    ];
+    let clashes = UNDER
+        .iter()
+        .any(|d| wd == *d || wd.starts_with(&format!("{d}/")))
+        || EXACTLY.contains(&wd);
+    if clashes {
+        return Err(DockerError::Shell(format!(
+            "image {image}: its working directory {wd} is a system or sandbox directory (the \
+             repository's tmpfs would hide or clash with it); rebuild the image with WORKDIR \
+             /testbed"
+        )));
+    }
+    if !wd.starts_with('/') || !plain || wd.split('/').any(|p| p == ".." || p == ".") {
         return Err(DockerError::Shell(format!(
             "image {image}: its working directory {wd:?} is not an absolute path of plain \
              characters (letters, digits, / . _ - + @), so the repository cannot be placed \
@@ -1703,7 +1721,20 @@ mod tests {
             repo_dir("i", Some("/work/project/")).unwrap(),
             "/work/project"
         );
-        for bad in ["relative/dir", "/a b", "/x;rm -rf /", "/a/../etc", "/$(id)"] {
+        assert_eq!(repo_dir("i", Some("/usr/src/app")).unwrap(), "/usr/src/app");
+        for bad in [
+            "relative/dir",
+            "/a b",
+            "/x;rm -rf /",
+            "/a/../etc",
+            "/$(id)",
+            "/.",
+            "/tmp",
+            "/tmp/.tutor/x",
+            "/dev/shm",
+            "/usr",
+            "/etc/",
+        ] {
             let e = repo_dir("img:1", Some(bad)).unwrap_err().to_string();
             assert!(e.contains("img:1") && e.contains("WORKDIR"), "{bad}: {e}");
         }
