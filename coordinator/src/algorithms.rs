@@ -158,25 +158,6 @@ pub fn is_resolved(outcome: &EpisodeOutcome) -> bool {
     outcome.status == OutcomeStatus::Resolved as i32
 }
 
-/// Whether the episode ended without a verdict on the submission: the sandbox failed
-/// (SANDBOX_ERROR, also a slot whose attempts ran out), the task's test patch does not
-/// apply (TEST_PATCH_FAIL), no test spec fits it (NO_TEST_SPEC) or the image lacks its
-/// environment (ENVIRONMENT_ERROR). Such an episode has no reward: DAPO leaves it out of
-/// its group instead of counting a 0 (with the turn penalty, a broken task's group would
-/// otherwise train on episode lengths). Failures a submission causes (APPLY_PATCH_FAIL,
-/// TESTS_TIMEOUT, TESTS_ERROR, PATCH_TOO_LARGE) are graded: unresolved. Leaving an episode
-/// out gives its actions no gradient, so causing one of these pays nothing.
-pub fn is_ungraded(outcome: &EpisodeOutcome) -> bool {
-    [
-        OutcomeStatus::SandboxError,
-        OutcomeStatus::TestPatchFail,
-        OutcomeStatus::NoTestSpec,
-        OutcomeStatus::EnvironmentError,
-    ]
-    .iter()
-    .any(|&s| outcome.status == s as i32)
-}
-
 /// Rewards of each group, by group id.
 fn by_group(episodes: impl IntoIterator<Item = (u32, f64)>) -> BTreeMap<u32, Vec<f64>> {
     let mut groups: BTreeMap<u32, Vec<f64>> = BTreeMap::new();

@@ -41,6 +41,25 @@ pub struct IterationRollouts {
     pub teacher_tokens: u64,
 }
 
+/// Whether the episode ended without a verdict on the submission: the sandbox failed
+/// (SANDBOX_ERROR, also a slot whose attempts ran out), the task's test patch does not
+/// apply (TEST_PATCH_FAIL), no test spec fits it (NO_TEST_SPEC) or the image lacks its
+/// environment (ENVIRONMENT_ERROR). Such an episode has no reward: DAPO leaves it out of
+/// its group instead of counting a 0 (with the turn penalty, a broken task's group would
+/// otherwise train on episode lengths). Failures a submission causes (APPLY_PATCH_FAIL,
+/// TESTS_TIMEOUT, TESTS_ERROR, PATCH_TOO_LARGE) are graded: unresolved. Leaving an episode
+/// out gives its actions no gradient, so causing one of these pays nothing.
+pub fn is_ungraded(outcome: &EpisodeOutcome) -> bool {
+    [
+        OutcomeStatus::SandboxError,
+        OutcomeStatus::TestPatchFail,
+        OutcomeStatus::NoTestSpec,
+        OutcomeStatus::EnvironmentError,
+    ]
+    .iter()
+    .any(|&s| outcome.status == s as i32)
+}
+
 /// Share of `outcomes` that submitted and their mean number of turns (0 and 0 for none).
 pub fn submit_rate_and_mean_turns(outcomes: &[EpisodeOutcome]) -> (f64, f64) {
     if outcomes.is_empty() {
@@ -114,13 +133,9 @@ impl IterationRollouts {
     }
 
     /// Training and held-out episodes that ended without a verdict on their submission
-    /// (`algorithms::is_ungraded`).
+    /// ([`is_ungraded`]).
     pub fn ungraded(&self) -> (u64, u64) {
-        let count = |o: &[EpisodeOutcome]| {
-            o.iter()
-                .filter(|o| crate::algorithms::is_ungraded(o))
-                .count() as u64
-        };
+        let count = |o: &[EpisodeOutcome]| o.iter().filter(|o| is_ungraded(o)).count() as u64;
         (count(&self.train), count(&self.eval))
     }
 

@@ -26,10 +26,10 @@ use self::lease::{episode_lease, Leases};
 use self::plan::Plan;
 use self::recovery::Backlog;
 use self::workers::Workers;
-use crate::algorithms::is_ungraded;
 use crate::config::{Algorithm, CoordinatorConfig};
 use crate::dataset::{EpisodeData, IterationDatasets};
 use crate::episode_id::{EpisodeId, Purpose};
+use crate::rollouts::is_ungraded;
 pub use crate::rollouts::IterationRollouts;
 use crate::store::StoreRequest;
 
