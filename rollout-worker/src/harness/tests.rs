@@ -337,6 +337,12 @@ fn swegym_repositories_get_their_forks_specs() {
         ["export PYTHONPATH=${PYTHONPATH:-}:$(pwd)"]
     );
     assert!(conan.install.unwrap().contains("PIP_CONSTRAINT"));
+    // The fork's install strings, byte for byte (checked against its constants.py).
+    let hydra = spec_for(&task("facebookresearch/hydra", "1.1")).unwrap();
+    assert!(hydra
+        .install
+        .unwrap()
+        .starts_with("sed -i 's|isort@git+git://github.com/timothycrosley/isort|"));
     assert!(spec_for(&task("getmoto/moto", "9.9")).is_err());
 }
 
