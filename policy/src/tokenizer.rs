@@ -207,7 +207,7 @@ impl ChatTokenizer {
                 let turn_end = template_turn_end(&tokenizer, &specials, &t)?;
                 // An episode's first prompt must render (with the system prompt folded
                 // into the user message where the template refuses system messages).
-                let folded = format!("{PROBE_USER}\n\n{PROBE_USER}");
+                let folded = fold_system(PROBE_USER, PROBE_USER);
                 if let Err(e) = t.render([("system", PROBE_USER), ("user", PROBE_USER)], true) {
                     t.render([("user", folded.as_str())], true).map_err(|_| e)?;
                 }
@@ -334,7 +334,7 @@ impl ChatTokenizer {
     pub fn render_prompt(&self, system: &str, user: &str) -> Result<Vec<u32>, PolicyError> {
         match self.render_chat([("system", system), ("user", user)]) {
             Err(e) if self.template().is_some() => {
-                let folded = format!("{system}\n\n{user}");
+                let folded = fold_system(system, user);
                 self.render_chat([("user", folded.as_str())]).map_err(|_| e)
             }
             rendered => rendered,
@@ -552,6 +552,12 @@ fn strip_probe_chars(text: &str) -> std::borrow::Cow<'_, str> {
     } else {
         text.into()
     }
+}
+
+/// The first user message of a template that refuses system messages: the system
+/// prompt at its head, a blank line between.
+fn fold_system(system: &str, user: &str) -> String {
+    format!("{system}\n\n{user}")
 }
 
 /// Python's `str.strip()` with no argument, as Jinja's `trim` filter applies it.
