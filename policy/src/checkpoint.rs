@@ -44,6 +44,18 @@ impl Policy {
         self.load_weight_files(&[path.to_path_buf()])
     }
 
+    /// Loads parameters from `path`: a safetensors file, or a Hugging Face checkpoint
+    /// directory (`model.safetensors` or the shards its index names). The directory's
+    /// config.json is not read: every tensor's shape is checked against this model.
+    pub fn load_path(&mut self, path: &Path) -> Result<(), PolicyError> {
+        if path.is_dir() {
+            let files = weight_files(path)?;
+            self.load_weight_files(&files)
+        } else {
+            self.load_weights(path)
+        }
+    }
+
     /// Writes `config.json` and `model.safetensors` into `dir` (created if needed).
     pub fn save_dir(&self, dir: &Path) -> Result<(), PolicyError> {
         std::fs::create_dir_all(dir).map_err(|e| PolicyError::io(dir, e))?;

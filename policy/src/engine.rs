@@ -235,6 +235,11 @@ impl EngineHandle {
         *self.stats.lock().expect("engine stats")
     }
 
+    /// The model's vocabulary size (`vocab_size`): every token id is below it.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
     /// The model's context length (`max_position_embeddings`).
     pub fn context(&self) -> usize {
         self.context
@@ -294,7 +299,7 @@ impl EngineHandle {
             .map_err(|_| RequestError::Stopped)
     }
 
-    /// Loads weights from a safetensors file into the engine's model. The engine lets the
+    /// Loads weights from a safetensors file (or a checkpoint directory) into the engine's model. The engine lets the
     /// requests admitted before this call finish, swaps, then admits the ones behind it:
     /// every generation runs under one set of weights. A file that does not fit the model
     /// is an error and the old weights stay.
@@ -328,8 +333,16 @@ impl EngineHandle {
         &self,
         build: impl FnOnce(EventSender) -> EngineRequest,
     ) -> Result<Completion, RequestError> {
-        let (tx, mut rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::unbounded_channel();
         self.submit(build(tx)).await?;
+        Self::collect(rx).await
+    }
+
+    /// A submitted request's events folded into its [`Completion`], for callers that
+    /// submit (`submit`) and wait apart.
+    pub async fn collect(
+        mut rx: mpsc::UnboundedReceiver<EngineEvent>,
+    ) -> Result<Completion, RequestError> {
         let mut collector = Collector::default();
         while let Some(event) = rx.recv().await {
             if let Some(done) = collector.push(event) {
@@ -480,7 +493,7 @@ impl Engine {
                 if let Some(Msg::Load { path, reply }) = waiting.pop_front() {
                     let r = self
                         .policy
-                        .load_weights(&path)
+                        .load_path(&path)
                         .map_err(|error| LoadError::Weights { path, error });
                     // Keys and values of the old weights would mix two versions (and a
                     // failed load may have replaced some tensors before it failed).

@@ -294,6 +294,8 @@ struct TurnSettings {
     sampling_seed: u64,
     command_timeout: Duration,
     observation_max_chars: usize,
+    /// The policy version the episode runs on (and is reported under).
+    policy_version: u64,
 }
 
 impl TurnSettings {
@@ -310,6 +312,7 @@ impl TurnSettings {
             sampling_seed: sampling.seed,
             command_timeout: Duration::from_millis(lease.command_timeout_ms.max(1000) as u64),
             observation_max_chars: lease.observation_max_chars.max(200) as usize,
+            policy_version: lease.policy.as_ref().map(|p| p.version).unwrap_or(0),
         }
     }
 }
@@ -421,7 +424,7 @@ fn student_proposal(
     };
     let g = env
         .student
-        .generate_blocking(history.to_vec(), params)
+        .generate_as(history.to_vec(), params, settings.policy_version)
         .map_err(|e| format!("student generation failed: {e:#}"))?;
     let text = env.tokenizer.decode(&g.tokens);
     Ok(Proposal {

@@ -12,6 +12,7 @@ pub mod observation;
 pub mod sandbox;
 pub mod sink;
 pub mod student;
+pub mod student_engine;
 pub mod tasks;
 pub mod teacher;
 pub mod tools;

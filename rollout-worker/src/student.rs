@@ -3,6 +3,10 @@
 //! running batch at the next decode step instead of waiting for the batch to finish.
 //! Weight swaps go through the engine too: it lets the generations already running
 //! finish, swaps, then admits the rest, so every generation has a single version.
+//!
+//! Or the student runs on an external engine (`[worker.student] kind = "engine"`,
+//! crate::student_engine): versions are staged on disk for it to load, and every turn it
+//! generates is checked to come from the episode's version.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -17,6 +21,8 @@ use tutor_policy::{
 };
 use tutor_proto::auth::ClientAuth;
 use tutor_proto::PolicyVersion;
+
+use crate::student_engine::{stage_version, RemoteEngine, StudentConfig};
 
 /// Version number meaning "no weights loaded yet".
 pub const NO_VERSION: u64 = u64::MAX;
@@ -88,10 +94,28 @@ impl BroadcastInbox {
     }
 }
 
+/// Where the student generates.
+#[derive(Clone)]
+enum Backend {
+    /// Tutor's engine, on a thread of this process.
+    Local(EngineHandle),
+    /// An external engine: policy versions are staged in `weights_dir` (the engine sees
+    /// it as `engine_dir`) as Hugging Face directories, with `model_dir`'s files.
+    Remote {
+        engine: Arc<RemoteEngine>,
+        model_dir: PathBuf,
+        weights_dir: PathBuf,
+        engine_dir: PathBuf,
+        max_request: usize,
+        /// The worker's runtime: episodes' blocking threads wait on the HTTP client in it.
+        rt: tokio::runtime::Handle,
+    },
+}
+
 /// Cheap to clone; every clone talks to the same engine.
 #[derive(Clone)]
 pub struct StudentHost {
-    engine: EngineHandle,
+    engine: Backend,
     loaded: Arc<AtomicU64>,
     load_lock: Arc<tokio::sync::Mutex<()>>,
     cache_dir: PathBuf,
@@ -145,13 +169,68 @@ impl StudentHost {
         // The engine thread ends when the last handle is dropped.
         let (engine, _thread) = spawn_engine(policy, tokenizer, engine);
         Ok(Self {
-            engine,
+            engine: Backend::Local(engine),
             loaded: Arc::new(AtomicU64::new(NO_VERSION)),
             load_lock: Default::default(),
             cache_dir: cache_dir.to_path_buf(),
             auth,
             broadcast: None,
         })
+    }
+
+    /// The student on the external engine `config` names (`kind = "engine"`), for the
+    /// model of `model_dir` (its config.json bounds token ids and requests). Waits up to
+    /// `down_s` for the engine to answer; the error names it.
+    pub async fn remote(
+        model_dir: &Path,
+        cache_dir: &Path,
+        config: &StudentConfig,
+        auth: ClientAuth,
+    ) -> Result<Self> {
+        let cfg_path = model_dir.join("config.json");
+        let model = ModelConfig::load(&cfg_path)
+            .with_context(|| format!("reading {}", cfg_path.display()))?;
+        let engine = Arc::new(RemoteEngine::new(config, model.vocab_size)?);
+        engine.wait_up().await?;
+        let served = engine.served_version().await;
+        tracing::info!(engine = %engine.url(), serving = ?served.as_ref().ok(), "student engine answers");
+        let weights_dir = config
+            .weights_dir
+            .clone()
+            .unwrap_or_else(|| cache_dir.join("engine-weights"));
+        std::fs::create_dir_all(&weights_dir).with_context(|| {
+            format!(
+                "creating worker.student.weights_dir {}",
+                weights_dir.display()
+            )
+        })?;
+        let engine_dir = config
+            .engine_weights_dir
+            .clone()
+            .unwrap_or_else(|| weights_dir.clone());
+        Ok(Self {
+            engine: Backend::Remote {
+                engine,
+                model_dir: model_dir.to_path_buf(),
+                weights_dir,
+                engine_dir,
+                max_request: model.max_position_embeddings,
+                rt: tokio::runtime::Handle::current(),
+            },
+            loaded: Arc::new(AtomicU64::new(NO_VERSION)),
+            load_lock: Default::default(),
+            cache_dir: cache_dir.to_path_buf(),
+            auth,
+            broadcast: None,
+        })
+    }
+
+    /// The external engine, when the student runs on one.
+    pub fn remote_engine(&self) -> Option<&RemoteEngine> {
+        match &self.engine {
+            Backend::Remote { engine, .. } => Some(engine),
+            Backend::Local(_) => None,
+        }
     }
 
     /// Takes versions from `inbox` (the weights broadcast) when they arrive in time.
@@ -172,6 +251,15 @@ impl StudentHost {
             return Ok(());
         }
         let t = std::time::Instant::now();
+        if let Backend::Remote { engine, .. } = &self.engine {
+            // Another worker sharing the engine may have loaded it already.
+            let label = crate::student_engine::version_label(policy.version);
+            if engine.served_version().await.ok().as_deref() == Some(label.as_str()) {
+                self.loaded.store(policy.version, Ordering::SeqCst);
+                tracing::info!(version = policy.version, engine = %engine.url(), "the student engine already serves the policy version");
+                return Ok(());
+            }
+        }
         let pushed = match &self.broadcast {
             Some(inbox) => inbox.take(policy.version, &policy.sha256).await,
             None => None,
@@ -201,8 +289,34 @@ impl StudentHost {
                 (path, "grpc")
             }
         };
-        self.engine.load_weights(&path).await?;
-        let _ = std::fs::remove_file(&path);
+        match &self.engine {
+            Backend::Local(engine) => {
+                engine.load_weights(&path).await?;
+                let _ = std::fs::remove_file(&path);
+            }
+            Backend::Remote {
+                engine,
+                model_dir,
+                weights_dir,
+                engine_dir,
+                ..
+            } => {
+                let name = {
+                    let (w, m, p, v) = (
+                        weights_dir.clone(),
+                        model_dir.clone(),
+                        path.clone(),
+                        policy.version,
+                    );
+                    tokio::task::spawn_blocking(move || stage_version(&w, &m, &p, v, 2))
+                        .await
+                        .context("staging the version for the student engine")??
+                };
+                engine
+                    .load_from_disk(&engine_dir.join(name), policy.version)
+                    .await?;
+            }
+        }
         self.loaded.store(policy.version, Ordering::SeqCst);
         tracing::info!(
             version = policy.version,
@@ -216,7 +330,10 @@ impl StudentHost {
     /// The most tokens one request may hold, prompt and reply (the model's context and the
     /// engine's cache).
     pub fn max_request_tokens(&self) -> usize {
-        self.engine.max_request_tokens()
+        match &self.engine {
+            Backend::Local(engine) => engine.max_request_tokens(),
+            Backend::Remote { max_request, .. } => *max_request,
+        }
     }
 
     /// Samples one assistant message. Blocking: call it from a blocking thread.
@@ -225,12 +342,24 @@ impl StudentHost {
     /// last tokens, and `max_new_tokens` is capped below the context, as
     /// [`Policy::generate`] does.
     pub fn generate_blocking(&self, prompt: Vec<u32>, params: GenParams) -> Result<Generation> {
+        self.generate_as(prompt, params, self.loaded_version())
+    }
+
+    /// [`StudentHost::generate_blocking`] for an episode of policy version `version`: on
+    /// an external engine, a turn generated by any other version is an error (the local
+    /// engine's swaps are the worker's own, between leases).
+    pub fn generate_as(
+        &self,
+        prompt: Vec<u32>,
+        params: GenParams,
+        version: u64,
+    ) -> Result<Generation> {
         let mut params = params;
         // The same rule as `Policy::generate`: keep the prompt's last tokens.
         let (start, max_new) = tutor_policy::fit_context(
             prompt.len(),
             params.max_new_tokens.max(1),
-            self.engine.max_request_tokens(),
+            self.max_request_tokens(),
         );
         params.max_new_tokens = max_new;
         let prompt = if start > 0 {
@@ -238,8 +367,15 @@ impl StudentHost {
         } else {
             prompt
         };
-        let done = self
-            .engine
+        let engine = match &self.engine {
+            Backend::Local(engine) => engine,
+            Backend::Remote { engine, rt, .. } => {
+                return rt
+                    .block_on(engine.generate(&prompt, &params, version))
+                    .map_err(|e| anyhow!("the student cannot run this turn: {e}"));
+            }
+        };
+        let done = engine
             .generate_blocking(|events| EngineRequest {
                 prompt,
                 params,

@@ -126,6 +126,9 @@ pub struct WorkerConfig {
     /// Where the student decodes: `"cpu"` (f32), `"cuda"` or `"cuda:N"` (bf16). With
     /// `weights_from = "broadcast"` over NCCL this is also the receiving GPU.
     pub student_device: String,
+    /// `[worker.student]`: the in-process engine (default, the `student_*` settings above)
+    /// or an external engine (SGLang's native API: SGLang, or `tutor serve`).
+    pub student: crate::student_engine::StudentConfig,
 }
 
 /// See `WorkerConfig::weights_from`.
@@ -203,6 +206,7 @@ impl Default for WorkerConfig {
             weights_from: WeightsFrom::Grpc,
             broadcast_wait_s: 30.0,
             student_device: "cpu".into(),
+            student: Default::default(),
         }
     }
 }
@@ -414,14 +418,24 @@ pub async fn run_worker(
         .render_observation("probe")
         .with_context(|| format!("the chat template of {}", opts.model_dir.display()))?;
     let tokenizer = Arc::new(tokenizer);
-    let student = StudentHost::on_device(
-        &opts.model_dir,
-        &opts.cache_dir,
-        (*tokenizer).clone(),
-        opts.config.student_engine(),
-        opts.auth.clone(),
-        opts.config.student_device()?,
-    )?
+    let student = match opts.config.student.kind {
+        crate::student_engine::StudentKind::Local => StudentHost::on_device(
+            &opts.model_dir,
+            &opts.cache_dir,
+            (*tokenizer).clone(),
+            opts.config.student_engine(),
+            opts.auth.clone(),
+            opts.config.student_device()?,
+        )?,
+        crate::student_engine::StudentKind::Engine => StudentHost::remote(
+            &opts.model_dir,
+            &opts.cache_dir,
+            &opts.config.student,
+            opts.auth.clone(),
+        )
+        .await
+        .context("worker.student: the external student engine")?,
+    }
     .with_broadcast(opts.broadcast.clone());
     let rpc_timeout = Duration::from_secs_f64(opts.config.rpc_timeout_s);
     let channel = connect(&opts.auth, &opts.coordinator).await?;
@@ -491,6 +505,14 @@ pub async fn run_worker(
     let mut failures = 0u32;
     let mut lost = None;
     while !cancel.load(Ordering::SeqCst) {
+        // An external engine that stopped answering: lease nothing until it answers again
+        // (episodes would only fail), and stop after `down_s`.
+        if let Some(engine) = student.remote_engine().filter(|e| !e.seems_up()) {
+            if let Err(e) = engine.wait_up().await {
+                lost = Some(e);
+                break;
+            }
+        }
         let first = slots.clone().acquire_owned().await.expect("semaphore open");
         let free = slots.available_permits() as u32 + 1;
         let mut req = Request::new(LeaseRequest {

@@ -1,5 +1,8 @@
 //! `tutor serve`: an OpenAI-compatible chat-completions API over the policy's generation
-//! engine, so that a Tutor checkpoint can act as a teacher or be evaluated by any client.
+//! engine, so that a Tutor checkpoint can act as a teacher or be evaluated by any client;
+//! and SGLang's engine control plane (token-in/token-out `/generate`, weight reloads with a
+//! weight version), so that rollout workers use it as their external student engine
+//! (`[worker.student] kind = "engine"`).
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -50,6 +53,10 @@ pub struct ServeArgs {
     /// allowed (or --insecure). `/health` never needs the key. The key is never logged.
     #[arg(long, value_name = "PATH")]
     api_key_file: Option<PathBuf>,
+    /// The weight version the starting weights are served as (`/generate` answers and
+    /// `/get_weight_version` name it); each `/update_weights_from_disk` names its own.
+    #[arg(long, default_value = "default")]
+    weight_version: String,
     /// Serve on a non-loopback --host without an API key. Without this flag that is
     /// refused: anyone who can reach the port could use the model.
     #[arg(long)]
@@ -83,9 +90,10 @@ fn load_api_key(file: Option<&std::path::Path>, env: Option<&str>) -> Result<Opt
     Ok(Some(key.to_string()))
 }
 
+mod native;
 mod openai;
 
-use openai::{now, router, AppState};
+use openai::{now, router, AppState, Weights};
 
 pub async fn serve(
     args: ServeArgs,
@@ -163,8 +171,12 @@ pub async fn serve(
         model,
         created: now(),
         next_id: AtomicU64::new(0),
+        weights: tokio::sync::RwLock::new(Weights {
+            version: args.weight_version.clone(),
+            path: args.model.display().to_string(),
+        }),
     });
-    let app = router(state.clone());
+    let app = router(state.clone(), native::routes());
     let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;

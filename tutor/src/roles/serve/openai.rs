@@ -32,19 +32,30 @@ pub(super) struct AppState {
     pub(super) model: String,
     pub(super) created: u64,
     pub(super) next_id: AtomicU64,
+    /// The weight version served (`/generate` answers name it) and where it came from.
+    pub(super) weights: tokio::sync::RwLock<Weights>,
 }
 
-/// The routes, behind the API key check (all but `/health`).
-pub(super) fn router(state: Arc<AppState>) -> Router {
+/// What the served weights are: the version clients named when they loaded them
+/// (`/update_weights_from_disk`), and where they came from.
+pub(super) struct Weights {
+    pub(super) version: String,
+    pub(super) path: String,
+}
+
+/// The routes, `more` among them, behind the API key check (all but `/health`).
+pub(super) fn router(state: Arc<AppState>, more: Router<Arc<AppState>>) -> Router {
     Router::new()
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .merge(more)
         .fallback(|| async {
             ApiError::new(
                 StatusCode::NOT_FOUND,
-                "no such route; this server has GET /v1/models, POST /v1/chat/completions and \
-                 POST /v1/completions",
+                "no such route; this server has GET /v1/models, POST /v1/chat/completions, \
+                 POST /v1/completions, and the engine control plane: POST /generate, POST \
+                 /update_weights_from_disk, GET /get_weight_version, GET /get_model_info",
             )
         })
         .route_layer(axum::middleware::from_fn_with_state(

@@ -1,0 +1,294 @@
+//! The engine control plane of `tutor serve`, in SGLang's native shape, so that rollout
+//! workers drive it as they drive SGLang (`[worker.student] kind = "engine"`):
+//!
+//! - `POST /generate`: token ids in, sampled token ids and their log-probabilities out,
+//!   nothing re-tokenized; every answer names the weight version that produced it
+//!   (`meta_info.weight_version`).
+//! - `POST /update_weights_from_disk`: load a checkpoint (a Hugging Face directory or one
+//!   safetensors file) and serve it under `weight_version`. Requests queued before it finish
+//!   under the old weights; later ones wait for the swap. A checkpoint that does not fit
+//!   the model is refused and the old weights stay.
+//! - `GET /get_weight_version`, `GET /get_model_info`.
+//!
+//! The weight version a `/generate` answer reports is the one its request was queued
+//! under: submitting holds the version's read lock, a reload holds its write lock while it
+//! queues the swap, and the engine runs requests and swaps in queue order.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tutor_policy::{EngineHandle, EngineRequest, FinishReason, GenParams};
+
+use super::openai::AppState;
+
+/// The control plane's routes, for [`super::openai::router`] to put behind the API key.
+pub(super) fn routes() -> axum::Router<Arc<AppState>> {
+    use axum::routing::{get, post};
+    axum::Router::new()
+        .route("/generate", post(generate))
+        .route("/update_weights_from_disk", post(update_weights_from_disk))
+        .route("/get_weight_version", get(get_weight_version))
+        .route("/get_model_info", get(get_model_info))
+}
+
+/// An error as SGLang answers one: `{"error": {"message", "code"}}` with the status.
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    let message = message.into();
+    (
+        status,
+        Json(json!({"error": {"message": message, "code": status.as_u16()}})),
+    )
+        .into_response()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GenerateRequest {
+    input_ids: Vec<u32>,
+    #[serde(default)]
+    sampling_params: SamplingParams,
+    #[serde(default)]
+    return_logprob: bool,
+    #[serde(default)]
+    stream: bool,
+    /// Accepted as SGLang accepts them; only the default (-1: logprobs of the output) is
+    /// served.
+    logprob_start_len: Option<i64>,
+    rid: Option<String>,
+}
+
+/// The sampling parameters `/generate` serves. Truncating ones (`top_k`, `min_p`) are
+/// accepted only at their "off" values: the log-probabilities returned are those of the
+/// distribution sampled from, which training needs unbiased.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SamplingParams {
+    temperature: f32,
+    top_p: f32,
+    top_k: i64,
+    min_p: f32,
+    max_new_tokens: usize,
+    stop_token_ids: Vec<u32>,
+    skip_special_tokens: bool,
+    /// Accepted as SGLang takes it: here the stop token always stays in `output_ids`, and
+    /// `text` is the decoded `output_ids`.
+    #[allow(dead_code)]
+    no_stop_trim: bool,
+    ignore_eos: bool,
+    sampling_seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: -1,
+            min_p: 0.0,
+            max_new_tokens: 128,
+            stop_token_ids: Vec::new(),
+            skip_special_tokens: true,
+            no_stop_trim: false,
+            ignore_eos: false,
+            sampling_seed: None,
+        }
+    }
+}
+
+async fn generate(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let req: GenerateRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("invalid request body: {e}"),
+            )
+        }
+    };
+    let p = &req.sampling_params;
+    if req.stream {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "stream: /generate does not stream here",
+        );
+    }
+    if req.logprob_start_len.is_some_and(|n| n != -1) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "logprob_start_len: only -1 (log-probabilities of the output) is served",
+        );
+    }
+    if !(p.top_k == -1 || p.top_k == 0) || p.min_p != 0.0 {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "sampling_params: top_k and min_p are not served (the log-probabilities would not \
+             be those of the distribution sampled from)",
+        );
+    }
+    if !(0.0..=2.0).contains(&p.temperature) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "sampling_params.temperature {} is outside [0, 2]",
+                p.temperature
+            ),
+        );
+    }
+    if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("sampling_params.top_p {} is outside (0, 1]", p.top_p),
+        );
+    }
+    let mut stops = p.stop_token_ids.clone();
+    if !p.ignore_eos {
+        stops.extend(s.tokenizer.stop_ids());
+    }
+    stops.sort_unstable();
+    stops.dedup();
+    let params = GenParams {
+        temperature: p.temperature,
+        top_p: p.top_p,
+        max_new_tokens: p.max_new_tokens,
+        seed: p.sampling_seed.unwrap_or_else(rand::random::<u64>),
+        stop_token_ids: stops,
+    };
+    if let Err(e) = s.engine.check(&req.input_ids, params.max_new_tokens) {
+        return error(StatusCode::BAD_REQUEST, e.to_string());
+    }
+    let prompt_tokens = req.input_ids.len();
+    let (tx, rx) = mpsc::unbounded_channel();
+    let request = EngineRequest {
+        prompt: req.input_ids,
+        params,
+        stop: vec![],
+        top_logprobs: 0,
+        prompt_logprobs: false,
+        text: false,
+        events: tx,
+    };
+    // Queued under the version's read lock: a reload queues its swap under the write
+    // lock, so this request runs on the weights of the version it reports.
+    let version = {
+        let weights = s.weights.read().await;
+        if let Err(e) = s.engine.submit(request).await {
+            return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string());
+        }
+        weights.version.clone()
+    };
+    let done = match EngineHandle::collect(rx).await {
+        Ok(d) => d,
+        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    };
+    let ids: Vec<u32> = done.tokens.iter().map(|t| t.id).collect();
+    let finish = match done.done.finish {
+        FinishReason::Stop => json!({"type": "stop", "matched": ids.last()}),
+        FinishReason::Length => json!({"type": "length", "length": ids.len()}),
+    };
+    let mut meta = json!({
+        "id": req.rid.unwrap_or_else(|| format!("{:032x}", rand::random::<u128>())),
+        "finish_reason": finish,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": ids.len(),
+        "cached_tokens": 0,
+        "weight_version": version,
+    });
+    if req.return_logprob {
+        // [logprob, token id, text]: SGLang's shape (text only with return_text_in_logprobs).
+        meta["output_token_logprobs"] = done
+            .tokens
+            .iter()
+            .map(|t| json!([t.logprob, t.id, Value::Null]))
+            .collect();
+    }
+    let text = if p.skip_special_tokens {
+        s.tokenizer.decode(&ids)
+    } else {
+        s.tokenizer.render_text(&ids)
+    };
+    Json(json!({"text": text, "output_ids": ids, "meta_info": meta})).into_response()
+}
+
+#[derive(Deserialize)]
+struct UpdateFromDisk {
+    model_path: String,
+    weight_version: Option<String>,
+    /// Accepted for SGLang's clients; the format is read from the files.
+    #[allow(dead_code)]
+    load_format: Option<String>,
+}
+
+/// Loads `model_path` and serves it as `weight_version`: SGLang's answer shape
+/// (`success`, `message`), 400 with the old weights kept when it does not load.
+async fn update_weights_from_disk(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let req: UpdateFromDisk = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("invalid request body: {e}"),
+            )
+        }
+    };
+    let path = std::path::PathBuf::from(&req.model_path);
+    let t = std::time::Instant::now();
+    let mut weights = s.weights.write().await;
+    match s.engine.load_weights(&path).await {
+        Ok(()) => {
+            let version = req
+                .weight_version
+                .unwrap_or_else(|| weights.version.clone());
+            tracing::info!(
+                version = %version,
+                path = %req.model_path,
+                seconds = t.elapsed().as_secs_f64(),
+                "loaded weights from disk"
+            );
+            weights.version = version;
+            weights.path = req.model_path;
+            Json(json!({
+                "success": true,
+                "message": "Succeeded to update model weights.",
+                "num_paused_requests": 0,
+            }))
+            .into_response()
+        }
+        Err(e) => {
+            tracing::warn!(path = %req.model_path, error = %e, "refused weights: the old ones stay");
+            (
+                StatusCode::BAD_REQUEST,
+                Json(json!({
+                    "success": false,
+                    "message": format!("Failed to update weights: {e}; the weights of version {:?} stay", weights.version),
+                    "num_paused_requests": 0,
+                })),
+            )
+                .into_response()
+        }
+    }
+}
+
+async fn get_weight_version(State(s): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({"weight_version": s.weights.read().await.version}))
+}
+
+async fn get_model_info(State(s): State<Arc<AppState>>) -> Json<Value> {
+    let w = s.weights.read().await;
+    Json(json!({
+        "model_path": w.path,
+        "tokenizer_path": w.path,
+        "is_generation": true,
+        "preferred_sampling_params": Value::Null,
+        "weight_version": w.version,
+        "served_model_name": s.model,
+        "max_model_len": s.engine.context(),
+        "vocab_size": s.engine.vocab(),
+    }))
+}
