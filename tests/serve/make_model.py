@@ -2,7 +2,10 @@
 output (config.json, model.safetensors) plus a byte-level BPE tokenizer.json with the
 ChatML special tokens, trained here with Hugging Face `tokenizers`.
 
-    python make_model.py OUT_DIR
+    python make_model.py OUT_DIR [MAX_POSITIONS] [HIDDEN_SIZE]
+
+MAX_POSITIONS (default 256) is the context length; HIDDEN_SIZE (default 64) changes the
+shapes, for a checkpoint that does not fit another.
 """
 import sys
 
@@ -11,6 +14,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 out = sys.argv[1]
+max_positions = int(sys.argv[2]) if len(sys.argv) > 2 else 256
+hidden = int(sys.argv[3]) if len(sys.argv) > 3 else 64
 corpus = [
     f"line {i}: the quick brown fox jumps over the lazy dog {i} times; def f(x): return x * {i}"
     for i in range(50)
@@ -30,13 +35,13 @@ tok.save(f"{out}/tokenizer.json")
 torch.manual_seed(0)
 config = Qwen3Config(
     vocab_size=tok.get_vocab_size(),
-    hidden_size=64,
+    hidden_size=hidden,
     intermediate_size=128,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,
-    max_position_embeddings=256,
+    max_position_embeddings=max_positions,
     eos_token_id=tok.token_to_id("<|im_end|>"),
     bos_token_id=None,
     pad_token_id=None,

@@ -68,7 +68,7 @@ struct GenerateRequest {
 /// accepted only at their "off" values: the log-probabilities returned are those of the
 /// distribution sampled from, which training needs unbiased.
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 struct SamplingParams {
     temperature: f32,
     top_p: f32,

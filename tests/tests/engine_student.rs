@@ -1,0 +1,156 @@
+//! The student on an external engine, as a worker drives it (`[worker.student] kind =
+//! "engine"`, tutor_rollout_worker::student_engine) against a real `tutor serve` process:
+//! token ids in, sampled ids and log-probabilities out, every answer under a checked weight
+//! version; reloads from disk; an engine that refuses a reload, answers for another
+//! version, or goes away, each a clear error naming the engine and the version.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use tutor_policy::{ChatTokenizer, GenParams, ModelConfig, Policy};
+use tutor_rollout_worker::student_engine::{
+    stage_version, version_label, EngineError, RemoteEngine, StudentConfig, StudentKind,
+};
+
+/// A tiny random Qwen3 checkpoint made by transformers (tests/serve/make_model.py).
+fn make_model(dir: &Path, max_positions: u32, hidden: u32) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("serve/make_model.py");
+    let out = Command::new(common::python())
+        .arg(&script)
+        .arg(dir)
+        .arg(max_positions.to_string())
+        .arg(hidden.to_string())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{} failed (is transformers installed? `make setup`):\n{}",
+        script.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    dir.to_path_buf()
+}
+
+/// ℓ(token j | tokens < j) of `tokens[from..]` by one forward pass over the sequence.
+fn fresh_logprobs(policy: &Policy, tokens: &[u32], from: usize) -> Vec<f64> {
+    use tch::{Device, Kind, Tensor};
+    let _g = tch::no_grad_guard();
+    let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+    let n = ids.len() as i64;
+    let input = Tensor::from_slice(&ids).reshape([1, n]);
+    let logits = policy.forward(&input, &Tensor::ones([1, n], (Kind::Int64, Device::Cpu)));
+    let lsm = logits.log_softmax(-1, Kind::Double);
+    (from..tokens.len())
+        .map(|j| lsm.double_value(&[0, j as i64 - 1, tokens[j] as i64]))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tutor_serve_is_a_student_engine_with_checked_versions() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = make_model(&dir.path().join("model"), 512, 64);
+    let served = common::serve(&model, "student", dir.path(), &[]);
+    let url = format!("http://{}", served.addr);
+    let config = StudentConfig {
+        kind: StudentKind::Engine,
+        base_url: url.clone(),
+        timeout_s: 60.0,
+        max_retries: 1,
+        down_s: 2.0,
+        ..Default::default()
+    };
+    let vocab = ModelConfig::load(&model.join("config.json"))
+        .unwrap()
+        .vocab_size;
+    let engine = RemoteEngine::new(&config, vocab).unwrap();
+    assert_eq!(engine.served_version().await.unwrap(), "default");
+
+    // Policy version 5: the starting weights scaled, so that they differ.
+    let mut policy = Policy::load_dir(&model, tch::Device::Cpu).unwrap();
+    tch::no_grad(|| {
+        for (_, mut t) in policy.var_store_mut().variables() {
+            let _ = t.g_mul_scalar_(1.5);
+        }
+    });
+    let staging = dir.path().join("engine-weights");
+    std::fs::create_dir_all(&staging).unwrap();
+    let file = dir.path().join("v5.safetensors");
+    policy.save_weights(&file).unwrap();
+    let name = stage_version(&staging, &model, &file, 5, 2).unwrap();
+    engine
+        .load_from_disk(&staging.join(&name), 5)
+        .await
+        .unwrap();
+    assert_eq!(engine.served_version().await.unwrap(), version_label(5));
+
+    // A turn: the prompt as token ids, the sampled ids and their log-probabilities back,
+    // equal to a fresh forward pass of version 5 on the same tokens.
+    let tok = ChatTokenizer::from_dir(&model).unwrap();
+    let prompt = tok
+        .render_prompt("You fix bugs.", "the test fails")
+        .unwrap();
+    let params = GenParams {
+        temperature: 1.0,
+        top_p: 1.0,
+        max_new_tokens: 12,
+        seed: 1,
+        stop_token_ids: tok.stop_ids().to_vec(),
+    };
+    let g = engine.generate(&prompt, &params, 5).await.unwrap();
+    assert!(!g.tokens.is_empty() && g.tokens.len() <= 12, "{g:?}");
+    assert_eq!(g.logprobs.len(), g.tokens.len());
+    let whole: Vec<u32> = prompt.iter().chain(&g.tokens).copied().collect();
+    let fresh = fresh_logprobs(&policy, &whole, prompt.len());
+    for (i, (a, b)) in g.logprobs.iter().zip(&fresh).enumerate() {
+        assert!(
+            (*a as f64 - b).abs() < 1e-4,
+            "token {i}: the engine's log-prob {a} vs a fresh forward's {b}"
+        );
+    }
+
+    // An episode of another version never gets this engine's turn.
+    match engine.generate(&prompt, &params, 4).await {
+        Err(EngineError::WrongVersion {
+            served, expected, ..
+        }) => assert_eq!((served.as_str(), expected), ("tutor-v5", 4)),
+        other => panic!("expected a wrong-version error, got {other:?}"),
+    }
+
+    // A checkpoint of another shape is refused, naming the engine and the version; the
+    // engine keeps serving version 5.
+    let other = make_model(&dir.path().join("other"), 512, 32);
+    let other_file = dir.path().join("v6.safetensors");
+    std::fs::copy(other.join("model.safetensors"), &other_file).unwrap();
+    let name6 = stage_version(&staging, &model, &other_file, 6, 2).unwrap();
+    let err = engine
+        .load_from_disk(&staging.join(&name6), 6)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&url) && err.contains("refused to load policy version 6"),
+        "{err}"
+    );
+    assert_eq!(engine.served_version().await.unwrap(), version_label(5));
+    assert!(engine.generate(&prompt, &params, 5).await.is_ok());
+
+    // The engine goes away: a clear error, and waiting for it gives up after down_s.
+    drop(served);
+    let err = engine.generate(&prompt, &params, 5).await.unwrap_err();
+    assert!(
+        matches!(err, EngineError::Down { .. }) && err.to_string().contains(&url),
+        "{err}"
+    );
+    assert!(!engine.seems_up());
+    let t = std::time::Instant::now();
+    let err = engine.wait_up().await.unwrap_err().to_string();
+    assert!(
+        err.contains("worker.student.down_s") && err.contains(&url),
+        "{err}"
+    );
+    assert!(t.elapsed() >= Duration::from_secs(2));
+}
