@@ -31,7 +31,25 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "passed"
 "#;
 
-fn config(train_path: &std::path::Path, heldout_path: &std::path::Path) -> String {
+/// The student of the in-process runs: a model made for the run.
+const OWN_MODEL: &str = r#"
+[model]
+vocab_size = 512
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 1
+num_attention_heads = 2
+num_key_value_heads = 1
+head_dim = 32
+"#;
+
+/// The run's config: `model` is its `[model]` section, `extra` goes at the end.
+fn config(
+    train_path: &std::path::Path,
+    heldout_path: &std::path::Path,
+    model: &str,
+    extra: &str,
+) -> String {
     format!(
         r#"
 [run]
@@ -43,14 +61,7 @@ source = "file"
 train_path = "{}"
 heldout_path = "{}"
 
-[model]
-vocab_size = 512
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-head_dim = 32
+{model}
 
 [coordinator]
 algorithm = "dapo"
@@ -75,6 +86,8 @@ learning_rate = 1e-3
 warmup_steps = 0
 clip_eps_low = 0.2
 clip_eps_high = 0.28
+
+{extra}
 "#,
         train_path.display(),
         heldout_path.display()
@@ -84,8 +97,68 @@ clip_eps_high = 0.28
 #[test]
 fn dapo_run_across_processes_reports_groups_and_a_finite_loss() {
     let dir = tempfile::tempdir().unwrap();
+    dapo_run(dir.path(), OWN_MODEL, "");
+}
+
+/// The same run with `tutor serve` as the workers' student engine (`[worker.student] kind
+/// = "engine"`): both workers drive one engine, which loads each policy version from disk;
+/// every turn comes from the episode's version, and the learner's first step sees ratio 1
+/// on every token (the engine's log-probs are the learner's).
+#[test]
+fn dapo_run_with_tutor_serve_as_the_student_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("student");
+    std::fs::create_dir_all(&model).unwrap();
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("serve/make_model.py");
+    let out = std::process::Command::new(common::python())
+        .arg(&script)
+        .arg(&model)
+        .arg("4096")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let served = common::serve(&model, "student", dir.path(), &["--max-batch", "4"]);
+    let run = dapo_run(
+        dir.path(),
+        &format!("[model]\ninit_from = \"{}\"\n", model.display()),
+        &format!(
+            "[worker.student]\nkind = \"engine\"\nbase_url = \"http://{}\"\n",
+            served.addr
+        ),
+    );
+    // The engine loaded every version an episode ran on, under its version, and nothing
+    // was generated in-process by the workers.
+    let serve_log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap();
+    let (events, _) = tutor_coordinator::store::scan(&run.join("trajectories/events.log")).unwrap();
+    let versions: std::collections::BTreeSet<u64> = events
+        .iter()
+        .filter_map(|ev| match ev.event.as_ref()? {
+            Event::Outcome(o) => Some(o.policy_version),
+            _ => None,
+        })
+        .collect();
+    assert!(!versions.is_empty());
+    for v in &versions {
+        assert!(
+            serve_log.contains(&format!("version=tutor-v{v} ")),
+            "the engine never loaded version {v}:\n{serve_log}"
+        );
+    }
+    let logs = std::fs::read_dir(run.join("logs"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("worker"))
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .collect::<String>();
+    assert!(logs.contains("student engine answers"), "{logs}");
+    assert!(!logs.contains("generated with weight version"), "{logs}");
+}
+
+/// Runs DAPO on coin-flip toy tasks under `dir` and checks what every such run must show;
+/// returns the run directory.
+fn dapo_run(dir: &std::path::Path, model: &str, extra: &str) -> std::path::PathBuf {
     // Toy tasks (3 to train on, 1 held out), each with the coin-flip conftest.py in its repository.
-    let toy = dir.path().join("toy.jsonl");
+    let toy = dir.join("toy.jsonl");
     let out = common::tutor(&[
         "tasks",
         "toy",
@@ -97,7 +170,7 @@ fn dapo_run_across_processes_reports_groups_and_a_finite_loss() {
         toy.to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{out:?}");
-    let train = dir.path().join("train.jsonl");
+    let train = dir.join("train.jsonl");
     let lines: Vec<String> = std::fs::read_to_string(&toy)
         .unwrap()
         .lines()
@@ -113,12 +186,12 @@ fn dapo_run_across_processes_reports_groups_and_a_finite_loss() {
     assert_eq!(lines.len(), 4);
     std::fs::write(&train, lines[..3].join("\n") + "\n").unwrap();
     // A held-out file (never used: heldout_episodes = 0) with a task of its own.
-    let heldout = dir.path().join("heldout.jsonl");
+    let heldout = dir.join("heldout.jsonl");
     std::fs::write(&heldout, format!("{}\n", lines[3])).unwrap();
 
-    let cfg = dir.path().join("dapo.toml");
-    let out_dir = dir.path().join("runs");
-    std::fs::write(&cfg, config(&train, &heldout)).unwrap();
+    let cfg = dir.join("dapo.toml");
+    let out_dir = dir.join("runs");
+    std::fs::write(&cfg, config(&train, &heldout, model, extra)).unwrap();
     let out = std::process::Command::new(common::tutor_bin())
         .args(["run", "--config", cfg.to_str().unwrap()])
         .env("TUTOR_PYTHON", common::python())
@@ -250,6 +323,7 @@ fn dapo_run_across_processes_reports_groups_and_a_finite_loss() {
     }
     // P(no group kept in an iteration) = (1/4)^5 with G = 3 and 5 groups leased.
     assert!(trained_rows >= 1, "{metrics}");
+    run.to_path_buf()
 }
 
 /// DAPO's loss at r = 1 over the groups of `iteration` whose rewards differ. Episode ids

@@ -259,6 +259,8 @@ pub fn serve(model: &Path, name: &str, dir: &Path, extra: &[&str]) -> Served {
         .arg("--addr-file")
         .arg(&addr_file)
         .args(extra)
+        // Weight reloads are logged at info.
+        .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()
