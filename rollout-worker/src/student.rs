@@ -22,7 +22,7 @@ use tutor_policy::{
 use tutor_proto::auth::ClientAuth;
 use tutor_proto::PolicyVersion;
 
-use crate::student_engine::{stage_version, RemoteEngine, StudentConfig};
+use crate::student_engine::{stage_version, version_label, RemoteEngine, StudentConfig};
 
 /// Version number meaning "no weights loaded yet".
 pub const NO_VERSION: u64 = u64::MAX;
@@ -117,6 +117,8 @@ enum Backend {
 pub struct StudentHost {
     engine: Backend,
     loaded: Arc<AtomicU64>,
+    /// The weight version string the external engine serves `loaded` under.
+    label: Arc<std::sync::Mutex<String>>,
     load_lock: Arc<tokio::sync::Mutex<()>>,
     cache_dir: PathBuf,
     /// Sent with every weights download.
@@ -171,6 +173,7 @@ impl StudentHost {
         Ok(Self {
             engine: Backend::Local(engine),
             loaded: Arc::new(AtomicU64::new(NO_VERSION)),
+            label: Default::default(),
             load_lock: Default::default(),
             cache_dir: cache_dir.to_path_buf(),
             auth,
@@ -218,6 +221,7 @@ impl StudentHost {
                 rt: tokio::runtime::Handle::current(),
             },
             loaded: Arc::new(AtomicU64::new(NO_VERSION)),
+            label: Default::default(),
             load_lock: Default::default(),
             cache_dir: cache_dir.to_path_buf(),
             auth,
@@ -252,9 +256,11 @@ impl StudentHost {
         }
         let t = std::time::Instant::now();
         if let Backend::Remote { engine, .. } = &self.engine {
-            // Another worker sharing the engine may have loaded it already.
-            let label = crate::student_engine::version_label(policy.version);
+            // Another worker sharing the engine may have loaded it already (the label
+            // holds the checksum: the same weights, whichever run published them).
+            let label = version_label(policy.version, &policy.sha256);
             if engine.served_version().await.ok().as_deref() == Some(label.as_str()) {
+                *self.label.lock().expect("label") = label;
                 self.loaded.store(policy.version, Ordering::SeqCst);
                 tracing::info!(version = policy.version, engine = %engine.url(), "the student engine already serves the policy version");
                 return Ok(());
@@ -289,10 +295,29 @@ impl StudentHost {
                 (path, "grpc")
             }
         };
+        self.swap_in(&path, policy.version, &policy.sha256).await?;
+        tracing::info!(
+            version = policy.version,
+            via,
+            seconds = t.elapsed().as_secs_f64(),
+            "loaded policy version"
+        );
+        Ok(())
+    }
+
+    /// Loads the safetensors file `path` as policy version `version` (checksum `sha256`,
+    /// which names it on an external engine): swapped into the local engine, or staged and
+    /// loaded by the external one. The file is consumed.
+    pub async fn load_file(&self, path: &Path, version: u64, sha256: &str) -> Result<()> {
+        let _guard = self.load_lock.lock().await;
+        self.swap_in(path, version, sha256).await
+    }
+
+    async fn swap_in(&self, path: &Path, version: u64, sha256: &str) -> Result<()> {
         match &self.engine {
             Backend::Local(engine) => {
-                engine.load_weights(&path).await?;
-                let _ = std::fs::remove_file(&path);
+                engine.load_weights(path).await?;
+                let _ = std::fs::remove_file(path);
             }
             Backend::Remote {
                 engine,
@@ -302,28 +327,19 @@ impl StudentHost {
                 ..
             } => {
                 let name = {
-                    let (w, m, p, v) = (
-                        weights_dir.clone(),
-                        model_dir.clone(),
-                        path.clone(),
-                        policy.version,
-                    );
-                    tokio::task::spawn_blocking(move || stage_version(&w, &m, &p, v, 2))
+                    let (w, m, p) = (weights_dir.clone(), model_dir.clone(), path.to_path_buf());
+                    tokio::task::spawn_blocking(move || stage_version(&w, &m, &p, version, 2))
                         .await
                         .context("staging the version for the student engine")??
                 };
+                let label = version_label(version, sha256);
                 engine
-                    .load_from_disk(&engine_dir.join(name), policy.version)
+                    .load_from_disk(&engine_dir.join(name), version, &label)
                     .await?;
+                *self.label.lock().expect("label") = label;
             }
         }
-        self.loaded.store(policy.version, Ordering::SeqCst);
-        tracing::info!(
-            version = policy.version,
-            via,
-            seconds = t.elapsed().as_secs_f64(),
-            "loaded policy version"
-        );
+        self.loaded.store(version, Ordering::SeqCst);
         Ok(())
     }
 
@@ -370,8 +386,22 @@ impl StudentHost {
         let engine = match &self.engine {
             Backend::Local(engine) => engine,
             Backend::Remote { engine, rt, .. } => {
+                let loaded = self.loaded_version();
+                if version != loaded {
+                    anyhow::bail!(
+                        "the student cannot run this turn: the episode runs on policy version \
+                         {version}, but the student engine at {} now serves version {}",
+                        engine.url(),
+                        if loaded == NO_VERSION {
+                            "none".to_string()
+                        } else {
+                            loaded.to_string()
+                        }
+                    );
+                }
+                let label = self.label.lock().expect("label").clone();
                 return rt
-                    .block_on(engine.generate(&prompt, &params, version))
+                    .block_on(engine.generate(&prompt, &params, &label))
                     .map_err(|e| anyhow!("the student cannot run this turn: {e}"));
             }
         };

@@ -140,7 +140,7 @@ fn dapo_run_with_tutor_serve_as_the_student_engine() {
     assert!(!versions.is_empty());
     for v in &versions {
         assert!(
-            serve_log.contains(&format!("version=tutor-v{v} ")),
+            serve_log.contains(&format!("version=tutor-v{v}-")),
             "the engine never loaded version {v}:\n{serve_log}"
         );
     }

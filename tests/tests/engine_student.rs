@@ -81,11 +81,13 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
     let file = dir.path().join("v5.safetensors");
     policy.save_weights(&file).unwrap();
     let name = stage_version(&staging, &model, &file, 5, 2).unwrap();
+    let v5 = version_label(5, "0123456789abcdef");
+    assert_eq!(v5, "tutor-v5-0123456789ab");
     engine
-        .load_from_disk(&staging.join(&name), 5)
+        .load_from_disk(&staging.join(&name), 5, &v5)
         .await
         .unwrap();
-    assert_eq!(engine.served_version().await.unwrap(), version_label(5));
+    assert_eq!(engine.served_version().await.unwrap(), v5);
 
     // A turn: the prompt as token ids, the sampled ids and their log-probabilities back,
     // equal to a fresh forward pass of version 5 on the same tokens.
@@ -100,7 +102,7 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
         seed: 1,
         stop_token_ids: tok.stop_ids().to_vec(),
     };
-    let g = engine.generate(&prompt, &params, 5).await.unwrap();
+    let g = engine.generate(&prompt, &params, &v5).await.unwrap();
     assert!(!g.tokens.is_empty() && g.tokens.len() <= 12, "{g:?}");
     assert_eq!(g.logprobs.len(), g.tokens.len());
     let whole: Vec<u32> = prompt.iter().chain(&g.tokens).copied().collect();
@@ -113,10 +115,10 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
     }
 
     // An episode of another version never gets this engine's turn.
-    match engine.generate(&prompt, &params, 4).await {
+    match engine.generate(&prompt, &params, "tutor-v4-aaaa").await {
         Err(EngineError::WrongVersion {
             served, expected, ..
-        }) => assert_eq!((served.as_str(), expected), ("tutor-v5", 4)),
+        }) => assert_eq!((served, expected.as_str()), (v5.clone(), "tutor-v4-aaaa")),
         other => panic!("expected a wrong-version error, got {other:?}"),
     }
 
@@ -127,7 +129,7 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
     std::fs::copy(other.join("model.safetensors"), &other_file).unwrap();
     let name6 = stage_version(&staging, &model, &other_file, 6, 2).unwrap();
     let err = engine
-        .load_from_disk(&staging.join(&name6), 6)
+        .load_from_disk(&staging.join(&name6), 6, &version_label(6, ""))
         .await
         .unwrap_err()
         .to_string();
@@ -135,12 +137,12 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
         err.contains(&url) && err.contains("refused to load policy version 6"),
         "{err}"
     );
-    assert_eq!(engine.served_version().await.unwrap(), version_label(5));
-    assert!(engine.generate(&prompt, &params, 5).await.is_ok());
+    assert_eq!(engine.served_version().await.unwrap(), v5);
+    assert!(engine.generate(&prompt, &params, &v5).await.is_ok());
 
     // The engine goes away: a clear error, and waiting for it gives up after down_s.
     drop(served);
-    let err = engine.generate(&prompt, &params, 5).await.unwrap_err();
+    let err = engine.generate(&prompt, &params, &v5).await.unwrap_err();
     assert!(
         matches!(err, EngineError::Down { .. }) && err.to_string().contains(&url),
         "{err}"

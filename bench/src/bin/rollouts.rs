@@ -1,19 +1,20 @@
-//! Rollout throughput: N workers' episodes at once against one in-process student engine
-//! (`tutor_policy::engine`, continuous batching), as a worker process with N episode
-//! slots runs them. Real episodes: toy tasks in local sandboxes, the student acting on
+//! Rollout throughput: N workers' episodes at once against one student engine, as a
+//! worker process with N episode slots runs them: Tutor's in-process engine
+//! (`tutor_policy::engine`, continuous batching), and `tutor serve` as the external engine
+//! (`[worker.student] kind = "engine"`: token ids over HTTP, the version checked on every
+//! turn), started here from the release binary with the same limits. Real episodes: toy tasks in local sandboxes, the student acting on
 //! every turn (β = 0, unbiased sampling, as DAPO leases it), each submission graded.
 //!
-//! `cargo run --release -p tutor-bench --bin rollouts [-- --workers 1,2,4,8
-//! --episodes 2 --turns 8 --reply 48 --hidden 256 --layers 4]`
+//! `cargo build --release -p tutor && cargo run --release -p tutor-bench --bin rollouts
+//! [-- --workers 1,2,4,8 --episodes 2 --turns 8 --reply 48 --hidden 256 --layers 4
+//! --engine both]`
 //!
 //! Reported per N: episodes, turns and generated tokens, wall seconds, turns/s and
 //! generated tokens/s, the speed-up over N = 1, and the mean episode's seconds. The random
 //! student rarely writes a valid command, so its turns are mostly generation and a format
-//! error: the figure bounds what the engine delivers to N concurrent episodes. The
-//! external engine of issue 18 item 1 (`tutor serve` as the student) is not built yet, so
-//! there is no second column.
+//! error: the figure bounds what the engine delivers to N concurrent episodes.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,13 +22,14 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use clap::Parser;
 use tutor_policy::{ChatTokenizer, ModelConfig};
-use tutor_proto::{episode_event, EpisodeLease, EpisodePurpose, SamplingParams};
+use tutor_proto::{episode_event, EpisodeLease, EpisodePurpose, PolicyVersion, SamplingParams};
 use tutor_rollout_worker::episode::{
     run_episode, EpisodeEnv, TeacherSource, DEFAULT_SYSTEM_PROMPT,
 };
 use tutor_rollout_worker::grade::GradingMode;
 use tutor_rollout_worker::sandbox::SandboxFactory;
 use tutor_rollout_worker::student::StudentHost;
+use tutor_rollout_worker::student_engine::{StudentConfig, StudentKind};
 use tutor_rollout_worker::worker::WorkerConfig;
 
 #[derive(Parser, Debug)]
@@ -57,10 +59,75 @@ struct Args {
     /// libtorch threads of the engine (0: libtorch's default).
     #[arg(long, default_value_t = 0)]
     threads: u32,
+    /// Which student engines to measure: `local` (in-process), `serve` (`tutor serve` as
+    /// the external engine) or `both`.
+    #[arg(long, default_value = "both")]
+    engine: String,
+    /// The tutor binary that serves (default: target/release/tutor of this checkout).
+    #[arg(long)]
+    tutor: Option<PathBuf>,
+}
+
+/// A `tutor serve` of the bench's model, killed on drop.
+struct Served(std::process::Child);
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `tutor serve` on `model` with the in-process engine's limits; its address.
+fn serve(args: &Args, model: &Path) -> Result<(Served, String)> {
+    let bin = args
+        .tutor
+        .clone()
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/tutor"));
+    if !bin.exists() {
+        anyhow::bail!(
+            "{} does not exist: build it first (cargo build --release -p tutor) or pass --tutor",
+            bin.display()
+        );
+    }
+    let addr_file = model.join("serve-addr");
+    let _ = std::fs::remove_file(&addr_file);
+    let defaults = WorkerConfig::default();
+    let mut cmd = std::process::Command::new(&bin);
+    cmd.arg("serve")
+        .arg("--model")
+        .arg(model)
+        .args(["--port", "0", "--device", "cpu", "--max-batch"])
+        .arg(args.max_batch.to_string())
+        .arg("--max-cached-tokens")
+        .arg(defaults.student_cache_tokens.to_string())
+        .arg("--prefix-cache-tokens")
+        .arg(defaults.student_prefix_cache_tokens.to_string())
+        .arg("--addr-file")
+        .arg(&addr_file)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    if args.threads > 0 {
+        cmd.env("OMP_NUM_THREADS", args.threads.to_string());
+    }
+    let mut served = Served(cmd.spawn()?);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !addr_file.exists() {
+        if let Some(status) = served.0.try_wait()? {
+            anyhow::bail!("tutor serve exited with {status}");
+        }
+        if Instant::now() > deadline {
+            anyhow::bail!("tutor serve did not start within 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let addr = std::fs::read_to_string(&addr_file)?.trim().to_string();
+    Ok((served, addr))
 }
 
 /// One configuration's totals.
 struct Row {
+    engine: &'static str,
     workers: usize,
     episodes: usize,
     turns: u64,
@@ -97,6 +164,19 @@ fn main() -> Result<()> {
     mc.head_dim = args.hidden / mc.num_attention_heads;
     mc.max_position_embeddings = 8192;
     mc.save(&dir.path().join("config.json"))?;
+    // The weights `tutor serve` starts from and every engine runs (version 0).
+    let policy = tutor_policy::Policy::new(mc.clone(), tch::Device::Cpu, 0);
+    policy.save_weights(&dir.path().join("model.safetensors"))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let engines: &[&'static str] = match args.engine.as_str() {
+        "local" => &["in-process"],
+        "serve" => &["tutor serve"],
+        "both" => &["in-process", "tutor serve"],
+        other => anyhow::bail!("--engine {other:?}: expected local, serve or both"),
+    };
     println!(
         "student: {} parameters (hidden {}, {} layers, vocab {}); {} turns × ≤{} tokens per \
          episode, {} episodes per slot",
@@ -109,38 +189,61 @@ fn main() -> Result<()> {
         args.episodes
     );
     let mut rows = Vec::new();
-    for &n in &args.workers {
-        // A fresh engine per configuration: nothing cached from the one before.
-        let engine = tutor_policy::EngineConfig {
-            max_batch: args.max_batch,
-            torch_threads: args.threads,
-            ..WorkerConfig::default().student_engine()
-        };
-        let student = StudentHost::start(
-            dir.path(),
-            dir.path(),
-            tokenizer.clone(),
-            engine,
-            Default::default(),
-        )?;
-        let row = run(&args, n, &tasks, &tokenizer, student, dir.path())?;
-        println!(
-            "{n} slot(s): {} episodes, {} turns, {} tokens in {:.1} s",
-            row.episodes, row.turns, row.tokens, row.wall
-        );
-        rows.push(row);
+    for &kind in engines {
+        for &n in &args.workers {
+            // A fresh engine per configuration: nothing cached from the one before.
+            let (student, _served) = if kind == "in-process" {
+                let engine = tutor_policy::EngineConfig {
+                    max_batch: args.max_batch,
+                    torch_threads: args.threads,
+                    ..WorkerConfig::default().student_engine()
+                };
+                let student = StudentHost::start(
+                    dir.path(),
+                    dir.path(),
+                    tokenizer.clone(),
+                    engine,
+                    Default::default(),
+                )?;
+                (student, None)
+            } else {
+                let (served, addr) = serve(&args, dir.path())?;
+                let config = StudentConfig {
+                    kind: StudentKind::Engine,
+                    base_url: format!("http://{addr}"),
+                    ..Default::default()
+                };
+                let student = rt.block_on(StudentHost::remote(
+                    dir.path(),
+                    dir.path(),
+                    &config,
+                    Default::default(),
+                ))?;
+                (student, Some(served))
+            };
+            let weights = dir.path().join("version-0.safetensors");
+            std::fs::copy(dir.path().join("model.safetensors"), &weights)?;
+            rt.block_on(student.load_file(&weights, 0, "bench"))?;
+            let row = run(&args, kind, n, &tasks, &tokenizer, student, dir.path())?;
+            println!(
+                "{kind}, {n} slot(s): {} episodes, {} turns, {} tokens in {:.1} s",
+                row.episodes, row.turns, row.tokens, row.wall
+            );
+            rows.push(row);
+        }
     }
     println!();
-    println!("| concurrent episodes | episodes | turns | generated tokens | wall s | turns/s | tokens/s | tokens/s vs 1 | mean episode s |");
-    println!("|---|---|---|---|---|---|---|---|---|");
-    let base = rows
-        .iter()
-        .find(|r| r.workers == 1)
-        .map(|r| r.tokens as f64 / r.wall);
+    println!("| engine | concurrent episodes | episodes | turns | generated tokens | wall s | turns/s | tokens/s | tokens/s vs 1 | mean episode s |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
+        let base = rows
+            .iter()
+            .find(|b| b.workers == 1 && b.engine == r.engine)
+            .map(|b| b.tokens as f64 / b.wall);
         let tps = r.tokens as f64 / r.wall;
         println!(
-            "| {} | {} | {} | {} | {:.1} | {:.2} | {:.1} | {} | {:.1} |",
+            "| {} | {} | {} | {} | {} | {:.1} | {:.2} | {:.1} | {} | {:.1} |",
+            r.engine,
             r.workers,
             r.episodes,
             r.turns,
@@ -158,6 +261,7 @@ fn main() -> Result<()> {
 /// `n` slots, each running `args.episodes` episodes one after the other, all on `student`.
 fn run(
     args: &Args,
+    engine: &'static str,
     n: usize,
     tasks: &[tutor_rollout_worker::tasks::TaskRecord],
     tokenizer: &ChatTokenizer,
@@ -203,6 +307,10 @@ fn run(
                     observation_max_chars: 1500,
                     purpose: EpisodePurpose::Train as i32,
                     seed: i as u64,
+                    policy: Some(PolicyVersion {
+                        version: 0,
+                        ..Default::default()
+                    }),
                     ..Default::default()
                 }
             })
@@ -231,6 +339,7 @@ fn run(
         }
     }
     Ok(Row {
+        engine,
         workers: n,
         episodes: n * args.episodes,
         turns,
