@@ -12,14 +12,15 @@
 //! Rank 0 (the learner) publishes the rendezvous of group [`GROUP`] at the coordinator,
 //! waits for the N receivers, then sends every version it registers: a JSON
 //! [`Header`], then the safetensors file's bytes (`Collective::broadcast_bytes_max`, which
-//! a receiver bounds by the size the header announced). While nothing is published it
+//! a receiver bounds by the size the header announced). A receiver keeps the bytes in
+//! memory and its engine loads them from there: no file written, none read back. While nothing is published it
 //! sends a keepalive header every [`KEEPALIVE`]. A failed send (a receiver died) drops the
 //! group; rank 0 publishes a new generation and the receivers, restarted or not, join it
 //! and get the newest version at once. With a CPU group, a receiver joins through the
 //! same hello as a learner rank (`rendezvous::join_rendezvous`): authenticated with a key
 //! derived from the run's auth token and the group's name when there is a token.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -159,29 +160,13 @@ fn send_header(c: &mut dyn Collective, header: &Header) -> Result<()> {
         .context("sending a header to the weight receivers")
 }
 
-fn send_version(c: &mut dyn Collective, pv: &VersionFile) -> Result<()> {
-    let mut data =
-        std::fs::read(&pv.path).with_context(|| format!("reading {}", pv.path.display()))?;
-    send_header(
-        c,
-        &Header {
-            version: Some(pv.version),
-            sha256: pv.sha256.clone(),
-            bytes: data.len() as u64,
-        },
-    )?;
-    // The receivers expect the size the header announced.
-    let max = data.len();
-    c.broadcast_bytes_max(&mut data, max)
-        .with_context(|| format!("sending policy version {}", pv.version))
-}
-
-/// A version a receiver got: the file holds the bytes whose sha256 is `sha256`.
+/// A version a receiver got: the safetensors file's bytes, whose sha256 is `sha256`, in
+/// memory (the engine loads them from there: no file is written or read back).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Arrived {
     pub version: u64,
     pub sha256: String,
-    pub path: PathBuf,
+    pub bytes: Arc<Vec<u8>>,
 }
 
 /// What a receiver reports to its owner.
@@ -199,14 +184,12 @@ pub enum ReceiverEvent {
 
 /// A weight receiver (a rollout worker): a thread that joins the newest generation of
 /// group [`GROUP`] as `opts.rank` (1..N; the world size comes from the rendezvous),
-/// writes each version it receives into `dir` (checksum verified, renamed into place)
-/// and reports it, and its joining and leaving groups, to `on_event`. Joins again
-/// whenever the group breaks; runs for the
-/// life of the process.
+/// and reports each version it receives (checksum verified, bytes in memory), and its
+/// joining and leaving groups, to `on_event`. Joins again whenever the group breaks; runs
+/// for the life of the process.
 pub fn spawn_receiver(
     opts: GroupOptions,
     rt: tokio::runtime::Handle,
-    dir: PathBuf,
     on_event: impl Fn(ReceiverEvent) + Send + 'static,
 ) -> Result<std::thread::JoinHandle<()>> {
     if opts.rank == 0 || opts.group != GROUP {
@@ -215,19 +198,13 @@ pub fn spawn_receiver(
             opts.rank
         );
     }
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     std::thread::Builder::new()
         .name("weights-receive".into())
-        .spawn(move || receiver(opts, rt, &dir, &on_event))
+        .spawn(move || receiver(opts, rt, &on_event))
         .context("starting the weights receiver thread")
 }
 
-fn receiver(
-    opts: GroupOptions,
-    rt: tokio::runtime::Handle,
-    dir: &Path,
-    on_event: &dyn Fn(ReceiverEvent),
-) {
+fn receiver(opts: GroupOptions, rt: tokio::runtime::Handle, on_event: &dyn Fn(ReceiverEvent)) {
     let mut after = 0;
     loop {
         let rdv = match rt.block_on(fetch(&opts, after)) {
@@ -264,7 +241,7 @@ fn receiver(
             on_event(ReceiverEvent::Joined {
                 generation: rdv.generation,
             });
-            receive(c.as_mut(), dir, on_event)
+            receive(c.as_mut(), on_event)
         });
         on_event(ReceiverEvent::Left);
         if let Err(e) = result {
@@ -279,8 +256,37 @@ fn receiver(
 }
 
 /// Receives versions until the group fails.
-fn receive(c: &mut dyn Collective, dir: &Path, on_event: &dyn Fn(ReceiverEvent)) -> Result<()> {
+fn receive(c: &mut dyn Collective, on_event: &dyn Fn(ReceiverEvent)) -> Result<()> {
     loop {
+        if let Some(arrived) = receive_one(c)? {
+            on_event(ReceiverEvent::Arrived(arrived));
+        }
+    }
+}
+
+/// Sends policy version `pv` to the group of `c` (rank 0): its header, then the file's
+/// bytes, as the broadcaster does.
+pub fn send_version(c: &mut dyn Collective, pv: &VersionFile) -> Result<()> {
+    let mut data =
+        std::fs::read(&pv.path).with_context(|| format!("reading {}", pv.path.display()))?;
+    send_header(
+        c,
+        &Header {
+            version: Some(pv.version),
+            sha256: pv.sha256.clone(),
+            bytes: data.len() as u64,
+        },
+    )?;
+    // The receivers expect the size the header announced.
+    let max = data.len();
+    c.broadcast_bytes_max(&mut data, max)
+        .with_context(|| format!("sending policy version {}", pv.version))
+}
+
+/// Receives rank 0's next message: a version (checked against the sha256 and size its
+/// header announced), or `None` for a keepalive.
+pub fn receive_one(c: &mut dyn Collective) -> Result<Option<Arrived>> {
+    {
         let mut bytes = Vec::new();
         c.broadcast_bytes_max(&mut bytes, MAX_HEADER_BYTES)
             .context("waiting for learner rank 0's next message")?;
@@ -288,7 +294,7 @@ fn receive(c: &mut dyn Collective, dir: &Path, on_event: &dyn Fn(ReceiverEvent))
             "learner rank 0 sent a header this worker cannot read (same tutor version?)",
         )?;
         let Some(version) = header.version else {
-            continue; // keepalive
+            return Ok(None); // keepalive
         };
         // No more than the header announced (a corrupt length is refused unread).
         let mut data = Vec::new();
@@ -304,19 +310,15 @@ fn receive(c: &mut dyn Collective, dir: &Path, on_event: &dyn Fn(ReceiverEvent))
                 header.sha256
             );
         }
-        let path = dir.join(format!("policy-v{version:06}.safetensors"));
-        let tmp = dir.join(format!(".policy-v{version:06}.safetensors.part"));
-        std::fs::write(&tmp, &data).with_context(|| format!("writing {}", tmp.display()))?;
-        std::fs::rename(&tmp, &path).with_context(|| format!("renaming to {}", path.display()))?;
         tracing::info!(
             version,
             bytes = data.len(),
             "policy version arrived over the weights broadcast"
         );
-        on_event(ReceiverEvent::Arrived(Arrived {
+        Ok(Some(Arrived {
             version,
             sha256: sha,
-            path,
-        }));
+            bytes: Arc::new(data),
+        }))
     }
 }

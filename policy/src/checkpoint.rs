@@ -83,10 +83,6 @@ impl Policy {
     /// are read, converted and copied into the model one at a time. So a load needs the
     /// model's memory plus one tensor, not the checkpoint's size on top.
     fn load_weight_files(&mut self, files: &[PathBuf]) -> Result<(), PolicyError> {
-        let bad = |path: &Path, message: String| PolicyError::Safetensors {
-            path: path.to_path_buf(),
-            message,
-        };
         let mut maps = Vec::with_capacity(files.len());
         for file in files {
             let f = std::fs::File::open(file).map_err(|e| PolicyError::io(file, e))?;
@@ -94,13 +90,33 @@ impl Policy {
             // rewritten in place by another process during the load is not supported
             // (Tutor writes checkpoints to a temporary directory and renames it).
             let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| PolicyError::io(file, e))?;
-            maps.push((file, map));
+            maps.push((file.clone(), map));
         }
-        let mut parsed = Vec::with_capacity(maps.len());
-        for (file, map) in &maps {
+        let buffers: Vec<(PathBuf, &[u8])> =
+            maps.iter().map(|(f, m)| (f.clone(), &m[..])).collect();
+        self.load_weight_buffers(&buffers)
+    }
+
+    /// Loads the parameters from one safetensors file's bytes held in memory (a version
+    /// that arrived over the weights broadcast: no file written, none read back). `name`
+    /// stands for the file in errors.
+    pub fn load_weight_bytes(&mut self, bytes: &[u8], name: &str) -> Result<(), PolicyError> {
+        self.load_weight_buffers(&[(PathBuf::from(name), bytes)])
+    }
+
+    /// [`Policy::load_weight_files`] over the files' bytes, each named by its path.
+    fn load_weight_buffers(&mut self, buffers: &[(PathBuf, &[u8])]) -> Result<(), PolicyError> {
+        let bad = |path: &Path, message: String| PolicyError::Safetensors {
+            path: path.to_path_buf(),
+            message,
+        };
+        let files: Vec<PathBuf> = buffers.iter().map(|(f, _)| f.clone()).collect();
+        let files = &files[..];
+        let mut parsed = Vec::with_capacity(buffers.len());
+        for (file, map) in buffers {
             check_data_offsets(map).map_err(|m| bad(file, m))?;
             let st = SafeTensors::deserialize(map).map_err(|e| bad(file, format!("{e:?}")))?;
-            parsed.push((*file, st));
+            parsed.push((file, st));
         }
         // name -> index of the file holding it
         let mut found: HashMap<String, usize> = HashMap::new();

@@ -90,9 +90,32 @@ enum Msg {
     /// Swap weights once the rows admitted before it have finished; requests that arrive
     /// later wait and run under the new weights, so no generation mixes two versions.
     Load {
-        path: std::path::PathBuf,
+        source: WeightsSource,
         reply: tokio::sync::oneshot::Sender<Result<(), LoadError>>,
     },
+}
+
+/// Where new weights come from: a safetensors file or checkpoint directory, or one
+/// safetensors file's bytes already in memory (a version received over the weights
+/// broadcast, loaded without writing or reading a file).
+#[derive(Debug, Clone)]
+pub enum WeightsSource {
+    Path(std::path::PathBuf),
+    Bytes {
+        bytes: std::sync::Arc<Vec<u8>>,
+        /// Stands for the file in errors, e.g. "policy version 3 (in memory)".
+        name: String,
+    },
+}
+
+impl WeightsSource {
+    /// How errors name it.
+    pub fn describe(&self) -> std::path::PathBuf {
+        match self {
+            WeightsSource::Path(p) => p.clone(),
+            WeightsSource::Bytes { name, .. } => std::path::PathBuf::from(name),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -304,12 +327,14 @@ impl EngineHandle {
     /// every generation runs under one set of weights. A file that does not fit the model
     /// is an error and the old weights stay.
     pub async fn load_weights(&self, path: &std::path::Path) -> Result<(), LoadError> {
+        self.load(WeightsSource::Path(path.to_path_buf())).await
+    }
+
+    /// [`EngineHandle::load_weights`] from a file or from bytes in memory.
+    pub async fn load(&self, source: WeightsSource) -> Result<(), LoadError> {
         let (reply, rx) = tokio::sync::oneshot::channel();
         self.tx
-            .send(Msg::Load {
-                path: path.to_path_buf(),
-                reply,
-            })
+            .send(Msg::Load { source, reply })
             .await
             .map_err(|_| LoadError::Stopped)?;
         rx.await.map_err(|_| LoadError::Interrupted)?
@@ -320,7 +345,7 @@ impl EngineHandle {
         let (reply, rx) = tokio::sync::oneshot::channel();
         self.tx
             .blocking_send(Msg::Load {
-                path: path.to_path_buf(),
+                source: WeightsSource::Path(path.to_path_buf()),
                 reply,
             })
             .map_err(|_| LoadError::Stopped)?;
@@ -490,11 +515,17 @@ impl Engine {
             });
             self.admit(&mut waiting);
             if self.rows.is_empty() && matches!(waiting.front(), Some(Msg::Load { .. })) {
-                if let Some(Msg::Load { path, reply }) = waiting.pop_front() {
-                    let r = self
-                        .policy
-                        .load_path(&path)
-                        .map_err(|error| LoadError::Weights { path, error });
+                if let Some(Msg::Load { source, reply }) = waiting.pop_front() {
+                    let r = match &source {
+                        WeightsSource::Path(path) => self.policy.load_path(path),
+                        WeightsSource::Bytes { bytes, name } => {
+                            self.policy.load_weight_bytes(bytes, name)
+                        }
+                    }
+                    .map_err(|error| LoadError::Weights {
+                        path: source.describe(),
+                        error,
+                    });
                     // Keys and values of the old weights would mix two versions (and a
                     // failed load may have replaced some tensors before it failed).
                     self.prefix.clear();
@@ -1069,7 +1100,7 @@ mod tests {
         handle
             .tx
             .blocking_send(Msg::Load {
-                path: new_weights.clone(),
+                source: WeightsSource::Path(new_weights.clone()),
                 reply,
             })
             .unwrap();

@@ -28,7 +28,7 @@ pub use checkpoint::{weight_files, INDEX_FILE};
 pub use config::{Family, ModelConfig, RopeScaling, SUPPORTED_MODELS};
 pub use engine::{
     spawn_engine, Completion, DoneEvent, EngineConfig, EngineEvent, EngineHandle, EngineRequest,
-    EventSender, LoadError, RequestError, TokenEvent,
+    EventSender, LoadError, RequestError, TokenEvent, WeightsSource,
 };
 pub use error::PolicyError;
 pub use generate::{fit_context, FinishReason, GenParams, Generation};

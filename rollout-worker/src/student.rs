@@ -17,7 +17,7 @@ use std::time::Duration;
 use anyhow::{anyhow, Context, Result};
 use tutor_policy::{
     spawn_engine, ChatTokenizer, EngineConfig, EngineHandle, EngineRequest, GenParams, Generation,
-    ModelConfig, Policy,
+    ModelConfig, Policy, WeightsSource,
 };
 use tutor_proto::auth::ClientAuth;
 use tutor_proto::PolicyVersion;
@@ -27,12 +27,16 @@ use crate::student_engine::{stage_version, version_label, RemoteEngine, StudentC
 /// Version number meaning "no weights loaded yet".
 pub const NO_VERSION: u64 = u64::MAX;
 
-/// Policy versions that arrived over the weights broadcast (version → sha256 and file),
-/// filled by the receiver thread (`tutor_collective::broadcast::spawn_receiver`), taken by
-/// `StudentHost::ensure`. Keeps the files of the two newest versions.
+/// The bytes of a safetensors file held in memory.
+pub type WeightBytes = Arc<Vec<u8>>;
+
+/// Policy versions that arrived over the weights broadcast (version → sha256 and the
+/// safetensors file's bytes, in memory), filled by the receiver thread
+/// (`tutor_collective::broadcast::spawn_receiver`), taken by `StudentHost::ensure`. Keeps
+/// the two newest versions.
 #[derive(Clone)]
 pub struct BroadcastInbox {
-    arrived: tokio::sync::watch::Sender<BTreeMap<u64, (String, PathBuf)>>,
+    arrived: tokio::sync::watch::Sender<BTreeMap<u64, (String, WeightBytes)>>,
     /// Whether the receiver is in a formed group (else nothing will arrive: `ensure`
     /// does not wait).
     in_group: Arc<std::sync::atomic::AtomicBool>,
@@ -54,23 +58,21 @@ impl BroadcastInbox {
         self.in_group.store(yes, Ordering::SeqCst);
     }
 
-    /// Records a version the receiver wrote to `path` (callable from any thread).
-    pub fn arrived(&self, version: u64, sha256: String, path: PathBuf) {
+    /// Records a version the receiver got (callable from any thread).
+    pub fn arrived(&self, version: u64, sha256: String, bytes: WeightBytes) {
         self.arrived.send_modify(|m| {
-            m.insert(version, (sha256, path));
+            m.insert(version, (sha256, bytes));
             while m.len() > 2 {
                 let oldest = *m.keys().next().expect("not empty");
-                if let Some((_, p)) = m.remove(&oldest) {
-                    let _ = std::fs::remove_file(p);
-                }
+                m.remove(&oldest);
             }
         });
     }
 
-    /// The file of `version` once it has arrived with checksum `sha256`: at once if it is
+    /// The bytes of `version` once it has arrived with checksum `sha256`: at once if it is
     /// here, else within the wait while the receiver is in a group (out of one, nothing
     /// is coming).
-    async fn take(&self, version: u64, sha256: &str) -> Option<PathBuf> {
+    async fn take(&self, version: u64, sha256: &str) -> Option<WeightBytes> {
         let mut rx = self.arrived.subscribe();
         let wait = if self.in_group.load(Ordering::SeqCst) {
             self.wait
@@ -82,15 +84,15 @@ impl BroadcastInbox {
             rx.wait_for(|m| m.get(&version).is_some_and(|(s, _)| s == sha256)),
         )
         .await;
-        let path = match found {
-            Ok(Ok(m)) => m.get(&version).map(|(_, p)| p.clone()),
+        let bytes = match found {
+            Ok(Ok(m)) => m.get(&version).map(|(_, b)| b.clone()),
             _ => None,
         };
         // The engine reads it once; the inbox forgets it.
         self.arrived.send_modify(|m| {
             m.remove(&version);
         });
-        path
+        bytes
     }
 }
 
@@ -270,8 +272,14 @@ impl StudentHost {
             Some(inbox) => inbox.take(policy.version, &policy.sha256).await,
             None => None,
         };
-        let (path, via) = match pushed {
-            Some(path) => (path, "broadcast"),
+        let (source, via) = match pushed {
+            Some(bytes) => (
+                WeightsSource::Bytes {
+                    bytes,
+                    name: format!("policy version {} (in memory)", policy.version),
+                },
+                "broadcast",
+            ),
             None => {
                 if let Some(inbox) = &self.broadcast {
                     tracing::warn!(
@@ -292,10 +300,10 @@ impl StudentHost {
                     &self.auth,
                 )
                 .await?;
-                (path, "grpc")
+                (WeightsSource::Path(path), "grpc")
             }
         };
-        self.swap_in(&path, policy.version, &policy.sha256).await?;
+        self.swap_in(source, policy.version, &policy.sha256).await?;
         tracing::info!(
             version = policy.version,
             via,
@@ -310,14 +318,18 @@ impl StudentHost {
     /// loaded by the external one. The file is consumed.
     pub async fn load_file(&self, path: &Path, version: u64, sha256: &str) -> Result<()> {
         let _guard = self.load_lock.lock().await;
-        self.swap_in(path, version, sha256).await
+        self.swap_in(WeightsSource::Path(path.to_path_buf()), version, sha256)
+            .await
     }
 
-    async fn swap_in(&self, path: &Path, version: u64, sha256: &str) -> Result<()> {
+    /// Loads `source` as policy version `version`; a file is consumed.
+    async fn swap_in(&self, source: WeightsSource, version: u64, sha256: &str) -> Result<()> {
         match &self.engine {
             Backend::Local(engine) => {
-                engine.load_weights(path).await?;
-                let _ = std::fs::remove_file(path);
+                engine.load(source.clone()).await?;
+                if let WeightsSource::Path(path) = &source {
+                    let _ = std::fs::remove_file(path);
+                }
             }
             Backend::Remote {
                 engine,
@@ -326,9 +338,22 @@ impl StudentHost {
                 engine_dir,
                 ..
             } => {
+                // The engine reads files: bytes from the broadcast are written for it.
+                let path = match source {
+                    WeightsSource::Path(path) => path,
+                    WeightsSource::Bytes { bytes, .. } => {
+                        let path = self
+                            .cache_dir
+                            .join(format!("policy-v{version:06}.safetensors"));
+                        tokio::fs::write(&path, &bytes[..])
+                            .await
+                            .with_context(|| format!("writing {}", path.display()))?;
+                        path
+                    }
+                };
                 let name = {
-                    let (w, m, p) = (weights_dir.clone(), model_dir.clone(), path.to_path_buf());
-                    tokio::task::spawn_blocking(move || stage_version(&w, &m, &p, version, 2))
+                    let (w, m) = (weights_dir.clone(), model_dir.clone());
+                    tokio::task::spawn_blocking(move || stage_version(&w, &m, &path, version, 2))
                         .await
                         .context("staging the version for the student engine")??
                 };
@@ -433,12 +458,7 @@ mod tests {
     /// files are kept.
     #[tokio::test]
     async fn the_inbox_hands_out_versions_with_the_leased_checksum_only() {
-        let dir = tempfile::tempdir().unwrap();
-        let file = |v: u64| {
-            let p = dir.path().join(format!("policy-v{v:06}.safetensors"));
-            std::fs::write(&p, b"weights").unwrap();
-            p
-        };
+        let file = |v: u64| Arc::new(format!("weights {v}").into_bytes());
         let inbox = BroadcastInbox::new(Duration::from_millis(200));
         // Out of a group nothing is coming: no wait at all.
         let t = std::time::Instant::now();
@@ -467,11 +487,11 @@ mod tests {
         assert_eq!(inbox.take(2, "cc").await, None);
         assert!(t.elapsed() >= Duration::from_millis(200));
         assert_eq!(inbox.take(9, "dd").await, None);
-        // Old files are removed as newer versions arrive.
-        let (p3, p4, p5) = (file(3), file(4), file(5));
-        inbox.arrived(3, "x".into(), p3.clone());
-        inbox.arrived(4, "y".into(), p4.clone());
-        inbox.arrived(5, "z".into(), p5.clone());
-        assert!(!p3.exists() && p4.exists() && p5.exists());
+        // Only the two newest versions are kept as newer ones arrive.
+        inbox.arrived(3, "x".into(), file(3));
+        inbox.arrived(4, "y".into(), file(4));
+        inbox.arrived(5, "z".into(), file(5));
+        let kept: Vec<u64> = inbox.arrived.borrow().keys().copied().collect();
+        assert_eq!(kept, vec![4, 5]);
     }
 }

@@ -112,10 +112,9 @@ pub async fn run(args: WorkerArgs) -> Result<()> {
                     group: tutor_collective::broadcast::GROUP.into(),
                 },
                 tokio::runtime::Handle::current(),
-                cache_dir.join("broadcast"),
                 move |e| match e {
                     tutor_collective::broadcast::ReceiverEvent::Arrived(a) => {
-                        sink.arrived(a.version, a.sha256, a.path)
+                        sink.arrived(a.version, a.sha256, a.bytes)
                     }
                     tutor_collective::broadcast::ReceiverEvent::Joined { .. } => {
                         sink.set_in_group(true)
