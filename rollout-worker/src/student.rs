@@ -24,6 +24,10 @@ use tutor_proto::PolicyVersion;
 
 use crate::student_engine::{stage_version, version_label, RemoteEngine, StudentConfig};
 
+/// Reloads of an external engine refused in a row after which the worker stops leasing:
+/// every episode would run on a version it was not leased for.
+pub const RELOAD_FAILURES_TO_STOP: u32 = 3;
+
 /// Version number meaning "no weights loaded yet".
 pub const NO_VERSION: u64 = u64::MAX;
 
@@ -119,8 +123,14 @@ enum Backend {
 pub struct StudentHost {
     engine: Backend,
     loaded: Arc<AtomicU64>,
-    /// The weight version string the external engine serves `loaded` under.
-    label: Arc<std::sync::Mutex<String>>,
+    /// External engine: the policy version loaded and the weight version string the
+    /// engine serves it under, set and read together.
+    current: Arc<std::sync::Mutex<(u64, String)>>,
+    /// External engine: reloads refused in a row (the worker stops leasing at
+    /// [`RELOAD_FAILURES_TO_STOP`]).
+    reload_failures: Arc<std::sync::atomic::AtomicU32>,
+    /// External engine: the version directories this worker staged, oldest first.
+    staged: Arc<std::sync::Mutex<std::collections::VecDeque<PathBuf>>>,
     load_lock: Arc<tokio::sync::Mutex<()>>,
     cache_dir: PathBuf,
     /// Sent with every weights download.
@@ -175,7 +185,9 @@ impl StudentHost {
         Ok(Self {
             engine: Backend::Local(engine),
             loaded: Arc::new(AtomicU64::new(NO_VERSION)),
-            label: Default::default(),
+            current: Arc::new(std::sync::Mutex::new((NO_VERSION, String::new()))),
+            reload_failures: Default::default(),
+            staged: Default::default(),
             load_lock: Default::default(),
             cache_dir: cache_dir.to_path_buf(),
             auth,
@@ -223,7 +235,9 @@ impl StudentHost {
                 rt: tokio::runtime::Handle::current(),
             },
             loaded: Arc::new(AtomicU64::new(NO_VERSION)),
-            label: Default::default(),
+            current: Arc::new(std::sync::Mutex::new((NO_VERSION, String::new()))),
+            reload_failures: Default::default(),
+            staged: Default::default(),
             load_lock: Default::default(),
             cache_dir: cache_dir.to_path_buf(),
             auth,
@@ -253,19 +267,20 @@ impl StudentHost {
     /// endpoint (checksum verified) and swaps it in. Concurrent callers load once.
     pub async fn ensure(&self, policy: &PolicyVersion) -> Result<()> {
         let _guard = self.load_lock.lock().await;
-        if self.loaded_version() == policy.version {
-            return Ok(());
-        }
         let t = std::time::Instant::now();
-        if let Backend::Remote { engine, .. } = &self.engine {
-            // Another worker sharing the engine may have loaded it already (the label
-            // holds the checksum: the same weights, whichever run published them).
-            let label = version_label(policy.version, &policy.sha256);
-            if engine.served_version().await.ok().as_deref() == Some(label.as_str()) {
-                *self.label.lock().expect("label") = label;
-                self.loaded.store(policy.version, Ordering::SeqCst);
-                tracing::info!(version = policy.version, engine = %engine.url(), "the student engine already serves the policy version");
-                return Ok(());
+        match &self.engine {
+            Backend::Local(_) if self.loaded_version() == policy.version => return Ok(()),
+            Backend::Local(_) => {}
+            Backend::Remote { engine, .. } => {
+                // What the engine serves, not what this worker last loaded: it may have
+                // restarted, or another worker sharing it may have loaded this version
+                // already (the label holds the checksum: the same weights, whichever run
+                // published them).
+                let label = version_label(policy.version, &policy.sha256);
+                if engine.served_version().await.ok().as_deref() == Some(label.as_str()) {
+                    self.set_current(policy.version, label);
+                    return Ok(());
+                }
             }
         }
         let pushed = match &self.broadcast {
@@ -303,7 +318,18 @@ impl StudentHost {
                 (WeightsSource::Path(path), "grpc")
             }
         };
-        self.swap_in(source, policy.version, &policy.sha256).await?;
+        let swapped = self.swap_in(source, policy.version, &policy.sha256).await;
+        if let Backend::Remote { .. } = &self.engine {
+            if swapped.is_err() {
+                self.reload_failures.fetch_add(1, Ordering::SeqCst);
+                // What the engine serves now is unknown: no turn is taken until a reload
+                // succeeds.
+                self.set_current(NO_VERSION, String::new());
+            } else {
+                self.reload_failures.store(0, Ordering::SeqCst);
+            }
+        }
+        swapped?;
         tracing::info!(
             version = policy.version,
             via,
@@ -351,21 +377,57 @@ impl StudentHost {
                         path
                     }
                 };
+                let label = version_label(version, sha256);
                 let name = {
-                    let (w, m) = (weights_dir.clone(), model_dir.clone());
-                    tokio::task::spawn_blocking(move || stage_version(&w, &m, &path, version, 2))
+                    let (w, m, l) = (weights_dir.clone(), model_dir.clone(), label.clone());
+                    tokio::task::spawn_blocking(move || stage_version(&w, &m, &path, &l))
                         .await
                         .context("staging the version for the student engine")??
                 };
-                let label = version_label(version, sha256);
+                self.keep_staged(weights_dir.join(&name));
                 engine
                     .load_from_disk(&engine_dir.join(name), version, &label)
                     .await?;
-                *self.label.lock().expect("label") = label;
+                self.set_current(version, label);
+                return Ok(());
             }
         }
         self.loaded.store(version, Ordering::SeqCst);
         Ok(())
+    }
+
+    /// Records what the external engine serves: policy `version` under `label`.
+    fn set_current(&self, version: u64, label: String) {
+        let mut current = self.current.lock().expect("current version");
+        *current = (version, label);
+        self.loaded.store(version, Ordering::SeqCst);
+    }
+
+    /// Remembers a directory this worker staged; the oldest beyond the two newest are
+    /// removed (the engine has copied them in). Only this worker's own.
+    fn keep_staged(&self, dir: PathBuf) {
+        let mut staged = self.staged.lock().expect("staged");
+        staged.retain(|d| d != &dir);
+        staged.push_back(dir);
+        while staged.len() > 2 {
+            if let Some(old) = staged.pop_front() {
+                let _ = std::fs::remove_dir_all(old);
+            }
+        }
+    }
+
+    /// Forgets that the engine serves `version` (it answered with another).
+    fn forget_current(&self, version: u64) {
+        let mut current = self.current.lock().expect("current version");
+        if current.0 == version {
+            *current = (NO_VERSION, String::new());
+            self.loaded.store(NO_VERSION, Ordering::SeqCst);
+        }
+    }
+
+    /// External engine: reloads refused in a row.
+    pub fn reload_failures(&self) -> u32 {
+        self.reload_failures.load(Ordering::SeqCst)
     }
 
     /// The most tokens one request may hold, prompt and reply (the model's context and the
@@ -411,7 +473,7 @@ impl StudentHost {
         let engine = match &self.engine {
             Backend::Local(engine) => engine,
             Backend::Remote { engine, rt, .. } => {
-                let loaded = self.loaded_version();
+                let (loaded, label) = self.current.lock().expect("current version").clone();
                 if version != loaded {
                     anyhow::bail!(
                         "the student cannot run this turn: the episode runs on policy version \
@@ -424,10 +486,16 @@ impl StudentHost {
                         }
                     );
                 }
-                let label = self.label.lock().expect("label").clone();
                 return rt
                     .block_on(engine.generate(&prompt, &params, &label))
-                    .map_err(|e| anyhow!("the student cannot run this turn: {e}"));
+                    .map_err(|e| {
+                        if let crate::student_engine::EngineError::WrongVersion { .. } = e {
+                            // Restarted, or reloaded by another client: the next lease
+                            // checks and loads again.
+                            self.forget_current(version);
+                        }
+                        anyhow!("the student cannot run this turn: {e}")
+                    });
             }
         };
         let done = engine

@@ -116,7 +116,6 @@ pub enum EngineError {
 }
 
 /// A client of one external engine; shared by the worker's episodes.
-#[derive(Debug)]
 pub struct RemoteEngine {
     http: reqwest::Client,
     base: String,
@@ -127,6 +126,16 @@ pub struct RemoteEngine {
     /// False after a request could not reach the engine; the worker then probes it before
     /// leasing again.
     up: AtomicBool,
+}
+
+impl std::fmt::Debug for RemoteEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the API key.
+        f.debug_struct("RemoteEngine")
+            .field("base", &self.base)
+            .field("vocab", &self.vocab)
+            .finish_non_exhaustive()
+    }
 }
 
 fn excerpt(s: &str) -> String {
@@ -360,6 +369,12 @@ impl RemoteEngine {
                 "stop_token_ids": params.stop_token_ids,
                 "skip_special_tokens": false,
                 "no_stop_trim": true,
+                // Neutral, whatever the server's preferred sampling parameters say: the
+                // log-probs must be those of the distribution sampled from.
+                "repetition_penalty": 1.0,
+                "frequency_penalty": 0.0,
+                "presence_penalty": 0.0,
+                "min_new_tokens": 0,
             },
             "return_logprob": true,
             "stream": false,
@@ -516,61 +531,70 @@ impl RemoteEngine {
     }
 }
 
-/// Stages `weights` (a safetensors file of policy version `version`) as a Hugging Face
-/// directory under `dir` — config, tokenizer and chat files copied from `model_dir`, the
-/// file moved in as `model.safetensors` — and keeps only the `keep` newest such
-/// directories. Returns the directory's name.
+/// Stages `weights` (a safetensors file) as a Hugging Face directory named `label` under
+/// `dir` — config, tokenizer and chat files copied from `model_dir`, the file moved in as
+/// `model.safetensors` — and returns its name. It is built under a name of its own and
+/// renamed into place, so workers sharing `dir` never see each other's halves. A label
+/// with a checksum (`tutor-vN-<sha>`) names its content: a directory of that name already
+/// there is kept as it is. Nothing else in `dir` is touched.
 pub fn stage_version(
     dir: &Path,
     model_dir: &Path,
     weights: &Path,
-    version: u64,
-    keep: usize,
+    label: &str,
 ) -> anyhow::Result<String> {
     use anyhow::Context;
-    let name = format!("policy-v{version:06}");
-    let target = dir.join(&name);
-    let tmp = dir.join(format!(".{name}.staging"));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    for f in [
-        "config.json",
-        "generation_config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "chat_template.jinja",
-    ] {
-        let src = model_dir.join(f);
-        if src.exists() {
-            std::fs::copy(&src, tmp.join(f))
-                .with_context(|| format!("copying {} into {}", src.display(), tmp.display()))?;
-        }
+    if label.is_empty()
+        || !label
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        anyhow::bail!("cannot stage weight version {label:?}: not a plain directory name");
     }
-    let dst = tmp.join("model.safetensors");
-    if std::fs::rename(weights, &dst).is_err() {
-        std::fs::copy(weights, &dst)
-            .with_context(|| format!("copying {} to {}", weights.display(), dst.display()))?;
+    let target = dir.join(label);
+    let content_addressed = label.matches('-').count() >= 2;
+    if content_addressed && target.join("model.safetensors").exists() {
         let _ = std::fs::remove_file(weights);
+        return Ok(label.to_string());
     }
-    let _ = std::fs::remove_dir_all(&target);
-    std::fs::rename(&tmp, &target)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), target.display()))?;
-    // Older versions go: the engine has read them (a load copies the tensors in).
-    let mut staged: Vec<String> = std::fs::read_dir(dir)
-        .map(|rd| {
-            rd.flatten()
-                .filter_map(|e| e.file_name().into_string().ok())
-                .filter(|n| n.starts_with("policy-v") && !n.contains('.'))
-                .collect()
-        })
-        .unwrap_or_default();
-    staged.sort();
-    while staged.len() > keep {
-        let old = staged.remove(0);
-        let _ = std::fs::remove_dir_all(dir.join(old));
+    let tmp = dir.join(format!(
+        ".{label}.{}-{:016x}.staging",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    let staged = (|| -> anyhow::Result<()> {
+        for f in [
+            "config.json",
+            "generation_config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "chat_template.jinja",
+        ] {
+            let src = model_dir.join(f);
+            if src.exists() {
+                std::fs::copy(&src, tmp.join(f))
+                    .with_context(|| format!("copying {} into {}", src.display(), tmp.display()))?;
+            }
+        }
+        let dst = tmp.join("model.safetensors");
+        if std::fs::rename(weights, &dst).is_err() {
+            std::fs::copy(weights, &dst)
+                .with_context(|| format!("copying {} to {}", weights.display(), dst.display()))?;
+            let _ = std::fs::remove_file(weights);
+        }
+        if target.exists() {
+            let _ = std::fs::remove_dir_all(&target);
+        }
+        std::fs::rename(&tmp, &target)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), target.display()))
+    })();
+    if staged.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
     }
-    Ok(name)
+    staged?;
+    Ok(label.to_string())
 }
 
 #[cfg(test)]
@@ -692,25 +716,50 @@ mod tests {
     }
 
     #[test]
-    fn staging_keeps_the_newest_versions_as_model_directories() {
+    fn staging_makes_model_directories_named_by_their_version() {
         let model = tempfile::tempdir().unwrap();
         std::fs::write(model.path().join("config.json"), "{}").unwrap();
         std::fs::write(model.path().join("tokenizer.json"), "{}").unwrap();
         let dir = tempfile::tempdir().unwrap();
-        for v in 1..=3u64 {
+        let weights = |v: &str| {
             let w = dir.path().join(format!("download-{v}"));
             std::fs::write(&w, format!("weights {v}")).unwrap();
-            let name = stage_version(dir.path(), model.path(), &w, v, 2).unwrap();
-            assert_eq!(name, format!("policy-v{v:06}"));
-            let staged = dir.path().join(&name);
-            assert_eq!(
-                std::fs::read_to_string(staged.join("model.safetensors")).unwrap(),
-                format!("weights {v}")
-            );
-            assert!(staged.join("config.json").exists() && staged.join("tokenizer.json").exists());
-            assert!(!w.exists(), "the download is moved, not kept twice");
-        }
-        assert!(!dir.path().join("policy-v000001").exists());
-        assert!(dir.path().join("policy-v000002").exists());
+            w
+        };
+        let w = weights("a");
+        let name = stage_version(dir.path(), model.path(), &w, "tutor-v1-aaaa").unwrap();
+        assert_eq!(name, "tutor-v1-aaaa");
+        let staged = dir.path().join(&name);
+        assert_eq!(
+            std::fs::read_to_string(staged.join("model.safetensors")).unwrap(),
+            "weights a"
+        );
+        assert!(staged.join("config.json").exists() && staged.join("tokenizer.json").exists());
+        assert!(!w.exists(), "the download is moved, not kept twice");
+        // The same checksum names the same content: kept, the new download dropped.
+        let w = weights("b");
+        stage_version(dir.path(), model.path(), &w, "tutor-v1-aaaa").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(staged.join("model.safetensors")).unwrap(),
+            "weights a"
+        );
+        assert!(!w.exists());
+        // Without a checksum a version is staged again; other directories stay.
+        std::fs::write(weights("c"), "x").unwrap();
+        stage_version(dir.path(), model.path(), &weights("c"), "tutor-v2").unwrap();
+        stage_version(dir.path(), model.path(), &weights("d"), "tutor-v2").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("tutor-v2/model.safetensors")).unwrap(),
+            "weights d"
+        );
+        assert!(staged.exists());
+        let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".staging"))
+            .collect();
+        assert!(leftovers.is_empty());
+        // A label that is no plain name is refused.
+        assert!(stage_version(dir.path(), model.path(), &weights("e"), "../x").is_err());
     }
 }

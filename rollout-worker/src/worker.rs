@@ -504,12 +504,27 @@ pub async fn run_worker(
     let slots = Arc::new(Semaphore::new(capacity));
     let mut failures = 0u32;
     let mut lost = None;
+    // Set when the student engine is lost: running episodes are drained and their events
+    // delivered before the worker stops with it.
+    let mut engine_lost = None;
     while !cancel.load(Ordering::SeqCst) {
         // An external engine that stopped answering: lease nothing until it answers again
         // (episodes would only fail), and stop after `down_s`.
-        if let Some(engine) = student.remote_engine().filter(|e| !e.seems_up()) {
-            if let Err(e) = engine.wait_up().await {
-                lost = Some(e);
+        if let Some(engine) = student.remote_engine() {
+            if !engine.seems_up() {
+                if let Err(e) = engine.wait_up().await {
+                    engine_lost = Some(e);
+                    break;
+                }
+            }
+            if student.reload_failures() >= crate::student::RELOAD_FAILURES_TO_STOP {
+                engine_lost = Some(anyhow::anyhow!(
+                    "the student engine at {} refused {} policy versions in a row: stopping \
+                     (episodes would run on versions they were not leased for; the log says why \
+                     each reload failed)",
+                    engine.url(),
+                    student.reload_failures()
+                ));
                 break;
             }
         }
@@ -589,6 +604,10 @@ pub async fn run_worker(
         env.sandboxes.shutdown().await;
         return Err(e);
     }
+    if engine_lost.is_some() {
+        // Running episodes stop after their current turn.
+        cancel.store(true, Ordering::SeqCst);
+    }
     // Let running episodes end (they stop early when cancelled), then deliver every event.
     let _all = slots
         .acquire_many(capacity as u32)
@@ -606,7 +625,10 @@ pub async fn run_worker(
     env.sandboxes.shutdown().await;
     env.sandboxes.remove_leftovers().await;
     tracing::info!(worker = %worker_id, version = student.loaded_version(), "worker stopped");
-    Ok(())
+    match engine_lost {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// Makes `lease` report its episode under `loaded`, the version the student actually

@@ -117,26 +117,53 @@ fn dapo_run_with_tutor_serve_as_the_student_engine() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
-    let served = common::serve(&model, "student", dir.path(), &["--max-batch", "4"]);
+    // Both workers stage versions in one directory, the engine's --weights-root.
+    let staging = dir.path().join("engine-weights");
+    std::fs::create_dir_all(&staging).unwrap();
+    let served = common::serve(
+        &model,
+        "student",
+        dir.path(),
+        &[
+            "--max-batch",
+            "4",
+            "--weights-root",
+            staging.to_str().unwrap(),
+        ],
+    );
     let run = dapo_run(
         dir.path(),
         &format!("[model]\ninit_from = \"{}\"\n", model.display()),
         &format!(
-            "[worker.student]\nkind = \"engine\"\nbase_url = \"http://{}\"\n",
-            served.addr
+            "[worker.student]\nkind = \"engine\"\nbase_url = \"http://{}\"\nweights_dir = \"{}\"\n",
+            served.addr,
+            staging.display()
         ),
     );
     // The engine loaded every version an episode ran on, under its version, and nothing
     // was generated in-process by the workers.
     let serve_log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap();
     let (events, _) = tutor_coordinator::store::scan(&run.join("trajectories/events.log")).unwrap();
-    let versions: std::collections::BTreeSet<u64> = events
-        .iter()
-        .filter_map(|ev| match ev.event.as_ref()? {
-            Event::Outcome(o) => Some(o.policy_version),
-            _ => None,
-        })
-        .collect();
+    let mut versions = std::collections::BTreeSet::new();
+    for ev in &events {
+        if let Some(Event::Outcome(o)) = ev.event.as_ref() {
+            versions.insert(o.policy_version);
+            // No turn failed on the engine (down, refused, another version's answer).
+            assert_ne!(
+                o.status,
+                OutcomeStatus::SandboxError as i32,
+                "{}: {}",
+                ev.episode_id,
+                o.error
+            );
+            assert!(
+                !o.error.contains("student"),
+                "{}: {}",
+                ev.episode_id,
+                o.error
+            );
+        }
+    }
     assert!(!versions.is_empty());
     for v in &versions {
         assert!(
@@ -151,7 +178,6 @@ fn dapo_run_with_tutor_serve_as_the_student_engine() {
         .map(|e| std::fs::read_to_string(e.path()).unwrap())
         .collect::<String>();
     assert!(logs.contains("student engine answers"), "{logs}");
-    assert!(!logs.contains("generated with weight version"), "{logs}");
 }
 
 /// Runs DAPO on coin-flip toy tasks under `dir` and checks what every such run must show;

@@ -53,7 +53,14 @@ fn fresh_logprobs(policy: &Policy, tokens: &[u32], from: usize) -> Vec<f64> {
 async fn tutor_serve_is_a_student_engine_with_checked_versions() {
     let dir = tempfile::tempdir().unwrap();
     let model = make_model(&dir.path().join("model"), 512, 64);
-    let served = common::serve(&model, "student", dir.path(), &[]);
+    let staging = dir.path().join("engine-weights");
+    std::fs::create_dir_all(&staging).unwrap();
+    let served = common::serve(
+        &model,
+        "student",
+        dir.path(),
+        &["--weights-root", staging.to_str().unwrap()],
+    );
     let url = format!("http://{}", served.addr);
     let config = StudentConfig {
         kind: StudentKind::Engine,
@@ -76,13 +83,11 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
             let _ = t.g_mul_scalar_(1.5);
         }
     });
-    let staging = dir.path().join("engine-weights");
-    std::fs::create_dir_all(&staging).unwrap();
     let file = dir.path().join("v5.safetensors");
     policy.save_weights(&file).unwrap();
-    let name = stage_version(&staging, &model, &file, 5, 2).unwrap();
     let v5 = version_label(5, "0123456789abcdef");
     assert_eq!(v5, "tutor-v5-0123456789ab");
+    let name = stage_version(&staging, &model, &file, &v5).unwrap();
     engine
         .load_from_disk(&staging.join(&name), 5, &v5)
         .await
@@ -127,9 +132,9 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
     let other = make_model(&dir.path().join("other"), 512, 32);
     let other_file = dir.path().join("v6.safetensors");
     std::fs::copy(other.join("model.safetensors"), &other_file).unwrap();
-    let name6 = stage_version(&staging, &model, &other_file, 6, 2).unwrap();
+    let name6 = stage_version(&staging, &model, &other_file, "tutor-v6").unwrap();
     let err = engine
-        .load_from_disk(&staging.join(&name6), 6, &version_label(6, ""))
+        .load_from_disk(&staging.join(&name6), 6, "tutor-v6")
         .await
         .unwrap_err()
         .to_string();
@@ -139,6 +144,80 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
     );
     assert_eq!(engine.served_version().await.unwrap(), v5);
     assert!(engine.generate(&prompt, &params, &v5).await.is_ok());
+
+    // Only checkpoints inside --weights-root load: not the model's own directory, not a
+    // way out of the root.
+    for outside in [model.clone(), staging.join("..").join("model")] {
+        let err = engine
+            .load_from_disk(&outside, 7, "tutor-v7")
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("not a checkpoint inside --weights-root"),
+            "{err}"
+        );
+    }
+    assert_eq!(engine.served_version().await.unwrap(), v5);
+
+    // A reload while turns run: every answer named v5 ran on version 5's weights (its
+    // log-probs are version 5's); the others name v7, the version loaded meanwhile.
+    let mut v7_policy = Policy::load_dir(&model, tch::Device::Cpu).unwrap();
+    tch::no_grad(|| {
+        for (_, mut t) in v7_policy.var_store_mut().variables() {
+            let _ = t.g_mul_scalar_(0.5);
+        }
+    });
+    let file7 = dir.path().join("v7.safetensors");
+    v7_policy.save_weights(&file7).unwrap();
+    let v7 = version_label(7, "77777777777777");
+    let name7 = stage_version(&staging, &model, &file7, &v7).unwrap();
+    let engine = std::sync::Arc::new(engine);
+    let long = GenParams {
+        max_new_tokens: 48,
+        stop_token_ids: Vec::new(),
+        ..params.clone()
+    };
+    let turns: Vec<_> = (0..6)
+        .map(|i| {
+            let (engine, prompt, long, v5) =
+                (engine.clone(), prompt.clone(), long.clone(), v5.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(40 * i)).await;
+                engine.generate(&prompt, &long, &v5).await
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    engine
+        .load_from_disk(&staging.join(&name7), 7, &v7)
+        .await
+        .unwrap();
+    let (mut on_v5, mut on_v7) = (0, 0);
+    for turn in turns {
+        match turn.await.unwrap() {
+            Ok(g) => {
+                on_v5 += 1;
+                let whole: Vec<u32> = prompt.iter().chain(&g.tokens).copied().collect();
+                let fresh = fresh_logprobs(&policy, &whole, prompt.len());
+                for (a, b) in g.logprobs.iter().zip(&fresh) {
+                    assert!(
+                        (*a as f64 - b).abs() < 1e-4,
+                        "an answer named v5: {a} vs {b}"
+                    );
+                }
+            }
+            Err(EngineError::WrongVersion { served, .. }) => {
+                assert_eq!(served, v7);
+                on_v7 += 1;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(on_v5 + on_v7, 6);
+    eprintln!("{on_v5} turns ran on v5 before the reload, {on_v7} on v7 after it");
+    assert_eq!(engine.served_version().await.unwrap(), v7);
+    let v5 = v7;
 
     // The engine goes away: a clear error, and waiting for it gives up after down_s.
     drop(served);

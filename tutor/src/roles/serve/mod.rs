@@ -57,6 +57,12 @@ pub struct ServeArgs {
     /// `/get_weight_version` name it); each `/update_weights_from_disk` names its own.
     #[arg(long, default_value = "default")]
     weight_version: String,
+    /// Let clients load checkpoints from this directory (`POST /update_weights_from_disk`
+    /// with a `model_path` inside it), as rollout workers do when this server is their
+    /// student engine (`[worker.student] kind = "engine"`, `weights_dir`). Without it
+    /// reloads are refused: anyone holding the API key could swap the model otherwise.
+    #[arg(long, value_name = "DIR")]
+    weights_root: Option<PathBuf>,
     /// Serve on a non-loopback --host without an API key. Without this flag that is
     /// refused: anyone who can reach the port could use the model.
     #[arg(long)]
@@ -164,6 +170,17 @@ pub async fn serve(
             ..Default::default()
         },
     );
+    let start = Weights {
+        version: args.weight_version.clone(),
+        path: args.model.display().to_string(),
+    };
+    let weights_root = match &args.weights_root {
+        Some(root) => Some(
+            std::fs::canonicalize(root)
+                .with_context(|| format!("--weights-root {}: no such directory", root.display()))?,
+        ),
+        None => None,
+    };
     let state = Arc::new(AppState {
         engine,
         api_key,
@@ -171,10 +188,10 @@ pub async fn serve(
         model,
         created: now(),
         next_id: AtomicU64::new(0),
-        weights: tokio::sync::RwLock::new(Weights {
-            version: args.weight_version.clone(),
-            path: args.model.display().to_string(),
-        }),
+        weights: Arc::new(tokio::sync::RwLock::new(start.clone())),
+        served: std::sync::Mutex::new(start),
+        weights_root,
+        reloads: AtomicU64::new(0),
     });
     let app = router(state.clone(), native::routes());
     let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))

@@ -7,8 +7,9 @@
 //! - `POST /update_weights_from_disk`: load a checkpoint (a Hugging Face directory or one
 //!   safetensors file) and serve it under `weight_version`. Requests queued before it finish
 //!   under the old weights; later ones wait for the swap. A checkpoint that does not fit
-//!   the model is refused and the old weights stay.
-//! - `GET /get_weight_version`, `GET /get_model_info`.
+//!   the model is refused and the old weights stay. Only with `--weights-root`, and only
+//!   checkpoints inside it.
+//! - `GET /model_info` (SGLang's newer name), `GET /get_model_info`, `GET /get_weight_version`.
 //!
 //! The weight version a `/generate` answer reports is the one its request was queued
 //! under: submitting holds the version's read lock, a reload holds its write lock while it
@@ -24,9 +25,9 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
-use tutor_policy::{EngineHandle, EngineRequest, FinishReason, GenParams};
+use tutor_policy::{EngineHandle, EngineRequest, FinishReason, GenParams, LoadError, PolicyError};
 
-use super::openai::AppState;
+use super::openai::{AppState, Weights};
 
 /// The control plane's routes, for [`super::openai::router`] to put behind the API key.
 pub(super) fn routes() -> axum::Router<Arc<AppState>> {
@@ -35,6 +36,7 @@ pub(super) fn routes() -> axum::Router<Arc<AppState>> {
         .route("/generate", post(generate))
         .route("/update_weights_from_disk", post(update_weights_from_disk))
         .route("/get_weight_version", get(get_weight_version))
+        .route("/model_info", get(get_model_info))
         .route("/get_model_info", get(get_model_info))
 }
 
@@ -83,6 +85,10 @@ struct SamplingParams {
     no_stop_trim: bool,
     ignore_eos: bool,
     sampling_seed: Option<u64>,
+    repetition_penalty: f32,
+    frequency_penalty: f32,
+    presence_penalty: f32,
+    min_new_tokens: usize,
 }
 
 impl Default for SamplingParams {
@@ -98,6 +104,10 @@ impl Default for SamplingParams {
             no_stop_trim: false,
             ignore_eos: false,
             sampling_seed: None,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            min_new_tokens: 0,
         }
     }
 }
@@ -125,11 +135,19 @@ async fn generate(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
             "logprob_start_len: only -1 (log-probabilities of the output) is served",
         );
     }
-    if !(p.top_k == -1 || p.top_k == 0) || p.min_p != 0.0 {
+    let vocab = s.engine.vocab() as i64;
+    if !(p.top_k == -1 || p.top_k == 0 || p.top_k >= vocab)
+        || p.min_p != 0.0
+        || p.repetition_penalty != 1.0
+        || p.frequency_penalty != 0.0
+        || p.presence_penalty != 0.0
+        || p.min_new_tokens != 0
+    {
         return error(
             StatusCode::BAD_REQUEST,
-            "sampling_params: top_k and min_p are not served (the log-probabilities would not \
-             be those of the distribution sampled from)",
+            "sampling_params: top_k, min_p, penalties and min_new_tokens are served at their \
+             neutral values only (the log-probabilities returned are those of the distribution \
+             sampled from)",
         );
     }
     if !(0.0..=2.0).contains(&p.temperature) {
@@ -220,13 +238,16 @@ async fn generate(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
 struct UpdateFromDisk {
     model_path: String,
     weight_version: Option<String>,
-    /// Accepted for SGLang's clients; the format is read from the files.
-    #[allow(dead_code)]
-    load_format: Option<String>,
 }
 
 /// Loads `model_path` and serves it as `weight_version`: SGLang's answer shape
-/// (`success`, `message`), 400 with the old weights kept when it does not load.
+/// (`success`, `message`), 400 with the old weights kept when it does not load. Only
+/// checkpoints inside `--weights-root` may be loaded; without it reloads are refused.
+///
+/// The load runs in a task of its own that holds the version's write lock until the swap
+/// is done and the version set: a client that goes away mid-reload cannot leave new
+/// weights served under the old version's name. A reload that names no version gets a
+/// new one (`reload-N`), never the old name.
 async fn update_weights_from_disk(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     let req: UpdateFromDisk = match serde_json::from_slice(&body) {
         Ok(r) => r,
@@ -237,50 +258,101 @@ async fn update_weights_from_disk(State(s): State<Arc<AppState>>, body: Bytes) -
             )
         }
     };
-    let path = std::path::PathBuf::from(&req.model_path);
-    let t = std::time::Instant::now();
-    let mut weights = s.weights.write().await;
-    match s.engine.load_weights(&path).await {
-        Ok(()) => {
-            let version = req
-                .weight_version
-                .unwrap_or_else(|| weights.version.clone());
-            tracing::info!(
-                version = %version,
-                path = %req.model_path,
-                seconds = t.elapsed().as_secs_f64(),
-                "loaded weights from disk"
-            );
-            weights.version = version;
-            weights.path = req.model_path;
-            Json(json!({
-                "success": true,
-                "message": "Succeeded to update model weights.",
-                "num_paused_requests": 0,
-            }))
-            .into_response()
-        }
-        Err(e) => {
-            tracing::warn!(path = %req.model_path, error = %e, "refused weights: the old ones stay");
-            (
+    let Some(root) = s.weights_root.clone() else {
+        return error(
+            StatusCode::FORBIDDEN,
+            "weight reloads are off: start tutor serve with --weights-root DIR, the directory \
+             whose checkpoints clients may load",
+        );
+    };
+    // Canonical, so that neither `..` nor a symbolic link leads out of the root. The same
+    // answer whether the path is missing or outside: nothing to learn about other paths.
+    let path = match std::fs::canonicalize(&req.model_path) {
+        Ok(p) if p.starts_with(&root) && p != root => p,
+        _ => {
+            return error(
                 StatusCode::BAD_REQUEST,
-                Json(json!({
-                    "success": false,
-                    "message": format!("Failed to update weights: {e}; the weights of version {:?} stay", weights.version),
-                    "num_paused_requests": 0,
-                })),
+                format!(
+                    "model_path {:?} is not a checkpoint inside --weights-root {}",
+                    req.model_path,
+                    root.display()
+                ),
             )
-                .into_response()
         }
+    };
+    let n = s.reloads.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+    let label = req.weight_version.unwrap_or_else(|| format!("reload-{n}"));
+    let state = s.clone();
+    let model_path = req.model_path.clone();
+    let task = tokio::spawn(async move {
+        let mut w = state.weights.clone().write_owned().await;
+        let t = std::time::Instant::now();
+        let result = state.engine.load_weights(&path).await;
+        match &result {
+            Ok(()) => {
+                tracing::info!(
+                    version = %label,
+                    path = %model_path,
+                    seconds = t.elapsed().as_secs_f64(),
+                    "loaded weights from disk"
+                );
+                w.version = label;
+                w.path = model_path;
+            }
+            // Checked tensors are copied one by one: a copy that fails leaves a mix.
+            Err(LoadError::Weights {
+                error: PolicyError::Torch { .. },
+                ..
+            }) => {
+                w.version = format!("{}+failed-reload-{n}", w.version);
+                tracing::error!(path = %model_path, version = %w.version, "a reload failed while copying tensors: the weights are a mix, served as a version of their own");
+            }
+            Err(e) => {
+                tracing::warn!(path = %model_path, error = %e, "refused weights: the old ones stay")
+            }
+        }
+        *state.served.lock().expect("served") = Weights {
+            version: w.version.clone(),
+            path: w.path.clone(),
+        };
+        (result, w.version.clone())
+    });
+    let (result, version) = match task.await {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("the reload failed: {e}"),
+            )
+        }
+    };
+    match result {
+        Ok(()) => Json(json!({
+            "success": true,
+            "message": "Succeeded to update model weights.",
+            "num_paused_requests": 0,
+        }))
+        .into_response(),
+        Err(e) => (
+            StatusCode::BAD_REQUEST,
+            Json(json!({
+                "success": false,
+                "message": format!("Failed to update weights: {e}; serving weight version {version:?}"),
+                "num_paused_requests": 0,
+            })),
+        )
+            .into_response(),
     }
 }
 
 async fn get_weight_version(State(s): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({"weight_version": s.weights.read().await.version}))
+    Json(json!({"weight_version": s.served.lock().expect("served").version}))
 }
 
+/// SGLang's `/model_info` (and its older `/get_model_info`): read without waiting for a
+/// reload in progress.
 async fn get_model_info(State(s): State<Arc<AppState>>) -> Json<Value> {
-    let w = s.weights.read().await;
+    let w = s.served.lock().expect("served");
     Json(json!({
         "model_path": w.path,
         "tokenizer_path": w.path,

@@ -33,11 +33,20 @@ pub(super) struct AppState {
     pub(super) created: u64,
     pub(super) next_id: AtomicU64,
     /// The weight version served (`/generate` answers name it) and where it came from.
-    pub(super) weights: tokio::sync::RwLock<Weights>,
+    /// `/generate` queues under its read lock, a reload swaps under its write lock: the
+    /// version a `/generate` answer names is that of the weights it ran on.
+    pub(super) weights: Arc<tokio::sync::RwLock<Weights>>,
+    /// The same, for reads that must not wait for a reload (model info).
+    pub(super) served: std::sync::Mutex<Weights>,
+    /// Checkpoints clients may load (`--weights-root`, canonical); reloads are off without.
+    pub(super) weights_root: Option<std::path::PathBuf>,
+    /// Reloads so far (names a reload that names no version).
+    pub(super) reloads: AtomicU64,
 }
 
 /// What the served weights are: the version clients named when they loaded them
 /// (`/update_weights_from_disk`), and where they came from.
+#[derive(Clone)]
 pub(super) struct Weights {
     pub(super) version: String,
     pub(super) path: String,
@@ -55,7 +64,8 @@ pub(super) fn router(state: Arc<AppState>, more: Router<Arc<AppState>>) -> Route
                 StatusCode::NOT_FOUND,
                 "no such route; this server has GET /v1/models, POST /v1/chat/completions, \
                  POST /v1/completions, and the engine control plane: POST /generate, POST \
-                 /update_weights_from_disk, GET /get_weight_version, GET /get_model_info",
+                 /update_weights_from_disk, GET /model_info, GET /get_model_info, GET \
+                 /get_weight_version",
             )
         })
         .route_layer(axum::middleware::from_fn_with_state(
