@@ -90,6 +90,9 @@ fn serve(args: &Args, model: &Path) -> Result<(Served, String)> {
             bin.display()
         );
     }
+    // The worker stages versions in its cache's engine-weights/ (StudentHost::remote).
+    let staging = model.join("engine-weights");
+    std::fs::create_dir_all(&staging)?;
     let addr_file = model.join("serve-addr");
     let _ = std::fs::remove_file(&addr_file);
     let defaults = WorkerConfig::default();
@@ -105,6 +108,8 @@ fn serve(args: &Args, model: &Path) -> Result<(Served, String)> {
         .arg(defaults.student_prefix_cache_tokens.to_string())
         .arg("--addr-file")
         .arg(&addr_file)
+        .arg("--weights-root")
+        .arg(&staging)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
     if args.threads > 0 {
