@@ -13,7 +13,8 @@
 //! waits for the N receivers, then sends every version it registers: a JSON
 //! [`Header`], then the safetensors file's bytes (`Collective::broadcast_bytes_max`, which
 //! a receiver bounds by the size the header announced). A receiver keeps the bytes in
-//! memory and its engine loads them from there: no file written, none read back. While nothing is published it
+//! memory; a worker's in-process engine loads them from there (no file written, none
+//! read back), and one whose student is an external engine writes them for it to load. While nothing is published it
 //! sends a keepalive header every [`KEEPALIVE`]. A failed send (a receiver died) drops the
 //! group; rank 0 publishes a new generation and the receivers, restarted or not, join it
 //! and get the newest version at once. With a CPU group, a receiver joins through the
@@ -161,12 +162,23 @@ fn send_header(c: &mut dyn Collective, header: &Header) -> Result<()> {
 }
 
 /// A version a receiver got: the safetensors file's bytes, whose sha256 is `sha256`, in
-/// memory (the engine loads them from there: no file is written or read back).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// memory (an in-process engine loads them from there: no file written or read back).
+#[derive(Clone, PartialEq, Eq)]
 pub struct Arrived {
     pub version: u64,
     pub sha256: String,
     pub bytes: Arc<Vec<u8>>,
+}
+
+impl std::fmt::Debug for Arrived {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Not the bytes: gigabytes.
+        f.debug_struct("Arrived")
+            .field("version", &self.version)
+            .field("sha256", &self.sha256)
+            .field("len", &self.bytes.len())
+            .finish()
+    }
 }
 
 /// What a receiver reports to its owner.

@@ -185,8 +185,12 @@ impl Policy {
         }
         let result = tch::no_grad(|| {
             for ((name, mut var), (file, view)) in vars.into_iter().zip(views) {
-                let src = Tensor::try_from(view)
-                    .map_err(|e| bad(file, format!("reading tensor `{name}`: {e}")))?;
+                // Past the checks, any failure leaves some tensors copied: a Torch error, which
+                // callers treat as weights of no known version.
+                let src = Tensor::try_from(view).map_err(|e| PolicyError::Torch {
+                    context: format!("reading tensor `{name}` of {}", file.display()),
+                    source: e,
+                })?;
                 // `copy_` converts dtype and device; `src` is dropped right after.
                 var.f_copy_(&src).map_err(|e| PolicyError::Torch {
                     context: format!("copying tensor `{name}` into the model"),

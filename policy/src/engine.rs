@@ -98,7 +98,7 @@ enum Msg {
 /// Where new weights come from: a safetensors file or checkpoint directory, or one
 /// safetensors file's bytes already in memory (a version received over the weights
 /// broadcast, loaded without writing or reading a file).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub enum WeightsSource {
     Path(std::path::PathBuf),
     Bytes {
@@ -106,6 +106,20 @@ pub enum WeightsSource {
         /// Stands for the file in errors, e.g. "policy version 3 (in memory)".
         name: String,
     },
+}
+
+impl std::fmt::Debug for WeightsSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WeightsSource::Path(p) => f.debug_tuple("Path").field(p).finish(),
+            // Not the bytes: gigabytes.
+            WeightsSource::Bytes { bytes, name } => f
+                .debug_struct("Bytes")
+                .field("name", name)
+                .field("len", &bytes.len())
+                .finish(),
+        }
+    }
 }
 
 impl WeightsSource {

@@ -22,7 +22,9 @@ use tutor_policy::{
 use tutor_proto::auth::ClientAuth;
 use tutor_proto::PolicyVersion;
 
-use crate::student_engine::{stage_version, version_label, RemoteEngine, StudentConfig};
+use crate::student_engine::{
+    stage_version, version_label, EngineError, RemoteEngine, StudentConfig,
+};
 
 /// Reloads of an external engine refused in a row after which the worker stops leasing:
 /// every episode would run on a version it was not leased for.
@@ -37,7 +39,8 @@ pub type WeightBytes = Arc<Vec<u8>>;
 /// Policy versions that arrived over the weights broadcast (version → sha256 and the
 /// safetensors file's bytes, in memory), filled by the receiver thread
 /// (`tutor_collective::broadcast::spawn_receiver`), taken by `StudentHost::ensure`. Keeps
-/// the two newest versions.
+/// only the newest version (a version's bytes are the model's size: a lease for an older
+/// one downloads it over gRPC).
 #[derive(Clone)]
 pub struct BroadcastInbox {
     arrived: tokio::sync::watch::Sender<BTreeMap<u64, (String, WeightBytes)>>,
@@ -66,7 +69,7 @@ impl BroadcastInbox {
     pub fn arrived(&self, version: u64, sha256: String, bytes: WeightBytes) {
         self.arrived.send_modify(|m| {
             m.insert(version, (sha256, bytes));
-            while m.len() > 2 {
+            while m.len() > 1 {
                 let oldest = *m.keys().next().expect("not empty");
                 m.remove(&oldest);
             }
@@ -92,9 +95,9 @@ impl BroadcastInbox {
             Ok(Ok(m)) => m.get(&version).map(|(_, b)| b.clone()),
             _ => None,
         };
-        // The engine reads it once; the inbox forgets it.
+        // The engine reads it once; the inbox forgets it, and anything older.
         self.arrived.send_modify(|m| {
-            m.remove(&version);
+            m.retain(|&v, _| v > version);
         });
         bytes
     }
@@ -277,9 +280,14 @@ impl StudentHost {
                 // already (the label holds the checksum: the same weights, whichever run
                 // published them).
                 let label = version_label(policy.version, &policy.sha256);
-                if engine.served_version().await.ok().as_deref() == Some(label.as_str()) {
-                    self.set_current(policy.version, label);
-                    return Ok(());
+                match engine.served_version().await {
+                    Ok(served) if served == label => {
+                        self.set_current(policy.version, label);
+                        return Ok(());
+                    }
+                    // Down: nothing to load into (the worker waits for it before leasing).
+                    Err(e @ EngineError::Down { .. }) => return Err(e.into()),
+                    _ => {}
                 }
             }
         }
@@ -320,8 +328,15 @@ impl StudentHost {
         };
         let swapped = self.swap_in(source, policy.version, &policy.sha256).await;
         if let Backend::Remote { .. } = &self.engine {
-            if swapped.is_err() {
-                self.reload_failures.fetch_add(1, Ordering::SeqCst);
+            if let Err(e) = &swapped {
+                // Refusals count towards stopping; an engine that is down is waited for.
+                let down = matches!(
+                    e.downcast_ref::<EngineError>(),
+                    Some(EngineError::Down { .. })
+                );
+                if !down {
+                    self.reload_failures.fetch_add(1, Ordering::SeqCst);
+                }
                 // What the engine serves now is unknown: no turn is taken until a reload
                 // succeeds.
                 self.set_current(NO_VERSION, String::new());
@@ -352,7 +367,17 @@ impl StudentHost {
     async fn swap_in(&self, source: WeightsSource, version: u64, sha256: &str) -> Result<()> {
         match &self.engine {
             Backend::Local(engine) => {
-                engine.load(source.clone()).await?;
+                if let Err(e) = engine.load(source.clone()).await {
+                    if let tutor_policy::LoadError::Weights {
+                        error: tutor_policy::PolicyError::Torch { .. },
+                        ..
+                    } = &e
+                    {
+                        // Some tensors were copied: the weights are no version at all.
+                        self.loaded.store(NO_VERSION, Ordering::SeqCst);
+                    }
+                    return Err(e.into());
+                }
                 if let WeightsSource::Path(path) = &source {
                     let _ = std::fs::remove_file(path);
                 }
@@ -378,13 +403,15 @@ impl StudentHost {
                     }
                 };
                 let label = version_label(version, sha256);
-                let name = {
+                let (name, created) = {
                     let (w, m, l) = (weights_dir.clone(), model_dir.clone(), label.clone());
                     tokio::task::spawn_blocking(move || stage_version(&w, &m, &path, &l))
                         .await
                         .context("staging the version for the student engine")??
                 };
-                self.keep_staged(weights_dir.join(&name));
+                if created {
+                    self.keep_staged(weights_dir.join(&name));
+                }
                 engine
                     .load_from_disk(&engine_dir.join(name), version, &label)
                     .await?;
@@ -474,7 +501,7 @@ impl StudentHost {
             Backend::Local(engine) => engine,
             Backend::Remote { engine, rt, .. } => {
                 let (loaded, label) = self.current.lock().expect("current version").clone();
-                if version != loaded {
+                if version != loaded || loaded == NO_VERSION {
                     anyhow::bail!(
                         "the student cannot run this turn: the episode runs on policy version \
                          {version}, but the student engine at {} now serves version {}",
@@ -489,7 +516,7 @@ impl StudentHost {
                 return rt
                     .block_on(engine.generate(&prompt, &params, &label))
                     .map_err(|e| {
-                        if let crate::student_engine::EngineError::WrongVersion { .. } = e {
+                        if let EngineError::WrongVersion { .. } = e {
                             // Restarted, or reloaded by another client: the next lease
                             // checks and loads again.
                             self.forget_current(version);
@@ -555,11 +582,11 @@ mod tests {
         assert_eq!(inbox.take(2, "cc").await, None);
         assert!(t.elapsed() >= Duration::from_millis(200));
         assert_eq!(inbox.take(9, "dd").await, None);
-        // Only the two newest versions are kept as newer ones arrive.
+        // Only the newest version is kept in memory as newer ones arrive.
         inbox.arrived(3, "x".into(), file(3));
         inbox.arrived(4, "y".into(), file(4));
         inbox.arrived(5, "z".into(), file(5));
         let kept: Vec<u64> = inbox.arrived.borrow().keys().copied().collect();
-        assert_eq!(kept, vec![4, 5]);
+        assert_eq!(kept, vec![5]);
     }
 }

@@ -533,16 +533,17 @@ impl RemoteEngine {
 
 /// Stages `weights` (a safetensors file) as a Hugging Face directory named `label` under
 /// `dir` — config, tokenizer and chat files copied from `model_dir`, the file moved in as
-/// `model.safetensors` — and returns its name. It is built under a name of its own and
-/// renamed into place, so workers sharing `dir` never see each other's halves. A label
-/// with a checksum (`tutor-vN-<sha>`) names its content: a directory of that name already
-/// there is kept as it is. Nothing else in `dir` is touched.
+/// `model.safetensors` — and returns its name, and whether this call made it. It is built
+/// under a name of its own and renamed into place, so workers sharing `dir` never see each
+/// other's halves. A label with a checksum (`tutor-vN-<sha>`) names its content: a
+/// directory of that name already there is kept as it is (and not made here). Nothing else
+/// in `dir` is touched.
 pub fn stage_version(
     dir: &Path,
     model_dir: &Path,
     weights: &Path,
     label: &str,
-) -> anyhow::Result<String> {
+) -> anyhow::Result<(String, bool)> {
     use anyhow::Context;
     if label.is_empty()
         || !label
@@ -555,7 +556,7 @@ pub fn stage_version(
     let content_addressed = label.matches('-').count() >= 2;
     if content_addressed && target.join("model.safetensors").exists() {
         let _ = std::fs::remove_file(weights);
-        return Ok(label.to_string());
+        return Ok((label.to_string(), false));
     }
     let tmp = dir.join(format!(
         ".{label}.{}-{:016x}.staging",
@@ -594,7 +595,7 @@ pub fn stage_version(
         let _ = std::fs::remove_dir_all(&tmp);
     }
     staged?;
-    Ok(label.to_string())
+    Ok((label.to_string(), true))
 }
 
 #[cfg(test)]
@@ -727,8 +728,8 @@ mod tests {
             w
         };
         let w = weights("a");
-        let name = stage_version(dir.path(), model.path(), &w, "tutor-v1-aaaa").unwrap();
-        assert_eq!(name, "tutor-v1-aaaa");
+        let (name, created) = stage_version(dir.path(), model.path(), &w, "tutor-v1-aaaa").unwrap();
+        assert_eq!((name.as_str(), created), ("tutor-v1-aaaa", true));
         let staged = dir.path().join(&name);
         assert_eq!(
             std::fs::read_to_string(staged.join("model.safetensors")).unwrap(),
@@ -738,7 +739,11 @@ mod tests {
         assert!(!w.exists(), "the download is moved, not kept twice");
         // The same checksum names the same content: kept, the new download dropped.
         let w = weights("b");
-        stage_version(dir.path(), model.path(), &w, "tutor-v1-aaaa").unwrap();
+        let (_, created) = stage_version(dir.path(), model.path(), &w, "tutor-v1-aaaa").unwrap();
+        assert!(
+            !created,
+            "another's directory of the same content is not this one's"
+        );
         assert_eq!(
             std::fs::read_to_string(staged.join("model.safetensors")).unwrap(),
             "weights a"

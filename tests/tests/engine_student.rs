@@ -87,7 +87,7 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
     policy.save_weights(&file).unwrap();
     let v5 = version_label(5, "0123456789abcdef");
     assert_eq!(v5, "tutor-v5-0123456789ab");
-    let name = stage_version(&staging, &model, &file, &v5).unwrap();
+    let name = stage_version(&staging, &model, &file, &v5).unwrap().0;
     engine
         .load_from_disk(&staging.join(&name), 5, &v5)
         .await
@@ -132,7 +132,9 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
     let other = make_model(&dir.path().join("other"), 512, 32);
     let other_file = dir.path().join("v6.safetensors");
     std::fs::copy(other.join("model.safetensors"), &other_file).unwrap();
-    let name6 = stage_version(&staging, &model, &other_file, "tutor-v6").unwrap();
+    let name6 = stage_version(&staging, &model, &other_file, "tutor-v6")
+        .unwrap()
+        .0;
     let err = engine
         .load_from_disk(&staging.join(&name6), 6, "tutor-v6")
         .await
@@ -146,8 +148,13 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
     assert!(engine.generate(&prompt, &params, &v5).await.is_ok());
 
     // Only checkpoints inside --weights-root load: not the model's own directory, not a
-    // way out of the root.
-    for outside in [model.clone(), staging.join("..").join("model")] {
+    // way out of the root by `..` or by a symbolic link.
+    std::os::unix::fs::symlink(&model, staging.join("escape")).unwrap();
+    for outside in [
+        model.clone(),
+        staging.join("..").join("model"),
+        staging.join("escape"),
+    ] {
         let err = engine
             .load_from_disk(&outside, 7, "tutor-v7")
             .await
@@ -155,13 +162,15 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
             .to_string();
         assert!(
             err.contains("not a checkpoint inside --weights-root"),
-            "{err}"
+            "{}: {err}",
+            outside.display()
         );
     }
     assert_eq!(engine.served_version().await.unwrap(), v5);
 
-    // A reload while turns run: every answer named v5 ran on version 5's weights (its
-    // log-probs are version 5's); the others name v7, the version loaded meanwhile.
+    // A reload while turns run. Turns queued before it run on version 5 and say so (their
+    // log-probs are version 5's); the reload waits for them; turns after it run on
+    // version 7 and say so (their log-probs are version 7's).
     let mut v7_policy = Policy::load_dir(&model, tch::Device::Cpu).unwrap();
     tch::no_grad(|| {
         for (_, mut t) in v7_policy.var_store_mut().variables() {
@@ -171,53 +180,85 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
     let file7 = dir.path().join("v7.safetensors");
     v7_policy.save_weights(&file7).unwrap();
     let v7 = version_label(7, "77777777777777");
-    let name7 = stage_version(&staging, &model, &file7, &v7).unwrap();
+    let name7 = stage_version(&staging, &model, &file7, &v7).unwrap().0;
     let engine = std::sync::Arc::new(engine);
     let long = GenParams {
-        max_new_tokens: 48,
+        max_new_tokens: 160,
         stop_token_ids: Vec::new(),
         ..params.clone()
     };
-    let turns: Vec<_> = (0..6)
-        .map(|i| {
-            let (engine, prompt, long, v5) =
-                (engine.clone(), prompt.clone(), long.clone(), v5.clone());
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(40 * i)).await;
-                engine.generate(&prompt, &long, &v5).await
+    let spawn_turns = |n: usize, label: &str| -> Vec<_> {
+        (0..n)
+            .map(|_| {
+                let (engine, prompt, long, label) = (
+                    engine.clone(),
+                    prompt.clone(),
+                    long.clone(),
+                    label.to_string(),
+                );
+                tokio::spawn(async move { engine.generate(&prompt, &long, &label).await })
             })
-        })
-        .collect();
-    tokio::time::sleep(Duration::from_millis(60)).await;
+            .collect()
+    };
+    let check = |g: &tutor_policy::Generation, policy: &Policy, version: &str| {
+        let whole: Vec<u32> = prompt.iter().chain(&g.tokens).copied().collect();
+        let fresh = fresh_logprobs(policy, &whole, prompt.len());
+        for (a, b) in g.logprobs.iter().zip(&fresh) {
+            assert!(
+                (*a as f64 - b).abs() < 1e-4,
+                "an answer named {version}: {a} vs {b}"
+            );
+        }
+    };
+    let before = spawn_turns(4, &v5);
+    tokio::time::sleep(Duration::from_millis(300)).await;
     engine
         .load_from_disk(&staging.join(&name7), 7, &v7)
         .await
         .unwrap();
-    let (mut on_v5, mut on_v7) = (0, 0);
-    for turn in turns {
+    let after = spawn_turns(2, &v7);
+    let mut on_v5 = 0;
+    for turn in before {
         match turn.await.unwrap() {
             Ok(g) => {
                 on_v5 += 1;
-                let whole: Vec<u32> = prompt.iter().chain(&g.tokens).copied().collect();
-                let fresh = fresh_logprobs(&policy, &whole, prompt.len());
-                for (a, b) in g.logprobs.iter().zip(&fresh) {
-                    assert!(
-                        (*a as f64 - b).abs() < 1e-4,
-                        "an answer named v5: {a} vs {b}"
-                    );
-                }
+                check(&g, &policy, &v5);
             }
-            Err(EngineError::WrongVersion { served, .. }) => {
-                assert_eq!(served, v7);
-                on_v7 += 1;
-            }
+            // Only a turn that reached the engine after the reload.
+            Err(EngineError::WrongVersion { served, .. }) => assert_eq!(served, v7),
             Err(e) => panic!("{e}"),
         }
     }
-    assert_eq!(on_v5 + on_v7, 6);
-    eprintln!("{on_v5} turns ran on v5 before the reload, {on_v7} on v7 after it");
+    assert!(on_v5 >= 1, "no turn was queued before the reload");
+    for turn in after {
+        let g = turn
+            .await
+            .unwrap()
+            .expect("a turn after the reload runs on v7");
+        check(&g, &v7_policy, &v7);
+    }
     assert_eq!(engine.served_version().await.unwrap(), v7);
     let v5 = v7;
+
+    // Without --weights-root a server loads nothing.
+    let closed_dir = dir.path().join("closed");
+    std::fs::create_dir_all(&closed_dir).unwrap();
+    let closed = common::serve(&model, "student", &closed_dir, &[]);
+    let closed_engine = RemoteEngine::new(
+        &StudentConfig {
+            base_url: format!("http://{}", closed.addr),
+            ..config.clone()
+        },
+        vocab,
+    )
+    .unwrap();
+    let err = closed_engine
+        .load_from_disk(&staging.join(&name7), 7, &v5)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("weight reloads are off"), "{err}");
+    drop(closed);
 
     // The engine goes away: a clear error, and waiting for it gives up after down_s.
     drop(served);
