@@ -185,8 +185,13 @@ impl StudentHost {
         }
         // The engine thread ends when the last handle is dropped.
         let (engine, _thread) = spawn_engine(policy, tokenizer, engine);
-        Ok(Self {
-            engine: Backend::Local(engine),
+        Ok(Self::with_backend(Backend::Local(engine), cache_dir, auth))
+    }
+
+    /// A host of `engine` with no version loaded yet.
+    fn with_backend(engine: Backend, cache_dir: &Path, auth: ClientAuth) -> Self {
+        Self {
+            engine,
             loaded: Arc::new(AtomicU64::new(NO_VERSION)),
             current: Arc::new(std::sync::Mutex::new((NO_VERSION, String::new()))),
             reload_failures: Default::default(),
@@ -195,7 +200,7 @@ impl StudentHost {
             cache_dir: cache_dir.to_path_buf(),
             auth,
             broadcast: None,
-        })
+        }
     }
 
     /// The student on the external engine `config` names (`kind = "engine"`), for the
@@ -228,24 +233,15 @@ impl StudentHost {
             .engine_weights_dir
             .clone()
             .unwrap_or_else(|| weights_dir.clone());
-        Ok(Self {
-            engine: Backend::Remote {
-                engine,
-                model_dir: model_dir.to_path_buf(),
-                weights_dir,
-                engine_dir,
-                max_request: model.max_position_embeddings,
-                rt: tokio::runtime::Handle::current(),
-            },
-            loaded: Arc::new(AtomicU64::new(NO_VERSION)),
-            current: Arc::new(std::sync::Mutex::new((NO_VERSION, String::new()))),
-            reload_failures: Default::default(),
-            staged: Default::default(),
-            load_lock: Default::default(),
-            cache_dir: cache_dir.to_path_buf(),
-            auth,
-            broadcast: None,
-        })
+        let backend = Backend::Remote {
+            engine,
+            model_dir: model_dir.to_path_buf(),
+            weights_dir,
+            engine_dir,
+            max_request: model.max_position_embeddings,
+            rt: tokio::runtime::Handle::current(),
+        };
+        Ok(Self::with_backend(backend, cache_dir, auth))
     }
 
     /// The external engine, when the student runs on one.

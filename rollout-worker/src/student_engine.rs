@@ -23,6 +23,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tutor_policy::{FinishReason, GenParams, Generation};
 
+use crate::teacher::endpoint::excerpt;
+
 /// `[worker.student]`: where the student generates.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -135,16 +137,6 @@ impl std::fmt::Debug for RemoteEngine {
             .field("base", &self.base)
             .field("vocab", &self.vocab)
             .finish_non_exhaustive()
-    }
-}
-
-fn excerpt(s: &str) -> String {
-    let s = s.trim();
-    let cut: String = s.chars().take(300).collect();
-    if cut.len() < s.len() {
-        format!("{cut}…")
-    } else {
-        cut
     }
 }
 

@@ -107,16 +107,7 @@ fn dapo_run_across_processes_reports_groups_and_a_finite_loss() {
 #[test]
 fn dapo_run_with_tutor_serve_as_the_student_engine() {
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("student");
-    std::fs::create_dir_all(&model).unwrap();
-    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("serve/make_model.py");
-    let out = std::process::Command::new(common::python())
-        .arg(&script)
-        .arg(&model)
-        .arg("4096")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
+    let model = common::make_model(&dir.path().join("student"), &["4096"]);
     // Both workers stage versions in one directory, the engine's --weights-root.
     let staging = dir.path().join("engine-weights");
     std::fs::create_dir_all(&staging).unwrap();

@@ -6,34 +6,13 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::Duration;
 
 use tutor_policy::{ChatTokenizer, GenParams, ModelConfig, Policy};
 use tutor_rollout_worker::student_engine::{
     stage_version, version_label, EngineError, RemoteEngine, StudentConfig, StudentKind,
 };
-
-/// A tiny random Qwen3 checkpoint made by transformers (tests/serve/make_model.py).
-fn make_model(dir: &Path, max_positions: u32, hidden: u32) -> PathBuf {
-    std::fs::create_dir_all(dir).unwrap();
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("serve/make_model.py");
-    let out = Command::new(common::python())
-        .arg(&script)
-        .arg(dir)
-        .arg(max_positions.to_string())
-        .arg(hidden.to_string())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{} failed (is transformers installed? `make setup`):\n{}",
-        script.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    dir.to_path_buf()
-}
 
 /// ℓ(token j | tokens < j) of `tokens[from..]` by one forward pass over the sequence.
 fn fresh_logprobs(policy: &Policy, tokens: &[u32], from: usize) -> Vec<f64> {
@@ -49,10 +28,21 @@ fn fresh_logprobs(policy: &Policy, tokens: &[u32], from: usize) -> Vec<f64> {
         .collect()
 }
 
+/// The weights of `model` times `factor`: another version that differs everywhere.
+fn scaled(model: &Path, factor: f64) -> Policy {
+    let mut policy = Policy::load_dir(model, tch::Device::Cpu).unwrap();
+    tch::no_grad(|| {
+        for (_, mut t) in policy.var_store_mut().variables() {
+            let _ = t.g_mul_scalar_(factor);
+        }
+    });
+    policy
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tutor_serve_is_a_student_engine_with_checked_versions() {
     let dir = tempfile::tempdir().unwrap();
-    let model = make_model(&dir.path().join("model"), 512, 64);
+    let model = common::make_model(&dir.path().join("model"), &["512", "64"]);
     let staging = dir.path().join("engine-weights");
     std::fs::create_dir_all(&staging).unwrap();
     let served = common::serve(
@@ -77,12 +67,7 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
     assert_eq!(engine.served_version().await.unwrap(), "default");
 
     // Policy version 5: the starting weights scaled, so that they differ.
-    let mut policy = Policy::load_dir(&model, tch::Device::Cpu).unwrap();
-    tch::no_grad(|| {
-        for (_, mut t) in policy.var_store_mut().variables() {
-            let _ = t.g_mul_scalar_(1.5);
-        }
-    });
+    let policy = scaled(&model, 1.5);
     let file = dir.path().join("v5.safetensors");
     policy.save_weights(&file).unwrap();
     let v5 = version_label(5, "0123456789abcdef");
@@ -129,7 +114,7 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
 
     // A checkpoint of another shape is refused, naming the engine and the version; the
     // engine keeps serving version 5.
-    let other = make_model(&dir.path().join("other"), 512, 32);
+    let other = common::make_model(&dir.path().join("other"), &["512", "32"]);
     let other_file = dir.path().join("v6.safetensors");
     std::fs::copy(other.join("model.safetensors"), &other_file).unwrap();
     let name6 = stage_version(&staging, &model, &other_file, "tutor-v6")
@@ -171,12 +156,7 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
     // A reload while turns run. Turns queued before it run on version 5 and say so (their
     // log-probs are version 5's); the reload waits for them; turns after it run on
     // version 7 and say so (their log-probs are version 7's).
-    let mut v7_policy = Policy::load_dir(&model, tch::Device::Cpu).unwrap();
-    tch::no_grad(|| {
-        for (_, mut t) in v7_policy.var_store_mut().variables() {
-            let _ = t.g_mul_scalar_(0.5);
-        }
-    });
+    let v7_policy = scaled(&model, 0.5);
     let file7 = dir.path().join("v7.safetensors");
     v7_policy.save_weights(&file7).unwrap();
     let v7 = version_label(7, "77777777777777");

@@ -6,7 +6,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -21,27 +21,9 @@ struct Server {
     _dir: tempfile::TempDir,
 }
 
-fn make_model(dir: &Path) -> PathBuf {
-    let model = dir.join("model");
-    std::fs::create_dir_all(&model).unwrap();
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("serve/make_model.py");
-    let out = Command::new(common::python())
-        .arg(&script)
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{} failed (is transformers installed? `make setup`):\n{}",
-        script.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    model
-}
-
 fn start(extra: &[&str]) -> Server {
     let dir = tempfile::tempdir().unwrap();
-    let model = make_model(dir.path());
+    let model = common::make_model(&dir.path().join("model"), &[]);
     let served = common::serve(&model, MODEL, dir.path(), extra);
     Server {
         addr: served.addr.clone(),
@@ -372,7 +354,7 @@ fn bad_requests_get_openai_errors() {
 #[test]
 fn an_api_key_is_required_when_configured_and_never_logged() {
     let dir = tempfile::tempdir().unwrap();
-    let model = make_model(dir.path());
+    let model = common::make_model(&dir.path().join("model"), &[]);
     let key = "sk-tutor-test-0123456789abcdef";
     let key_file = dir.path().join("api-key");
     std::fs::write(&key_file, format!("{key}\n")).unwrap();

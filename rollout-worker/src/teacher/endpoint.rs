@@ -275,7 +275,8 @@ impl ChatEndpoint {
     }
 }
 
-fn excerpt(s: &str) -> String {
+/// The first 300 characters of an answer, for error messages.
+pub(crate) fn excerpt(s: &str) -> String {
     let s = s.trim();
     let cut: String = s.chars().take(300).collect();
     if cut.len() < s.len() {

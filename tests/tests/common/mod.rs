@@ -225,6 +225,26 @@ pub fn wait_until(
     }
 }
 
+/// A tiny random Qwen3 checkpoint in `out` made by transformers (tests/serve/make_model.py;
+/// `args`: its optional MAX_POSITIONS and HIDDEN_SIZE).
+pub fn make_model(out: &Path, args: &[&str]) -> PathBuf {
+    std::fs::create_dir_all(out).unwrap();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("serve/make_model.py");
+    let made = Command::new(python())
+        .arg(&script)
+        .arg(out)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{} failed (is transformers installed? `make setup`):\n{}",
+        script.display(),
+        String::from_utf8_lossy(&made.stderr)
+    );
+    out.to_path_buf()
+}
+
 /// A running `tutor serve`, killed on drop.
 pub struct Served {
     pub child: Child,
