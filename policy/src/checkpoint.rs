@@ -17,6 +17,16 @@ use crate::{ModelConfig, Policy, PolicyError};
 const CONFIG_FILE: &str = "config.json";
 const WEIGHTS_FILE: &str = "model.safetensors";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// Files a Hugging Face model directory may carry besides config.json, tokenizer.json and
+/// the weights: the chat format and special tokens, copied as they are wherever a model
+/// directory is written (exports, staged versions).
+pub const HF_EXTRAS: [&str; 5] = [
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+];
 
 impl Policy {
     /// Writes all parameters to one safetensors file under their Hugging Face names.

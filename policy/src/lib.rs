@@ -24,7 +24,7 @@ use sha2::{Digest, Sha256};
 pub use chat_template::{
     ChatTemplate, CHAT_TEMPLATE_FILE, MAX_RENDER_BYTES, RENDER_FUEL, TOKENIZER_CONFIG_FILE,
 };
-pub use checkpoint::{weight_files, INDEX_FILE};
+pub use checkpoint::{weight_files, HF_EXTRAS, INDEX_FILE};
 pub use config::{Family, ModelConfig, RopeScaling, SUPPORTED_MODELS};
 pub use engine::{
     spawn_engine, Completion, DoneEvent, EngineConfig, EngineEvent, EngineHandle, EngineRequest,

@@ -401,9 +401,12 @@ impl StudentHost {
                 let label = version_label(version, sha256);
                 let (name, created) = {
                     let (w, m, l) = (weights_dir.clone(), model_dir.clone(), label.clone());
-                    tokio::task::spawn_blocking(move || stage_version(&w, &m, &path, &l))
-                        .await
-                        .context("staging the version for the student engine")??
+                    let named_by_content = !sha256.is_empty();
+                    tokio::task::spawn_blocking(move || {
+                        stage_version(&w, &m, &path, &l, named_by_content)
+                    })
+                    .await
+                    .context("staging the version for the student engine")??
                 };
                 if created {
                     self.keep_staged(weights_dir.join(&name));

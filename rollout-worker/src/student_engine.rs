@@ -252,11 +252,6 @@ impl RemoteEngine {
         Ok((status, text))
     }
 
-    /// Whether the engine answers its model info now.
-    pub async fn probe(&self) -> Result<String, EngineError> {
-        self.served_version().await
-    }
-
     /// The weight version the engine serves (`/model_info`, else SGLang's older
     /// `/get_model_info`).
     pub async fn served_version(&self) -> Result<String, EngineError> {
@@ -499,7 +494,7 @@ impl RemoteEngine {
         let limit = Duration::from_secs_f64(self.config.down_s);
         let mut said = Instant::now();
         loop {
-            match self.probe().await {
+            match self.served_version().await {
                 Ok(_) => return Ok(()),
                 Err(e @ EngineError::Down { .. }) => {
                     if start.elapsed() >= limit {
@@ -527,14 +522,15 @@ impl RemoteEngine {
 /// `dir` — config, tokenizer and chat files copied from `model_dir`, the file moved in as
 /// `model.safetensors` — and returns its name, and whether this call made it. It is built
 /// under a name of its own and renamed into place, so workers sharing `dir` never see each
-/// other's halves. A label with a checksum (`tutor-vN-<sha>`) names its content: a
-/// directory of that name already there is kept as it is (and not made here). Nothing else
-/// in `dir` is touched.
+/// other's halves. With `content_addressed` (a label with a checksum, `tutor-vN-<sha>`)
+/// the name names the content: a directory of that name already there is kept as it is
+/// (and not made here). Nothing else in `dir` is touched.
 pub fn stage_version(
     dir: &Path,
     model_dir: &Path,
     weights: &Path,
     label: &str,
+    content_addressed: bool,
 ) -> anyhow::Result<(String, bool)> {
     use anyhow::Context;
     if label.is_empty()
@@ -545,7 +541,6 @@ pub fn stage_version(
         anyhow::bail!("cannot stage weight version {label:?}: not a plain directory name");
     }
     let target = dir.join(label);
-    let content_addressed = label.matches('-').count() >= 2;
     if content_addressed && target.join("model.safetensors").exists() {
         let _ = std::fs::remove_file(weights);
         return Ok((label.to_string(), false));
@@ -557,14 +552,10 @@ pub fn stage_version(
     ));
     std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
     let staged = (|| -> anyhow::Result<()> {
-        for f in [
-            "config.json",
-            "generation_config.json",
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "special_tokens_map.json",
-            "chat_template.jinja",
-        ] {
+        for f in ["config.json", "tokenizer.json"]
+            .into_iter()
+            .chain(tutor_policy::HF_EXTRAS)
+        {
             let src = model_dir.join(f);
             if src.exists() {
                 std::fs::copy(&src, tmp.join(f))
@@ -720,7 +711,8 @@ mod tests {
             w
         };
         let w = weights("a");
-        let (name, created) = stage_version(dir.path(), model.path(), &w, "tutor-v1-aaaa").unwrap();
+        let (name, created) =
+            stage_version(dir.path(), model.path(), &w, "tutor-v1-aaaa", true).unwrap();
         assert_eq!((name.as_str(), created), ("tutor-v1-aaaa", true));
         let staged = dir.path().join(&name);
         assert_eq!(
@@ -731,7 +723,8 @@ mod tests {
         assert!(!w.exists(), "the download is moved, not kept twice");
         // The same checksum names the same content: kept, the new download dropped.
         let w = weights("b");
-        let (_, created) = stage_version(dir.path(), model.path(), &w, "tutor-v1-aaaa").unwrap();
+        let (_, created) =
+            stage_version(dir.path(), model.path(), &w, "tutor-v1-aaaa", true).unwrap();
         assert!(
             !created,
             "another's directory of the same content is not this one's"
@@ -743,8 +736,8 @@ mod tests {
         assert!(!w.exists());
         // Without a checksum a version is staged again; other directories stay.
         std::fs::write(weights("c"), "x").unwrap();
-        stage_version(dir.path(), model.path(), &weights("c"), "tutor-v2").unwrap();
-        stage_version(dir.path(), model.path(), &weights("d"), "tutor-v2").unwrap();
+        stage_version(dir.path(), model.path(), &weights("c"), "tutor-v2", false).unwrap();
+        stage_version(dir.path(), model.path(), &weights("d"), "tutor-v2", false).unwrap();
         assert_eq!(
             std::fs::read_to_string(dir.path().join("tutor-v2/model.safetensors")).unwrap(),
             "weights d"
@@ -757,6 +750,6 @@ mod tests {
             .collect();
         assert!(leftovers.is_empty());
         // A label that is no plain name is refused.
-        assert!(stage_version(dir.path(), model.path(), &weights("e"), "../x").is_err());
+        assert!(stage_version(dir.path(), model.path(), &weights("e"), "../x", false).is_err());
     }
 }

@@ -72,7 +72,7 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
     policy.save_weights(&file).unwrap();
     let v5 = version_label(5, "0123456789abcdef");
     assert_eq!(v5, "tutor-v5-0123456789ab");
-    let name = stage_version(&staging, &model, &file, &v5).unwrap().0;
+    let name = stage_version(&staging, &model, &file, &v5, true).unwrap().0;
     engine
         .load_from_disk(&staging.join(&name), 5, &v5)
         .await
@@ -117,7 +117,7 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
     let other = common::make_model(&dir.path().join("other"), &["512", "32"]);
     let other_file = dir.path().join("v6.safetensors");
     std::fs::copy(other.join("model.safetensors"), &other_file).unwrap();
-    let name6 = stage_version(&staging, &model, &other_file, "tutor-v6")
+    let name6 = stage_version(&staging, &model, &other_file, "tutor-v6", false)
         .unwrap()
         .0;
     let err = engine
@@ -160,7 +160,9 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
     let file7 = dir.path().join("v7.safetensors");
     v7_policy.save_weights(&file7).unwrap();
     let v7 = version_label(7, "77777777777777");
-    let name7 = stage_version(&staging, &model, &file7, &v7).unwrap().0;
+    let name7 = stage_version(&staging, &model, &file7, &v7, true)
+        .unwrap()
+        .0;
     let engine = std::sync::Arc::new(engine);
     let long = GenParams {
         max_new_tokens: 160,

@@ -9,20 +9,12 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tch::Device;
-use tutor_policy::{ChatTokenizer, ModelConfig, Policy, ENDOFTEXT, IM_END};
+use tutor_policy::{ChatTokenizer, ModelConfig, Policy, ENDOFTEXT, HF_EXTRAS, IM_END};
 
 /// Where `tutor learner` (and so `tutor run`) publishes versions inside a run directory.
 const VERSIONS: &str = "learner/versions";
 const CONFIG: &str = "config.json";
 const TOKENIZER: &str = "tokenizer.json";
-/// Files a Hugging Face model directory may carry besides weights, copied as they are.
-const HF_EXTRAS: [&str; 5] = [
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "generation_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-];
 
 /// The ChatML template the built-in rendering follows (`ChatTokenizer::render_chat`):
 /// transformers' `apply_chat_template` with it gives the same text.

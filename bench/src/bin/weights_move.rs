@@ -188,7 +188,7 @@ fn main() -> Result<()> {
     }
     // The checksum every path keeps.
     let s = Instant::now();
-    let sha = hex_sha(&shared);
+    let sha = format!("{:x}", Sha256::digest(&shared[..]));
     assert_eq!(sha, pv.sha256);
     println!(
         "\n(sha256 of the file alone: {:.3} s, part of every broadcast and gRPC row)",
@@ -207,13 +207,6 @@ fn bytes_source(bytes: &Arc<Vec<u8>>) -> WeightsSource {
 fn load(rt: &tokio::runtime::Runtime, engine: &EngineHandle, source: WeightsSource) -> Result<()> {
     rt.block_on(engine.load(source))?;
     Ok(())
-}
-
-fn hex_sha(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }
 
 /// Rank 0 and rank 1 of a CPU collective on loopback.

@@ -25,7 +25,9 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
-use tutor_policy::{EngineHandle, EngineRequest, FinishReason, GenParams, LoadError, PolicyError};
+use tutor_policy::{
+    EngineHandle, EngineRequest, FinishReason, GenParams, LoadError, PolicyError, RequestError,
+};
 
 use super::openai::{AppState, Weights};
 
@@ -178,9 +180,6 @@ async fn generate(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
         seed: p.sampling_seed.unwrap_or_else(rand::random::<u64>),
         stop_token_ids: stops,
     };
-    if let Err(e) = s.engine.check(&req.input_ids, params.max_new_tokens) {
-        return error(StatusCode::BAD_REQUEST, e.to_string());
-    }
     let prompt_tokens = req.input_ids.len();
     let (tx, rx) = mpsc::unbounded_channel();
     let request = EngineRequest {
@@ -196,8 +195,13 @@ async fn generate(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     // lock, so this request runs on the weights of the version it reports.
     let version = {
         let weights = s.weights.read().await;
+        // `submit` checks the request first (prompt, vocabulary, context): those are 400s.
         if let Err(e) = s.engine.submit(request).await {
-            return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string());
+            let status = match e {
+                RequestError::Stopped => StatusCode::SERVICE_UNAVAILABLE,
+                _ => StatusCode::BAD_REQUEST,
+            };
+            return error(status, e.to_string());
         }
         weights.version.clone()
     };
