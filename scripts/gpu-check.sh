@@ -6,6 +6,8 @@
 #                                      # .gpu-check/ (ignored by git; about 20 MB)
 #   scripts/gpu-check.sh run [OUT]     # on the GPU machine, from the repository root:
 #                                      # the binary against the torch already there
+#   scripts/gpu-check.sh benches [OUT]  # the GPU rows of the engine benches (prefix_cache,
+#                                      # weights_move with --device cuda), OUT/benches.md
 #
 # With the device tool: `run` with carry [".gpu-check"] and the command
 # `scripts/gpu-check.sh run $OUT`. On a machine with both cargo and a GPU, `run` builds
@@ -21,24 +23,32 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.gpu-check/gpu_check
 
+BENCHES=(prefix_cache weights_move)
+
 build() {
     [ -x .venv/bin/python ] || make setup
-    PATH="$PWD/.venv/bin:$PATH" cargo build --release -p tutor-bench --bin gpu_check
+    local bins=(--bin gpu_check)
+    for b in "${BENCHES[@]}"; do bins+=(--bin "$b"); done
+    PATH="$PWD/.venv/bin:$PATH" cargo build --release -p tutor-bench "${bins[@]}"
     mkdir -p .gpu-check
-    cp target/release/gpu_check "$BIN"
-    strip "$BIN" 2>/dev/null || true
-    echo "built $BIN ($(du -h "$BIN" | cut -f1)); on the GPU machine: scripts/gpu-check.sh run OUT"
+    for b in gpu_check "${BENCHES[@]}"; do
+        cp "target/release/$b" ".gpu-check/$b"
+        strip ".gpu-check/$b" 2>/dev/null || true
+    done
+    echo "built .gpu-check/ ($(du -sh .gpu-check | cut -f1)); on the GPU machine: scripts/gpu-check.sh run OUT"
 }
 
-run() {
-    local out=${1:-gpu-check-report}
-    shift || true
-    if [ ! -x "$BIN" ]; then
+need() {
+    if [ ! -x ".gpu-check/$1" ]; then
         if command -v cargo >/dev/null; then build; else
-            echo "error: $BIN is missing and there is no cargo here: run 'scripts/gpu-check.sh build' on a machine with Rust and bring .gpu-check/ along" >&2
+            echo "error: .gpu-check/$1 is missing and there is no cargo here: run 'scripts/gpu-check.sh build' on a machine with Rust and bring .gpu-check/ along" >&2
             exit 2
         fi
     fi
+}
+
+# LD_LIBRARY_PATH for the torch (and pip's NCCL) of the Python that has torch.
+torch_libs() {
     local py=${GPU_CHECK_PYTHON:-${TUTOR_PYTHON:-python3}}
     local torch_dir
     torch_dir=$("$py" -c 'import os, torch; print(os.path.dirname(torch.__file__))') || {
@@ -58,13 +68,50 @@ run() {
         echo "note: no libnccl.so* under $site/nvidia: the NCCL checks will fail to load it" >&2
     fi
     export LD_LIBRARY_PATH="$nccl_dir:$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    PY=$py
+    echo "gpu-check: python $py (torch at $torch_dir), libnccl ${so:-missing}"
+}
+
+run() {
+    local out=${1:-gpu-check-report}
+    shift || true
+    need gpu_check
+    torch_libs
     mkdir -p "$out"
-    echo "gpu-check: python $py (torch at $torch_dir), libnccl ${so:-missing}, report in $out"
+    echo "gpu-check: report in $out"
+    local py=$PY
     "$BIN" --out "$out" --work "${GPU_CHECK_WORK:-$(mktemp -d)}" --python "$py" --reference bench/reference/gpu_reference.py "$@"
+}
+
+# The engine benches' GPU rows (bench/README.md, `prefix_cache` and `weights_move`): a
+# 30-turn episode on a Qwen3-0.6B-shaped engine with and without the prefix cache, and a
+# 0.5B version moved into an engine on the GPU by each path. OUT/benches.md.
+benches() {
+    local out=${1:-gpu-check-report}
+    for b in "${BENCHES[@]}"; do need "$b"; done
+    torch_libs
+    mkdir -p "$out"
+    {
+        echo "# GPU rows of the engine benches"
+        echo
+        echo "- machine: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo 'no nvidia-smi')"
+        echo
+        echo "## prefix_cache --device cuda --hidden 1024 --layers 28 --vocab 151936 --first 2000 --observation 300 --reply 40"
+        echo '```'
+        .gpu-check/prefix_cache --device cuda --hidden 1024 --layers 28 --vocab 151936 \
+            --first 2000 --observation 300 --reply 40 2>&1 || echo "prefix_cache failed ($?)"
+        echo '```'
+        echo
+        echo "## weights_move --device cuda --repeat 3"
+        echo '```'
+        .gpu-check/weights_move --device cuda --repeat 3 2>&1 || echo "weights_move failed ($?)"
+        echo '```'
+    } | tee "$out/benches.md"
 }
 
 case "${1:-}" in
     build) build ;;
     run) shift; run "$@" ;;
-    *) echo "usage: scripts/gpu-check.sh build | run [OUT] [gpu_check args...]" >&2; exit 2 ;;
+    benches) shift; benches "$@" ;;
+    *) echo "usage: scripts/gpu-check.sh build | run [OUT] [gpu_check args...] | benches [OUT]" >&2; exit 2 ;;
 esac

@@ -3,7 +3,7 @@
 //! runs it there (it needs only the binary, bench/reference/gpu_reference.py and a Python
 //! with torch and transformers: the GPU machine's own).
 //!
-//! `gpu_check --out DIR [--device cuda] [--checks parity,nccl,train,generate,broadcast]`
+//! `gpu_check --out DIR [--device cuda] [--checks parity,nccl,sharded,train,generate,broadcast]`
 //!
 //! Checks, each independent (one that fails does not stop the others):
 //! - `parity`: a small Qwen3 model (made by `transformers`, fp32) on the GPU: logits at
@@ -14,6 +14,10 @@
 //!   all-reduce (f32, bf16), broadcast, a 64 MiB `broadcast_bytes`, barrier,
 //!   reduce-scatter, all-gather; with more GPUs visible the report says which multi-GPU
 //!   checks this binary does not run yet.
+//! - `sharded`: two data-parallel ranks on the one GPU (threads over the CPU collective:
+//!   NCCL refuses two ranks on one device) with `[learner] shard = "optimizer"` and
+//!   `"gradients"`: in f32 the weights of one rank on the whole batches, in bf16 those of
+//!   the unsharded pair; both ranks equal to the bit, each with half the AdamW moments.
 //! - `train`: one training step of a Qwen3-0.6B-shaped model (bf16 parameters, fp32
 //!   masters, AdamW), Tutor's `Trainer::step` against the same step in PyTorch eager;
 //!   median step time, tokens/s and model FLOPs utilisation (MFU: 6·N·tokens plus causal
@@ -67,7 +71,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "parity,nccl,train,generate,broadcast"
+        default_value = "parity,nccl,sharded,train,generate,broadcast"
     )]
     checks: Vec<String>,
     /// A tiny model for `train`, `generate` and `broadcast` (CPU dry runs).
@@ -823,6 +827,197 @@ fn check_generate(ctx: &Ctx, c: &mut Check) -> Result<()> {
 }
 
 // ---------------------------------------------------------------------------------------
+// sharded
+
+type Snapshot = Vec<(String, Vec<f32>)>;
+
+fn snapshot(t: &Trainer) -> Snapshot {
+    t.named_parameters()
+        .map(|(n, p)| {
+            let v = p.to_device(Device::Cpu).to_kind(Kind::Float).reshape([-1]);
+            (n.to_string(), Vec::try_from(v).unwrap_or_default())
+        })
+        .collect()
+}
+
+/// Largest over tensors of max|a − b| / max|b|.
+fn max_rel_diff(a: &Snapshot, b: &Snapshot) -> f64 {
+    let mut worst = 0f64;
+    for ((_, va), (_, vb)) in a.iter().zip(b) {
+        let scale = vb
+            .iter()
+            .fold(0f64, |m, x| m.max(x.abs() as f64))
+            .max(1e-12);
+        let diff = va
+            .iter()
+            .zip(vb)
+            .fold(0f64, |m, (x, y)| m.max((x - y).abs() as f64));
+        worst = worst.max(diff / scale);
+    }
+    worst
+}
+
+/// Two data-parallel ranks on the one GPU (threads, the CPU collective over loopback:
+/// NCCL refuses two ranks on one device) with each `[learner] shard` mode, against one
+/// rank on the whole batches (f32) and against the unsharded pair (bf16, mixed
+/// precision): the CUDA side of the sharded step (slices, reduce-scatter and all-gather
+/// staged through the host, the masters' slices) that `make test` checks on the CPU.
+fn check_sharded(ctx: &Ctx, c: &mut Check) -> Result<()> {
+    use tutor_learner::config::{Precision, Shard};
+    use tutor_learner::trainer::rank_shard;
+    let device = ctx.device;
+    let mut mc = tutor_policy::ModelConfig::tiny(8192);
+    mc.hidden_size = 256;
+    mc.intermediate_size = 768;
+    mc.num_hidden_layers = 4;
+    mc.num_attention_heads = 4;
+    mc.num_key_value_heads = 2;
+    mc.head_dim = 64;
+    mc.max_position_embeddings = 1024;
+    let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(5);
+    let batches: Vec<Vec<(Vec<u32>, Vec<bool>)>> = (0..3)
+        .map(|_| {
+            (0..7)
+                .map(|_| {
+                    let len = rand::Rng::gen_range(&mut rng, 64..300);
+                    let start = rand::Rng::gen_range(&mut rng, 1..len / 2);
+                    let tokens = (0..len)
+                        .map(|_| rand::Rng::gen_range(&mut rng, 3..8192u32))
+                        .collect();
+                    (tokens, (0..len).map(|j| j >= start).collect())
+                })
+                .collect()
+        })
+        .collect();
+    let config = |shard: Shard, precision: Precision| LearnerConfig {
+        learning_rate: 1e-3,
+        warmup_steps: 1,
+        weight_decay: 0.01,
+        grad_clip: 0.5,
+        // Small enough that the two ranks run different numbers of passes.
+        micro_batch_tokens: 600,
+        eps: 1e-3,
+        shard,
+        precision,
+        ..Default::default()
+    };
+    let policy = |seed: i64| Policy::new(mc.clone(), device, seed);
+    let timeouts = CpuCollectiveTimeouts {
+        connect: Duration::from_secs(30),
+        io: Duration::from_secs(120),
+    };
+    // Two ranks; rank 1 starts from other weights (the first broadcast makes them rank 0's).
+    let pair = |cfg: LearnerConfig| -> Result<Vec<(Snapshot, tutor_learner::trainer::StateBytes)>> {
+        let rdv = CpuRendezvous::bind("127.0.0.1:0")?;
+        let addr = rdv.local_addr();
+        let run = |rank: usize, coll: Box<dyn Collective>| -> Result<_> {
+            let mut t = Trainer::with_collective(policy(3 + 10 * rank as i64), cfg.clone(), coll)?;
+            for b in &batches {
+                let r = t.step(&rank_shard(b, rank, 2))?;
+                if let Some(why) = r.skipped {
+                    bail!("rank {rank}: the step was skipped: {why:?}");
+                }
+            }
+            Ok((snapshot(&t), t.state_bytes()))
+        };
+        std::thread::scope(|s| {
+            let other = s.spawn(|| -> Result<_> {
+                run(1, Box::new(CpuCollective::connect(addr, 1, 2, timeouts)?))
+            });
+            let root = run(0, Box::new(rdv.accept(2, timeouts)?));
+            let other = other
+                .join()
+                .map_err(|_| anyhow::anyhow!("rank 1 panicked"))?;
+            Ok(vec![root?, other?])
+        })
+    };
+    let mut rows = Vec::new();
+    // f32: the pair in each mode against one rank on the whole batches.
+    let mut single = Trainer::new(policy(3), config(Shard::None, Precision::F32))?;
+    for b in &batches {
+        single.step(b)?;
+    }
+    let want = snapshot(&single);
+    let full = single.state_bytes();
+    c.line(format!(
+        "model: {} parameters on {}; one rank f32: {full:?}",
+        mc.num_parameters(),
+        device_name(device)
+    ));
+    let start = snapshot(&Trainer::new(
+        policy(3),
+        config(Shard::None, Precision::F32),
+    )?);
+    c.expect(
+        max_rel_diff(&want, &start) > 1e-4,
+        "the weights moved in three steps",
+    );
+    for precision in [Precision::F32, Precision::Bf16] {
+        let plain = pair(config(Shard::None, precision))?;
+        let (reference, tolerance) = match precision {
+            Precision::F32 => (want.clone(), 1e-4),
+            // Mixed precision: against the unsharded pair (same bf16 passes, fp32 sums in
+            // another order): a weight whose masters differ in the last bits may round to
+            // the next bf16 value, one step of 2⁻⁷ of its size at most (measured on the
+            // CPU: 5.9e-3).
+            _ => (plain[0].0.clone(), 8e-3),
+        };
+        if precision == Precision::F32 {
+            let d = max_rel_diff(&plain[0].0, &want);
+            c.line(format!(
+                "f32 unsharded pair vs one rank: max relative diff {d:.2e}"
+            ));
+            c.expect(
+                d <= tolerance,
+                "f32: the unsharded pair trains the weights of one rank (1e-4)",
+            );
+        }
+        for mode in [Shard::Optimizer, Shard::Gradients] {
+            let ranks = pair(config(mode, precision))?;
+            let d = max_rel_diff(&ranks[0].0, &reference);
+            let base = &plain[0].1;
+            let (got, _) = &ranks[0];
+            let bytes = ranks[0].1;
+            c.line(format!(
+                "{precision:?} {mode:?}: max relative diff {d:.2e} to {}; rank 0 state {bytes:?} (unsharded {base:?})",
+                if precision == Precision::F32 { "one rank" } else { "the unsharded pair" }
+            ));
+            c.expect(
+                d <= tolerance,
+                format!("{precision:?} {mode:?}: within {tolerance:e} of the reference"),
+            );
+            c.expect(
+                ranks[1].0 == *got,
+                format!("{precision:?} {mode:?}: both ranks hold the same weights to the bit"),
+            );
+            c.expect(
+                bytes.moments * 2 <= base.moments + 8 * 2,
+                format!("{precision:?} {mode:?}: each rank holds half the AdamW moments"),
+            );
+            rows.push(json!({
+                "precision": format!("{precision:?}"), "shard": mode.name(), "max_rel_diff": d,
+                "moments": bytes.moments, "masters": bytes.masters, "grad_sums": bytes.grad_sums,
+                "unsharded_moments": base.moments, "unsharded_masters": base.masters,
+            }));
+        }
+    }
+    c.summary = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "{} {}: {:.1e}",
+                r["precision"].as_str().unwrap_or(""),
+                r["shard"].as_str().unwrap_or(""),
+                r["max_rel_diff"].as_f64().unwrap_or(f64::NAN)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    c.data = json!({ "sharded": rows });
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
 // broadcast
 
 fn check_broadcast(ctx: &Ctx, c: &mut Check) -> Result<()> {
@@ -1012,9 +1207,10 @@ fn main() -> Result<()> {
                 "train" => check_train(&ctx, c),
                 "generate" => check_generate(&ctx, c),
                 "broadcast" => check_broadcast(&ctx, c),
-                other => {
-                    bail!("unknown check {other:?} (parity, nccl, train, generate, broadcast)")
-                }
+                "sharded" => check_sharded(&ctx, c),
+                other => bail!(
+                    "unknown check {other:?} (parity, nccl, train, generate, broadcast, sharded)"
+                ),
             }
         };
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&mut c)));

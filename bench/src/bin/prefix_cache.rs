@@ -13,11 +13,10 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Parser;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use tch::Device;
 use tutor_policy::{
     spawn_engine, ChatTokenizer, EngineConfig, EngineEvent, EngineHandle, EngineRequest, GenParams,
     ModelConfig, Policy,
@@ -49,6 +48,10 @@ struct Args {
     /// libtorch threads of the engine (0: libtorch's default).
     #[arg(long, default_value_t = 0)]
     threads: u32,
+    /// Where the engine runs: `cpu` (f32) or `cuda`/`cuda:N` (bf16, as a worker's GPU
+    /// engine).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 /// One turn's outcome.
@@ -97,6 +100,9 @@ fn generate(engine: &EngineHandle, prompt: &[u32], n: usize) -> Result<Turn> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    let device = tutor_policy::parse_device(&args.device, 0)
+        .with_context(|| format!("--device {:?}: expected cpu, cuda or cuda:N", args.device))?;
+    tutor_policy::check_device(device)?;
     let total = args.first + args.turns * (args.reply + args.observation) + 16;
     let mut mc = ModelConfig::tiny(args.vocab);
     mc.hidden_size = args.hidden;
@@ -109,7 +115,10 @@ fn main() -> Result<()> {
     let corpus: Vec<String> = (0..20).map(|i| format!("turn {i}: ls -la")).collect();
     let tokenizer = ChatTokenizer::train(&corpus, 300)?;
     let engine = |cache: usize| {
-        let mut policy = Policy::new(mc.clone(), Device::Cpu, 7);
+        let mut policy = Policy::new(mc.clone(), device, 7);
+        if device.is_cuda() {
+            policy.var_store_mut().bfloat16();
+        }
         policy.use_decode_layout();
         spawn_engine(
             policy,
@@ -124,8 +133,9 @@ fn main() -> Result<()> {
         )
     };
     println!(
-        "model: {} parameters ({} layers, hidden {}); episode: {} turns, first prompt {} tokens, \
+        "device: {}; model: {} parameters ({} layers, hidden {}); episode: {} turns, first prompt {} tokens, \
          replies {}, observations {} ({} tokens at the end)",
+        args.device,
         mc.num_parameters(),
         args.layers,
         args.hidden,
@@ -146,8 +156,13 @@ fn main() -> Result<()> {
     let mut prompts = Vec::with_capacity(args.turns);
     let mut plain = Vec::with_capacity(args.turns);
     let mut prompt = random(args.first);
-    for _ in 0..args.turns {
+    for k in 0..args.turns {
         let turn = generate(&off, &prompt, args.reply)?;
+        eprintln!(
+            "without the cache: turn {k}, {} prompt tokens, {:.2} s",
+            prompt.len(),
+            turn.seconds
+        );
         prompts.push(prompt.clone());
         prompt.extend(&turn.tokens);
         prompt.extend(random(args.observation));
@@ -159,8 +174,14 @@ fn main() -> Result<()> {
 
     let (on, on_thread) = engine(total);
     let mut cached = Vec::with_capacity(args.turns);
-    for prompt in &prompts {
-        cached.push(generate(&on, prompt, args.reply)?);
+    for (k, prompt) in prompts.iter().enumerate() {
+        let turn = generate(&on, prompt, args.reply)?;
+        eprintln!(
+            "with the cache: turn {k}, {} prompt tokens, {:.2} s",
+            prompt.len(),
+            turn.seconds
+        );
+        cached.push(turn);
     }
     let on_stats = on.prefix_stats();
     drop(on);

@@ -26,6 +26,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Parser;
 use sha2::{Digest, Sha256};
+use tutor_bench::median;
 use tutor_collective::broadcast::{receive_one, send_version};
 use tutor_collective::{CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
 use tutor_learner::weights::WeightsStore;
@@ -45,15 +46,17 @@ struct Args {
     layers: usize,
     #[arg(long, default_value_t = 151_936)]
     vocab: usize,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+    /// Where the receiving engine runs: `cpu` (f32, so every load converts from bf16) or
+    /// `cuda`/`cuda:N` (bf16, as a worker's GPU engine: every load is a host-to-GPU copy).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    let device = tutor_policy::parse_device(&args.device, 0)
+        .with_context(|| format!("--device {:?}: expected cpu, cuda or cuda:N", args.device))?;
+    tutor_policy::check_device(device)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -86,13 +89,14 @@ fn main() -> Result<()> {
         pv.bytes as f64 / 1e6
     );
 
-    // The receiving engine: f32 on the CPU, decode layout, as a worker's.
+    // The receiving engine, as a worker's: f32 on the CPU, bf16 on a GPU.
     let tokenizer = ChatTokenizer::train(&["a tokenizer for the engine".to_string()], 300)?;
-    let (engine, _thread) = spawn_engine(
-        Policy::new(mc.clone(), tch::Device::Cpu, 1),
-        tokenizer,
-        Default::default(),
-    );
+    let mut receiving = Policy::new(mc.clone(), device, 1);
+    if device.is_cuda() {
+        receiving.var_store_mut().bfloat16();
+    }
+    let (engine, _thread) = spawn_engine(receiving, tokenizer, Default::default());
+    println!("receiving engine on {}", args.device);
 
     let file_bytes = std::fs::read(&pv.path)?;
     let mut rows: Vec<(&str, f64)> = Vec::new();
@@ -114,6 +118,19 @@ fn main() -> Result<()> {
         let _ = std::fs::remove_file(dir.path().join(format!("copy-{i}")));
     }
     rows.push(("plain copy on disk (fs::copy)", median(t)));
+    if let tch::Device::Cuda(ordinal) = device {
+        // The bytes to the GPU in one copy: the floor of any load into a GPU engine.
+        let host = tch::Tensor::from_slice(&file_bytes);
+        let mut t = Vec::new();
+        for _ in 0..args.repeat {
+            let s = Instant::now();
+            let on_gpu = host.to_device(device);
+            tch::Cuda::synchronize(ordinal as i64);
+            t.push(s.elapsed().as_secs_f64());
+            drop(on_gpu);
+        }
+        rows.push(("plain copy host to GPU (one tensor)", median(t)));
+    }
     let shared = Arc::new(file_bytes);
     let mut t = Vec::new();
     for _ in 0..args.repeat {
