@@ -960,6 +960,50 @@ async fn swap_is_limited_to_the_memory_limit() {
     sb.remove().await;
 }
 
+/// The agent's shell holds no capability and cannot gain one (no-new-privileges, so a
+/// setuid binary does not help), runs as the unprivileged user 1000, and its CPU share is
+/// the spec's (`nano_cpus`: the cgroup's quota over its period). Before this test these
+/// limits were configuration only (docs/security.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capabilities_are_dropped_privileges_fixed_and_cpus_limited() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-caps-{}", std::process::id());
+    let mut s = spec(&run, "e1");
+    s.nano_cpus = 500_000_000;
+    let mut sb = sandbox_with(&d, &s).await;
+    let out = sb
+        .run(
+            "grep -E '^(CapEff|CapPrm|CapBnd|NoNewPrivs):' /proc/self/status; echo uid $(id -u); \
+             cd /sys/fs/cgroup; if [ -e cpu.max ]; then echo cpu $(cat cpu.max); \
+             else echo cpu $(cat cpu/cpu.cfs_quota_us cpu/cpu.cfs_period_us 2>/dev/null); fi",
+            Duration::from_secs(10),
+        )
+        .await;
+    let field = |name: &str| -> String {
+        out.output
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .unwrap_or_else(|| panic!("no {name} in {out:?}"))
+            .trim()
+            .to_string()
+    };
+    for cap in ["CapEff:", "CapPrm:", "CapBnd:"] {
+        assert_eq!(field(cap), "0000000000000000", "{cap} {out:?}");
+    }
+    assert_eq!(field("NoNewPrivs:"), "1", "{out:?}");
+    assert_eq!(field("uid "), "1000", "{out:?}");
+    let cpu: Vec<f64> = field("cpu ")
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    assert_eq!(cpu.len(), 2, "{out:?}");
+    assert!(
+        (cpu[0] / cpu[1] - 0.5).abs() < 1e-9,
+        "a CPU quota of half a core: {out:?}"
+    );
+    sb.remove().await;
+}
+
 /// An image that ships its repository in /testbed (as SWE-bench images do) keeps it on
 /// a read-only root: it is copied into the tmpfs at launch, with its modes, and the
 /// episode's base is the image's commit. The image is made here with `docker commit`.

@@ -371,21 +371,65 @@ fn the_worker_follows_no_link_a_command_planted() {
 }
 
 /// Every command's processes are limited: processes per sandbox, address space, file
-/// size, open files, CPU time.
+/// size, open files, CPU time; its `/dev/shm` is a 64 MiB tmpfs of its own.
 #[test]
 fn resource_limits_apply_to_every_command() {
     if !bwrap_installed() {
         return;
     }
     let mut sb = LocalSandbox::create(&task(), None).unwrap();
-    let out = sb.run("ulimit -u; ulimit -v; ulimit -f; ulimit -n; ulimit -t", T);
+    let out = sb.run(
+        "ulimit -u; ulimit -v; ulimit -f; ulimit -n; ulimit -t; df -k /dev/shm | tail -1",
+        T,
+    );
     let v: Vec<&str> = out.output.lines().collect();
-    assert_eq!(v.len(), 5, "{}", out.output);
+    assert_eq!(v.len(), 6, "{}", out.output);
+    let shm: Vec<&str> = v[5].split_whitespace().collect();
+    assert_eq!(
+        (shm[0], shm[1]),
+        ("tmpfs", (64u64 << 10).to_string().as_str()),
+        "/dev/shm: {}",
+        out.output
+    );
     assert_eq!(v[0], "256", "processes: {}", out.output);
     assert_eq!(v[1], (4u64 << 20).to_string(), "address space (KiB)");
     assert_eq!(v[2], (1u64 << 20).to_string(), "file size (KiB)");
     assert_eq!(v[3], "1024", "open files");
     assert_ne!(v[4], "unlimited", "CPU seconds");
+}
+
+/// A command has no network, not even the host's loopback: a server the test listens
+/// with on 127.0.0.1 (where a coordinator or `tutor serve` on loopback needs no token)
+/// cannot be reached, and the only interface inside is its own `lo`. Python's socket
+/// module is used, as the model's commands would.
+#[test]
+fn a_command_has_no_network_not_even_the_hosts_loopback() {
+    if !bwrap_installed() {
+        return;
+    }
+    init_python();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    listener.set_nonblocking(true).unwrap();
+    let mut sb = LocalSandbox::create(&task(), None).unwrap();
+    let out = sb.run(
+        &format!(
+            "python -c 'import socket\ntry:\n    socket.create_connection((\"127.0.0.1\", {port}), timeout=5)\n    print(\"R:connected\")\nexcept OSError as e:\n    print(\"R:refused\", e.errno)\nprint(\"R:ifaces\", \" \".join(n for _, n in socket.if_nameindex()))'"
+        ),
+        T,
+    );
+    let v: Vec<&str> = out
+        .output
+        .lines()
+        .filter_map(|l| l.strip_prefix("R:"))
+        .collect();
+    assert_eq!(v.len(), 2, "{}", out.output);
+    assert!(v[0].starts_with("refused"), "{}", out.output);
+    assert!(
+        listener.accept().is_err(),
+        "the host's listener got a connection from the sandbox"
+    );
+    assert_eq!(v[1].trim(), "ifaces lo", "{}", out.output);
 }
 
 /// Writing past the file-size limit (1 GiB) fails, sparse so that no disk is used; below

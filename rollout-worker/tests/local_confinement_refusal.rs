@@ -65,7 +65,8 @@ fn unconfinable_local_sandboxes_are_refused_unless_allowed() {
 }
 
 /// The worker's own path: `[worker]` settings make a confined factory where bubblewrap
-/// works (skipped where it is not installed).
+/// works, and the worker process non-dumpable (skipped where bubblewrap is not
+/// installed).
 #[test]
 fn a_worker_makes_confined_local_sandboxes() {
     if !std::path::Path::new("/usr/bin/bwrap").exists()
@@ -95,6 +96,13 @@ fn a_worker_makes_confined_local_sandboxes() {
         panic!("a local factory");
     };
     assert!(confinement.is_confined(), "{}", confinement.describe());
+    // Making local sandboxes also made this process non-dumpable: its /proc (the run's
+    // token and API keys in its environment, its memory) is not the sandbox user's to
+    // read.
+    assert!(
+        !tutor_rollout_worker::sandbox::confine::is_dumpable(),
+        "a worker with local sandboxes is still dumpable"
+    );
     let mut sb = factory.create(&task(), "t").unwrap();
     let out = sb.run(
         &format!("test -e {} || echo hidden", beside.display()),

@@ -832,6 +832,13 @@ impl Scheduler {
         Some((id, slot))
     }
 
+    /// The latest iteration this coordinator planned or found events of in the store: a
+    /// predecessor may have leased the one after it at most.
+    fn iteration_horizon(&self) -> u32 {
+        let planned = self.plan.planned().unwrap_or(0);
+        planned.max(self.backlog.last_iteration().unwrap_or(0))
+    }
+
     /// The iteration of `id` when its slots are not planned yet (it is kept for then).
     fn ahead_of_plan(&self, id: &EpisodeId) -> Option<u32> {
         let iteration = id.slot.iteration;
@@ -850,19 +857,42 @@ impl Scheduler {
         let worker = claimed
             .filter(|(id, secret)| self.workers.authenticate(id, secret))
             .map(|(id, _)| id);
-        if let Ok(id) = episode_id.parse::<EpisodeId>() {
-            if let Some(holder) = self.leases.holder(&id) {
-                if worker.as_deref() != Some(holder) {
-                    let from = match &worker {
-                        Some(w) => format!("worker {w}"),
-                        None => "a stream that did not prove a worker id".to_string(),
-                    };
-                    return Admission::Refused(format!(
-                        "episode {episode_id} is leased to worker {holder}; its events are \
-                         accepted from that worker only, not from {from}"
-                    ));
-                }
+        let Ok(id) = episode_id.parse::<EpisodeId>() else {
+            // No slot of any iteration: stored, never counted, nothing kept in memory.
+            return Admission::Store;
+        };
+        if let Some(holder) = self.leases.holder(&id) {
+            if worker.as_deref() != Some(holder) {
+                let from = match &worker {
+                    Some(w) => format!("worker {w}"),
+                    None => "a stream that did not prove a worker id".to_string(),
+                };
+                return Admission::Refused(format!(
+                    "episode {episode_id} is leased to worker {holder}; its events are \
+                     accepted from that worker only, not from {from}"
+                ));
             }
+        } else if id.generation >= self.generation {
+            // This coordinator's own ids are in `holder` from their grant until the next
+            // iteration is planned; a later generation's do not exist yet.
+            return Admission::Refused(format!(
+                "episode {episode_id} was not leased by this coordinator (generation {}) in \
+                 the current iteration: its events are not accepted",
+                self.generation
+            ));
+        } else if worker.is_none() {
+            return Admission::Refused(format!(
+                "episode {episode_id} was leased before the coordinator restarted; its events \
+                 are accepted from a stream that proves a registered worker only"
+            ));
+        }
+        let horizon = self.iteration_horizon();
+        if id.slot.iteration > horizon + 1 {
+            return Admission::Refused(format!(
+                "episode {episode_id} is of iteration {}, which is not planned (the run has \
+                 got to iteration {horizon})",
+                id.slot.iteration
+            ));
         }
         match outcome {
             Some(ev) if !self.claim_outcome(ev) => Admission::Superseded,

@@ -168,6 +168,11 @@ impl Backlog {
         Some(load(self.log.as_deref(), &mut reader, iteration, entries))
     }
 
+    /// The latest iteration with events kept (stored before a restart, or early).
+    pub fn last_iteration(&self) -> Option<u32> {
+        self.events.keys().next_back().copied()
+    }
+
     /// Keeps an event of an iteration not planned yet.
     pub fn keep(&mut self, iteration: u32, event: EpisodeEvent) {
         self.events

@@ -217,12 +217,106 @@ async fn events_of_a_leased_episode_are_accepted_from_its_worker_only() {
     ));
     assert_eq!(sched.admit(&turn, as_w1.clone()).await, Admission::Store);
     assert_eq!(sched.admit(&stolen, as_w1).await, Admission::Store);
-    // Events of episodes this coordinator did not lease (e.g. before a restart) are
-    // judged by their slot alone, as before.
+}
+
+/// Only episodes someone could have leased are accepted: not an id this coordinator
+/// never gave (another attempt of a leased slot, even from a proven worker), not a
+/// predecessor's episode from a stream that proves no worker, and not an iteration the
+/// run has not got to. Before, each of these was
+/// stored, and an unleased id of the current iteration could complete a queued slot
+/// with a forged outcome; events of unplanned iterations were held in memory.
+#[tokio::test]
+async fn events_nobody_could_have_leased_are_refused() {
+    let key = WorkerKey::default();
+    let config = CoordinatorConfig {
+        episodes_per_iteration: 2,
+        heldout_episodes: 0,
+        ..Default::default()
+    };
+    // The second start on this run: generation 1.
+    let sched = SchedulerHandle::spawn_recovered(
+        config,
+        vec![Task::default()],
+        Vec::new(),
+        Recovery {
+            generation: 1,
+            worker_key: key,
+            ..Default::default()
+        },
+    );
+    let (w, secret, _) = sched.register_worker("a".into(), 1).await.unwrap();
+    let proven = Some((w.clone(), secret.clone()));
+    let runner = sched.clone();
+    let _iteration = tokio::spawn(async move { runner.run_iteration(0, 1.0).await });
+    let mut leases = Vec::new();
+    for _ in 0..100 {
+        leases = sched.lease(w.clone(), 1).await.unwrap().leases;
+        if !leases.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let leased: EpisodeId = leases[0].episode_id.parse().unwrap();
+    assert_eq!(leased.generation, 1);
+    let refused = |a: Admission, what: &str| match a {
+        Admission::Refused(why) => why,
+        other => panic!("{what}: {other:?}"),
+    };
+
+    // The slot that was not leased (queued), and another attempt of the leased one.
+    let mut queued = leased;
+    queued.slot.slot = 1 - leased.slot.slot;
+    let mut other_attempt = leased;
+    other_attempt.attempt += 3;
+    for id in [queued, other_attempt] {
+        let why = refused(
+            sched.admit(&outcome(&id.to_string()), proven.clone()).await,
+            "an id this coordinator never leased",
+        );
+        assert!(why.contains("was not leased by this coordinator"), "{why}");
+    }
+    // What is no episode id completes no slot: stored, never counted (as before).
     assert_eq!(
         sched.admit(&outcome("not-an-episode-id"), None).await,
         Admission::Store
     );
+
+    // A predecessor's lease of this iteration: from a proven worker it counts as
+    // before (the worker carried on across the restart); from nobody it is refused.
+    let mut before_restart = queued;
+    before_restart.generation = 0;
+    let why = refused(
+        sched
+            .admit(&outcome(&before_restart.to_string()), None)
+            .await,
+        "a predecessor's episode from a stream that proves nobody",
+    );
+    assert!(why.contains("proves a registered worker"), "{why}");
+    assert_eq!(
+        sched
+            .admit(&outcome(&before_restart.to_string()), proven.clone())
+            .await,
+        Admission::Store
+    );
+
+    // Iteration 0 is planned; 1 may have been leased by a predecessor; 5 cannot.
+    let mut next = before_restart;
+    next.slot.iteration = 1;
+    assert_eq!(
+        sched
+            .admit(&outcome(&next.to_string()), proven.clone())
+            .await,
+        Admission::Store
+    );
+    let mut far = before_restart;
+    far.slot.iteration = 5;
+    let turn = EpisodeEvent {
+        episode_id: far.to_string(),
+        worker_id: w.clone(),
+        event: Some(episode_event::Event::Turn(TurnRecord::default())),
+    };
+    let why = refused(sched.admit(&turn, proven).await, "an unplanned iteration");
+    assert!(why.contains("iteration 5, which is not planned"), "{why}");
 }
 
 /// A coordinator restarted on the run directory (same worker key, next generation)

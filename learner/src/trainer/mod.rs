@@ -587,6 +587,48 @@ mod tests {
         }
     }
 
+    /// A finite loss whose gradients overflow (DAPO ratios near f32's largest value: the
+    /// loss, a mean, stays finite; the gradients, sums over tokens, do not) is skipped
+    /// like a non-finite loss: nothing moves, and the next step trains.
+    #[test]
+    fn a_step_whose_gradient_alone_is_not_finite_changes_nothing() {
+        let mut t = tiny_trainer();
+        t.step(&repeated_examples()).unwrap();
+        let params = copies(&t.params);
+        let exp_avg = copies(t.optimizer.exp_avg());
+        let steps = t.steps;
+        let examples: Vec<_> = repeated_examples()
+            .into_iter()
+            .map(|(tokens, loss_mask)| crate::loss::RlExample {
+                advantages: loss_mask
+                    .iter()
+                    .map(|&m| if m { -1.0 } else { 0.0 })
+                    .collect(),
+                old_logprobs: loss_mask
+                    .iter()
+                    .map(|&m| if m { -OLD_LOGPROB } else { 0.0 })
+                    .collect(),
+                tokens,
+                loss_mask,
+            })
+            .collect();
+        let r = t.dapo_step(&examples).unwrap();
+        println!("loss {} grad norm {}", r.loss, r.grad_norm);
+        assert!(r.loss.is_finite(), "the loss overflowed too: {}", r.loss);
+        let why = r.skipped.expect("the step is skipped");
+        assert!(!why.grad_norm.is_finite(), "{why}");
+        assert!(all_equal(&t.params, &params), "the weights moved");
+        assert!(all_equal(t.optimizer.exp_avg(), &exp_avg));
+        assert_eq!(t.steps, steps);
+        let r = t.step(&repeated_examples()).unwrap();
+        assert!(r.skipped.is_none() && r.grad_norm.is_finite());
+        assert_eq!(t.steps, steps + 1);
+    }
+
+    /// −log of the old policy's probability in that test: ratios of about e^(84 − 4) ≈
+    /// 5.5e34 per token.
+    const OLD_LOGPROB: f32 = 84.0;
+
     #[test]
     fn a_missing_gpu_is_a_clear_error() {
         let config = LearnerConfig {

@@ -60,6 +60,10 @@ pub const DEFAULT_OUTPUT_CAP: usize = 1 << 20;
 const SANDBOX_TAG: &str = "TUTOR_SANDBOX";
 
 /// Pinned identity and dates: base commits get the same hash for the same files.
+/// How long one of the worker's own git calls may run (as the Docker sandbox's
+/// `GIT_LIMIT`): then its process group is killed and the call fails, naming the limit.
+pub const GIT_TIMEOUT: Duration = Duration::from_secs(300);
+
 const GIT_NAME: &str = "Tutor";
 const GIT_EMAIL: &str = "tutor@localhost";
 const GIT_DATE: &str = "2000-01-01T00:00:00Z";
@@ -235,6 +239,8 @@ pub struct LocalSandbox {
     /// with posix_spawn, but looks a bare name up with a fork when the environment sets
     /// PATH, copying the worker's page tables for each of an episode's git calls.
     git_program: PathBuf,
+    /// See [`GIT_TIMEOUT`].
+    git_timeout: Duration,
     output_cap: usize,
     confinement: Confinement,
     /// The interpreter the shims start, as its path: output spells it `python` (it
@@ -422,6 +428,7 @@ impl LocalSandbox {
             env,
             git_env,
             git_program,
+            git_timeout: GIT_TIMEOUT,
             python_path: python.display().to_string(),
             output_cap: DEFAULT_OUTPUT_CAP,
             confinement: confinement.clone(),
@@ -547,13 +554,20 @@ impl LocalSandbox {
             .stdout(Stdio::piped())
             .stderr(Stdio::from(stderr));
         let mut child = cmd.spawn()?;
+        let watchdog = GitWatchdog::start(&child, self.git_timeout);
         let out = BufReader::new(child.stdout.take().expect("stdout is piped"));
         Ok(GitStream {
             child,
             out,
             stderr_path,
             what: args.iter().take(2).copied().collect::<Vec<_>>().join(" "),
+            watchdog: Some(watchdog),
         })
+    }
+
+    /// Sets how long one of the worker's own git calls may run (default [`GIT_TIMEOUT`]).
+    pub fn set_git_timeout(&mut self, limit: Duration) {
+        self.git_timeout = limit;
     }
 
     /// Sets the cap (bytes) on captured output per command.
@@ -868,6 +882,8 @@ impl LocalSandbox {
         .env_clear()
         .envs(self.git_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .envs(extra_env.iter().copied());
+        // Its own process group, so that a watchdog can end git with whatever it started.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         cmd
     }
 
@@ -886,11 +902,13 @@ impl LocalSandbox {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
         let mut child = cmd.spawn()?;
+        let watchdog = GitWatchdog::start(&child, self.git_timeout);
         if let (Some(data), Some(mut w)) = (stdin, child.stdin.take()) {
             // Ignore EPIPE: git may stop reading early; its exit status tells the story.
             let _ = w.write_all(data);
         }
         let out = child.wait_with_output()?;
+        watchdog.finish(args.iter().take(2).copied().collect::<Vec<_>>().join(" "))?;
         Ok(GitOutput {
             success: out.status.success(),
             stdout: out.stdout,
@@ -1100,6 +1118,58 @@ struct GitStream {
     stderr_path: PathBuf,
     /// The subcommand, for messages.
     what: String,
+    watchdog: Option<GitWatchdog>,
+}
+
+/// Kills a git process's group when it runs past its limit (a hung filter, a huge
+/// repository). Ended (and its thread with it) when dropped or finished.
+struct GitWatchdog {
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    fired: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    limit: Duration,
+}
+
+impl GitWatchdog {
+    fn start(child: &std::process::Child, limit: Duration) -> Self {
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let fired = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let pgid = child.id() as libc::pid_t;
+        let flag = fired.clone();
+        let spawned = std::thread::Builder::new()
+            .name("git-watchdog".into())
+            .spawn(move || {
+                // Only a timeout fires: a dropped sender (git done) ends the thread.
+                if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(limit)
+                {
+                    flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                    // SAFETY: plain kill of the process group git leads.
+                    unsafe { libc::kill(-pgid, libc::SIGKILL) };
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "no watchdog thread for git: it runs without a limit");
+        }
+        Self {
+            stop: Some(stop),
+            fired,
+            limit,
+        }
+    }
+
+    /// Stops the watchdog; `Err` naming the limit if it had to kill git.
+    fn finish(mut self, what: String) -> std::io::Result<()> {
+        self.stop.take();
+        if self.fired.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "git {what} ran past its limit of {} s and was killed",
+                    self.limit.as_secs_f64()
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl GitStream {
@@ -1108,6 +1178,9 @@ impl GitStream {
     fn finish(mut self) -> std::io::Result<()> {
         std::io::copy(&mut self.out, &mut std::io::sink())?;
         let status = self.child.wait()?;
+        if let Some(watchdog) = self.watchdog.take() {
+            watchdog.finish(self.what.clone())?;
+        }
         if status.success() {
             return Ok(());
         }
@@ -1487,6 +1560,63 @@ pub(crate) mod tests {
         // The patch applies to the base commit as before.
         let files = sb.apply_to_base(&diff).unwrap();
         assert_eq!(files["a.txt"].as_deref(), Some("changed\n"));
+    }
+
+    /// The worker's own git cannot hold an episode: a git that hangs (here the program
+    /// itself, standing for a filter, a lock or a huge repository) is killed with its
+    /// process group at the limit, and the submission is empty instead of never coming.
+    /// Before, the local sandbox waited for its git without a limit.
+    #[test]
+    fn bookkeeping_git_that_hangs_is_killed_at_its_deadline() {
+        let mut sb = LocalSandbox::create(&tiny_task(), None).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let pids = dir.path().join("pids");
+        let hanging = dir.path().join("git");
+        std::fs::write(
+            &hanging,
+            format!(
+                "#!/bin/sh\nsleep 60 &\necho $$ $! >> {}\nwait\n",
+                pids.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(
+            &hanging,
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .unwrap();
+        sb.git_program = hanging;
+        sb.set_git_timeout(Duration::from_secs(1));
+        let started = std::time::Instant::now();
+        let submission = sb.submission();
+        let changed = sb.changed_files();
+        let head = sb.head();
+        let took = started.elapsed();
+        assert!(submission.patch.is_empty() && changed.is_empty() && head.is_none());
+        assert!(
+            took < Duration::from_secs(20),
+            "git was waited for: {took:?}"
+        );
+        // Every git started (and the sleep each started) is gone, not left running.
+        let recorded = std::fs::read_to_string(&pids).unwrap();
+        assert!(!recorded.is_empty());
+        for pid in recorded.split_whitespace() {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // Gone, or a zombie that only its parent's reaping would remove.
+            let state = stat
+                .rsplit(')')
+                .next()
+                .unwrap_or("")
+                .split_whitespace()
+                .next();
+            assert!(
+                stat.is_empty() || state == Some("Z"),
+                "process {pid} outlived its git: {stat}"
+            );
+        }
+        // The message names the limit.
+        let err = sb.git_env(&["status"], None, &[]).unwrap_err();
+        assert!(err.to_string().contains("limit of 1 s"), "{err}");
     }
 
     #[test]
