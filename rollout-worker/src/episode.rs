@@ -424,7 +424,12 @@ fn student_proposal(
     };
     let g = env
         .student
-        .generate_as(history.to_vec(), params, settings.policy_version)
+        .generate_as(
+            history.to_vec(),
+            params,
+            settings.policy_version,
+            Some(&env.cancel),
+        )
         .map_err(|e| format!("student generation failed: {e:#}"))?;
     let text = env.tokenizer.decode(&g.tokens);
     Ok(Proposal {

@@ -39,11 +39,12 @@ pub struct StudentConfig {
     pub api_key_env: String,
     /// File holding the API key (used when the variable is unset or empty).
     pub api_key_file: Option<PathBuf>,
-    /// Deadline of one generation request, seconds.
+    /// Deadline of one turn's generation, retries included, seconds.
     pub timeout_s: f64,
     /// Deadline of one weight reload, seconds.
     pub reload_timeout_s: f64,
-    /// Retries of a generation after connection errors, timeouts and 5xx answers.
+    /// Retries of a generation after connection errors, timeouts and 5xx answers, while
+    /// the turn's `timeout_s` lasts.
     pub max_retries: u32,
     /// How long the engine may be unreachable (at start, or between episodes) before the
     /// worker stops with an error. While it is down the worker leases nothing.
@@ -115,6 +116,9 @@ pub enum EngineError {
         served: String,
         expected: String,
     },
+    /// The worker is stopping: the turn was abandoned while the engine had not answered.
+    #[error("the turn on the student engine at {url} was abandoned: the worker is stopping")]
+    Cancelled { url: String },
 }
 
 /// A client of one external engine; shared by the worker's episodes.
@@ -338,7 +342,9 @@ impl RemoteEngine {
 
     /// Samples one assistant message after `prompt` under `params`, from the engine's
     /// weights of weight version `label` (checked on the answer). Connection errors,
-    /// timeouts and 5xx answers are retried `max_retries` times with backoff.
+    /// timeouts and 5xx answers are retried `max_retries` times with backoff, within one
+    /// deadline of `timeout_s` for the whole turn: a wedged engine holds a turn that long,
+    /// not once per retry.
     pub async fn generate(
         &self,
         prompt: &[u32],
@@ -366,11 +372,12 @@ impl RemoteEngine {
             "return_logprob": true,
             "stream": false,
         });
-        let t = Duration::from_secs_f64(self.config.timeout_s);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(self.config.timeout_s);
         let mut attempt = 0;
         let (status, text) = loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             let err = match self
-                .send(reqwest::Method::POST, "/generate", Some(&body), t)
+                .send(reqwest::Method::POST, "/generate", Some(&body), left)
                 .await
             {
                 Ok((status, _)) if status.is_server_error() || status.as_u16() == 429 => {
@@ -379,11 +386,13 @@ impl RemoteEngine {
                 Ok(answer) => break answer,
                 Err(e) => e,
             };
-            if attempt >= self.config.max_retries {
+            let pause = Duration::from_millis(500u64 << attempt.min(4));
+            if attempt >= self.config.max_retries || tokio::time::Instant::now() + pause >= deadline
+            {
                 return Err(err);
             }
             tracing::warn!(engine = %self.base, attempt, error = %err, "student generation failed; retrying");
-            tokio::time::sleep(Duration::from_millis(500u64 << attempt.min(4))).await;
+            tokio::time::sleep(pause).await;
             attempt += 1;
         };
         if !status.is_success() {
@@ -393,6 +402,26 @@ impl RemoteEngine {
             )));
         }
         self.parse_generation(&text, params.max_new_tokens, label)
+    }
+
+    /// [`RemoteEngine::generate`], abandoned (`Cancelled`) as soon as `cancel` is set:
+    /// a stopping worker does not wait out a turn its engine does not answer.
+    pub async fn generate_unless(
+        &self,
+        prompt: &[u32],
+        params: &GenParams,
+        label: &str,
+        cancel: &AtomicBool,
+    ) -> Result<Generation, EngineError> {
+        let set = async {
+            while !cancel.load(std::sync::atomic::Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        };
+        tokio::select! {
+            turn = self.generate(prompt, params, label) => turn,
+            () = set => Err(EngineError::Cancelled { url: self.base.clone() }),
+        }
     }
 
     /// Reads and checks a `/generate` answer.
@@ -584,6 +613,7 @@ pub fn stage_version(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     fn engine() -> RemoteEngine {
         let config = StudentConfig {
@@ -605,6 +635,71 @@ mod tests {
             }
         })
         .to_string()
+    }
+
+    /// A wedged engine (it accepts the connection, reads the request and never answers)
+    /// holds a turn for `timeout_s` in all, retries included, not once per retry; and a
+    /// worker that is stopping abandons the turn at once. Before, the same engine held a
+    /// turn for `timeout_s × (max_retries + 1)` whatever the worker did.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_wedged_engine_holds_a_turn_for_timeout_s_at_most_and_a_stop_abandons_it() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                held.push(socket); // read nothing, answer nothing, never close
+            }
+        });
+        let config = StudentConfig {
+            kind: StudentKind::Engine,
+            base_url: format!("http://{addr}"),
+            timeout_s: 1.5,
+            max_retries: 5,
+            ..Default::default()
+        };
+        let e = RemoteEngine::new(&config, 100).unwrap();
+        let params = GenParams {
+            max_new_tokens: 4,
+            ..Default::default()
+        };
+        let started = std::time::Instant::now();
+        let err = e.generate(&[1, 2, 3], &params, "v1").await.unwrap_err();
+        let took = started.elapsed();
+        assert!(matches!(err, EngineError::Down { .. }), "{err}");
+        // 1.5 s in all (one attempt used it up), not 6 × 1.5 s.
+        assert!(
+            took >= Duration::from_millis(1400) && took < Duration::from_secs(4),
+            "{took:?}"
+        );
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "no retry after the deadline"
+        );
+
+        let config = StudentConfig {
+            timeout_s: 600.0,
+            ..config
+        };
+        let e = RemoteEngine::new(&config, 100).unwrap();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let flag = cancel.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            flag.store(true, Ordering::SeqCst);
+        });
+        let started = std::time::Instant::now();
+        let err = e
+            .generate_unless(&[1, 2, 3], &params, "v1", &cancel)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, EngineError::Cancelled { .. }), "{err}");
+        assert!(err.to_string().contains(&addr.to_string()), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(3));
     }
 
     /// What the worker takes from an answer, and every answer it must refuse.

@@ -31,6 +31,9 @@ pub struct Leases {
     /// Every episode this coordinator leased in this iteration → the worker it leased
     /// it to: the only one whose events of it are accepted, also after it expired.
     holder: HashMap<EpisodeId, String>,
+    /// Every episode this coordinator leased, in any iteration (never cleared: a few
+    /// bytes per episode of the run).
+    granted: HashSet<EpisodeId>,
     /// Leases that expired, since the coordinator started.
     expiries: u64,
 }
@@ -74,6 +77,7 @@ impl Leases {
     ) {
         self.episode_slot.insert(id, slot);
         self.holder.insert(id, worker_id.to_string());
+        self.granted.insert(id);
         self.keep(id, slot, worker_id.to_string(), deadline, hard_deadline);
     }
 
@@ -81,6 +85,19 @@ impl Leases {
     /// episode leased before a restart).
     pub fn holder(&self, id: &EpisodeId) -> Option<&str> {
         self.holder.get(id).map(String::as_str)
+    }
+
+    /// Whether this coordinator leased `id`, in any iteration.
+    pub fn was_granted(&self, id: &EpisodeId) -> bool {
+        self.granted.contains(id)
+    }
+
+    /// Accepts the events of `id` (leased by an earlier coordinator) from `worker_id` only,
+    /// for the rest of the iteration; a binding made earlier stays.
+    pub fn bind(&mut self, id: EpisodeId, worker_id: &str) {
+        self.holder
+            .entry(id)
+            .or_insert_with(|| worker_id.to_string());
     }
 
     /// Keeps `id` (already mapped to its slot) leased to `worker_id` until `deadline`

@@ -370,6 +370,9 @@ struct Scheduler {
     datasets: IterationDatasets,
     /// Stored events not replayed yet, and early outcome claims.
     backlog: Backlog,
+    /// The latest iteration the store had events of at start: an earlier coordinator of
+    /// this run may have leased episodes of the one after it at most.
+    recovered_horizon: u32,
     /// Turns of the episodes in progress.
     turns: HashMap<EpisodeId, Vec<TurnRecord>>,
     rollouts: IterationRollouts,
@@ -390,7 +393,9 @@ impl Scheduler {
         heldout_tasks: Vec<Task>,
         recovery: Recovery,
     ) -> Self {
+        let backlog = Backlog::new(recovery.history);
         Self {
+            recovered_horizon: backlog.last_iteration().unwrap_or(0),
             datasets: IterationDatasets::new(config.clone()),
             config,
             train_tasks,
@@ -400,7 +405,7 @@ impl Scheduler {
             plan: Plan::none(),
             leases: Leases::default(),
             workers: Workers::new(recovery.generation, recovery.worker_key),
-            backlog: Backlog::new(recovery.history),
+            backlog,
             turns: HashMap::new(),
             rollouts: IterationRollouts::default(),
             iteration_reply: None,
@@ -610,6 +615,9 @@ impl Scheduler {
             if self.plan.slots[slot].done {
                 self.turns.remove(&id);
             } else {
+                // Its later events are accepted from the worker that stored the earlier
+                // ones only.
+                self.leases.bind(id, &worker_id);
                 self.leases
                     .keep(id, slot, worker_id, deadline, hard_deadline);
             }
@@ -832,13 +840,6 @@ impl Scheduler {
         Some((id, slot))
     }
 
-    /// The latest iteration this coordinator planned or found events of in the store: a
-    /// predecessor may have leased the one after it at most.
-    fn iteration_horizon(&self) -> u32 {
-        let planned = self.plan.planned().unwrap_or(0);
-        planned.max(self.backlog.last_iteration().unwrap_or(0))
-    }
-
     /// The iteration of `id` when its slots are not planned yet (it is kept for then).
     fn ahead_of_plan(&self, id: &EpisodeId) -> Option<u32> {
         let iteration = id.slot.iteration;
@@ -872,27 +873,43 @@ impl Scheduler {
                      accepted from that worker only, not from {from}"
                 ));
             }
-        } else if id.generation >= self.generation {
+        } else if id.generation == self.generation {
             // This coordinator's own ids are in `holder` from their grant until the next
-            // iteration is planned; a later generation's do not exist yet.
+            // iteration is planned. A late event of an earlier iteration's lease is stored
+            // and never counted (as a replay of a stored one is a duplicate); an id it
+            // never leased is refused.
+            if !self.leases.was_granted(&id) {
+                return Admission::Refused(format!(
+                    "episode {episode_id} was never leased by this coordinator (generation \
+                     {}): its events are not accepted",
+                    self.generation
+                ));
+            }
+        } else if id.generation > self.generation {
             return Admission::Refused(format!(
-                "episode {episode_id} was not leased by this coordinator (generation {}) in \
-                 the current iteration: its events are not accepted",
-                self.generation
+                "episode {episode_id} names generation {}, but this coordinator is generation \
+                 {}: no coordinator leased it",
+                id.generation, self.generation
             ));
-        } else if worker.is_none() {
-            return Admission::Refused(format!(
-                "episode {episode_id} was leased before the coordinator restarted; its events \
-                 are accepted from a stream that proves a registered worker only"
-            ));
-        }
-        let horizon = self.iteration_horizon();
-        if id.slot.iteration > horizon + 1 {
-            return Admission::Refused(format!(
-                "episode {episode_id} is of iteration {}, which is not planned (the run has \
-                 got to iteration {horizon})",
-                id.slot.iteration
-            ));
+        } else {
+            // Leased by an earlier coordinator of this run, which recorded no lease: its
+            // events are accepted from a proven worker, for an iteration that coordinator
+            // can have run, and from then on from that worker only.
+            let Some(w) = worker.as_deref() else {
+                return Admission::Refused(format!(
+                    "episode {episode_id} was leased before the coordinator restarted; its \
+                     events are accepted from a stream that proves a registered worker only"
+                ));
+            };
+            let horizon = self.recovered_horizon + 1;
+            if id.slot.iteration > horizon {
+                return Admission::Refused(format!(
+                    "episode {episode_id} is of iteration {}, which no earlier coordinator of \
+                     this run can have leased (its store ends at iteration {})",
+                    id.slot.iteration, self.recovered_horizon
+                ));
+            }
+            self.leases.bind(id, w);
         }
         match outcome {
             Some(ev) if !self.claim_outcome(ev) => Admission::Superseded,

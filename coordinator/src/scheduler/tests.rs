@@ -245,7 +245,9 @@ async fn events_nobody_could_have_leased_are_refused() {
         },
     );
     let (w, secret, _) = sched.register_worker("a".into(), 1).await.unwrap();
+    let (w2, secret2, _) = sched.register_worker("b".into(), 1).await.unwrap();
     let proven = Some((w.clone(), secret.clone()));
+    let proven2 = Some((w2.clone(), secret2.clone()));
     let runner = sched.clone();
     let _iteration = tokio::spawn(async move { runner.run_iteration(0, 1.0).await });
     let mut leases = Vec::new();
@@ -273,7 +275,10 @@ async fn events_nobody_could_have_leased_are_refused() {
             sched.admit(&outcome(&id.to_string()), proven.clone()).await,
             "an id this coordinator never leased",
         );
-        assert!(why.contains("was not leased by this coordinator"), "{why}");
+        assert!(
+            why.contains("was never leased by this coordinator"),
+            "{why}"
+        );
     }
     // What is no episode id completes no slot: stored, never counted (as before).
     assert_eq!(
@@ -282,7 +287,9 @@ async fn events_nobody_could_have_leased_are_refused() {
     );
 
     // A predecessor's lease of this iteration: from a proven worker it counts as
-    // before (the worker carried on across the restart); from nobody it is refused.
+    // before (the worker carried on across the restart), and from then on from that
+    // worker only; from nobody it is refused. (Nothing records a predecessor's leases,
+    // so the first proven worker to use such an id gets it: docs/security.md says so.)
     let mut before_restart = queued;
     before_restart.generation = 0;
     let why = refused(
@@ -298,6 +305,23 @@ async fn events_nobody_could_have_leased_are_refused() {
             .await,
         Admission::Store
     );
+    let why = refused(
+        sched
+            .admit(&outcome(&before_restart.to_string()), proven2)
+            .await,
+        "another worker's use of a bound id",
+    );
+    assert!(why.contains(&format!("leased to worker {w}")), "{why}");
+    // A later generation than this coordinator's: nobody leased it.
+    let mut later = leased;
+    later.generation = 2;
+    let why = refused(
+        sched
+            .admit(&outcome(&later.to_string()), proven.clone())
+            .await,
+        "a later generation",
+    );
+    assert!(why.contains("no coordinator leased it"), "{why}");
 
     // Iteration 0 is planned; 1 may have been leased by a predecessor; 5 cannot.
     let mut next = before_restart;
@@ -316,7 +340,10 @@ async fn events_nobody_could_have_leased_are_refused() {
         event: Some(episode_event::Event::Turn(TurnRecord::default())),
     };
     let why = refused(sched.admit(&turn, proven).await, "an unplanned iteration");
-    assert!(why.contains("iteration 5, which is not planned"), "{why}");
+    assert!(
+        why.contains("iteration 5, which no earlier coordinator"),
+        "{why}"
+    );
 }
 
 /// A coordinator restarted on the run directory (same worker key, next generation)

@@ -96,16 +96,18 @@ impl Workers {
         (id, secret)
     }
 
-    /// Whether `secret` proves `worker_id` (constant-time): a worker this coordinator
-    /// knows (registered, or heard from since a restart) presenting the secret the run's
-    /// key gives its id.
+    /// Whether `secret` proves `worker_id` (constant-time): the secret the run's key gives
+    /// its id. Only the coordinators of this run can make one, so a worker registered
+    /// before a restart is proven (and known again from then on) by its first event,
+    /// even when it comes before the worker's first heartbeat.
     pub fn authenticate(&mut self, worker_id: &str, secret: &str) -> bool {
         use subtle::ConstantTimeEq;
-        if !self.by_id.contains_key(worker_id) {
-            return false;
-        }
         let want = self.key.secret_for(worker_id);
-        bool::from(want.as_bytes().ct_eq(secret.as_bytes()))
+        let proven = bool::from(want.as_bytes().ct_eq(secret.as_bytes()));
+        if proven && !self.by_id.contains_key(worker_id) {
+            self.seen(worker_id);
+        }
+        proven
     }
 
     /// A lease request from `worker_id`: it is alive. A worker this coordinator does not

@@ -613,7 +613,6 @@ mod tests {
             })
             .collect();
         let r = t.dapo_step(&examples).unwrap();
-        println!("loss {} grad norm {}", r.loss, r.grad_norm);
         assert!(r.loss.is_finite(), "the loss overflowed too: {}", r.loss);
         let why = r.skipped.expect("the step is skipped");
         assert!(!why.grad_norm.is_finite(), "{why}");

@@ -1200,6 +1200,9 @@ impl GitStream {
 impl Drop for GitStream {
     fn drop(&mut self) {
         if matches!(self.child.try_wait(), Ok(None)) {
+            // The whole group: what git started goes with it (see `git_command`).
+            // SAFETY: plain kill of the group git leads; git is not reaped yet.
+            unsafe { libc::kill(-(self.child.id() as libc::pid_t), libc::SIGKILL) };
             let _ = self.child.kill();
         }
         let _ = self.child.wait();
