@@ -503,6 +503,12 @@ mod tests {
     /// Â < 0 the unclipped −∞ is the surrogate's minimum: the loss is +∞ and backward
     /// gives non-finite gradients.
     fn overflowing_dapo() -> Vec<crate::loss::RlExample> {
+        dapo_with_old_logprob(-200.0)
+    }
+
+    /// DAPO examples of `repeated_examples` with advantage −1 and the old policy's
+    /// log-prob `old` on every label token: ratios of e^(log p − old).
+    fn dapo_with_old_logprob(old: f32) -> Vec<crate::loss::RlExample> {
         repeated_examples()
             .into_iter()
             .map(|(tokens, loss_mask)| crate::loss::RlExample {
@@ -512,7 +518,7 @@ mod tests {
                     .collect(),
                 old_logprobs: loss_mask
                     .iter()
-                    .map(|&m| if m { -200.0 } else { 0.0 })
+                    .map(|&m| if m { old } else { 0.0 })
                     .collect(),
                 tokens,
                 loss_mask,
@@ -597,22 +603,8 @@ mod tests {
         let params = copies(&t.params);
         let exp_avg = copies(t.optimizer.exp_avg());
         let steps = t.steps;
-        let examples: Vec<_> = repeated_examples()
-            .into_iter()
-            .map(|(tokens, loss_mask)| crate::loss::RlExample {
-                advantages: loss_mask
-                    .iter()
-                    .map(|&m| if m { -1.0 } else { 0.0 })
-                    .collect(),
-                old_logprobs: loss_mask
-                    .iter()
-                    .map(|&m| if m { -OLD_LOGPROB } else { 0.0 })
-                    .collect(),
-                tokens,
-                loss_mask,
-            })
-            .collect();
-        let r = t.dapo_step(&examples).unwrap();
+        // Ratios of about e^(84 − 4) ≈ 5.5e34 per token.
+        let r = t.dapo_step(&dapo_with_old_logprob(-84.0)).unwrap();
         assert!(r.loss.is_finite(), "the loss overflowed too: {}", r.loss);
         let why = r.skipped.expect("the step is skipped");
         assert!(!why.grad_norm.is_finite(), "{why}");
@@ -623,10 +615,6 @@ mod tests {
         assert!(r.skipped.is_none() && r.grad_norm.is_finite());
         assert_eq!(t.steps, steps + 1);
     }
-
-    /// −log of the old policy's probability in that test: ratios of about e^(84 − 4) ≈
-    /// 5.5e34 per token.
-    const OLD_LOGPROB: f32 = 84.0;
 
     #[test]
     fn a_missing_gpu_is_a_clear_error() {

@@ -1603,19 +1603,28 @@ pub(crate) mod tests {
         // Every git started (and the sleep each started) is gone, not left running.
         let recorded = std::fs::read_to_string(&pids).unwrap();
         assert!(!recorded.is_empty());
+        // (SIGKILL is delivered at once, but a loaded machine may take a moment to run
+        // the exits: each process gets up to 10 s.)
         for pid in recorded.split_whitespace() {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            // Gone, or a zombie that only its parent's reaping would remove.
-            let state = stat
-                .rsplit(')')
-                .next()
-                .unwrap_or("")
-                .split_whitespace()
-                .next();
-            assert!(
-                stat.is_empty() || state == Some("Z"),
-                "process {pid} outlived its git: {stat}"
-            );
+            let gone_by = std::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                // Gone, or a zombie that only its parent's reaping would remove.
+                let state = stat
+                    .rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .split_whitespace()
+                    .next();
+                if stat.is_empty() || state == Some("Z") {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < gone_by,
+                    "process {pid} outlived its git: {stat}"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
         }
         // The message names the limit.
         let err = sb.git_env(&["status"], None, &[]).unwrap_err();
