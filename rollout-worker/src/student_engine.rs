@@ -580,7 +580,8 @@ pub fn stage_version(
         rand::random::<u64>()
     ));
     std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    let staged = (|| -> anyhow::Result<()> {
+    // Ok(false): another worker staged the same content-addressed version meanwhile.
+    let staged = (|| -> anyhow::Result<bool> {
         for f in ["config.json", "tokenizer.json"]
             .into_iter()
             .chain(tutor_policy::HF_EXTRAS)
@@ -597,17 +598,25 @@ pub fn stage_version(
                 .with_context(|| format!("copying {} to {}", weights.display(), dst.display()))?;
             let _ = std::fs::remove_file(weights);
         }
+        // A content-addressed directory that appeared meanwhile holds the same weights
+        // and may be loading into the engine this moment: it is used, never replaced.
+        if content_addressed && target.join("model.safetensors").exists() {
+            return Ok(false);
+        }
         if target.exists() {
             let _ = std::fs::remove_dir_all(&target);
         }
-        std::fs::rename(&tmp, &target)
-            .with_context(|| format!("renaming {} to {}", tmp.display(), target.display()))
+        match std::fs::rename(&tmp, &target) {
+            Ok(()) => Ok(true),
+            Err(_) if content_addressed && target.join("model.safetensors").exists() => Ok(false),
+            Err(e) => Err(e)
+                .with_context(|| format!("renaming {} to {}", tmp.display(), target.display())),
+        }
     })();
-    if staged.is_err() {
+    if !matches!(staged, Ok(true)) {
         let _ = std::fs::remove_dir_all(&tmp);
     }
-    staged?;
-    Ok((label.to_string(), true))
+    Ok((label.to_string(), staged?))
 }
 
 #[cfg(test)]
@@ -792,6 +801,64 @@ mod tests {
             ..base
         })
         .contains("worker.student.timeout_s"));
+    }
+
+    #[test]
+    fn workers_staging_one_version_at_once_never_remove_each_others_directory() {
+        // Two workers sharing an engine stage the same version at the same moment. Before,
+        // the second removed the first's directory while the engine loaded from it, the
+        // first's reload failed, and its episode ran on no version (a flaky DAPO test).
+        let model = tempfile::tempdir().unwrap();
+        std::fs::write(model.path().join("config.json"), "{}").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let label = "tutor-v3-cccc";
+        let target = dir.path().join(label).join("model.safetensors");
+        let done = Arc::new(AtomicBool::new(false));
+        let reader = {
+            let (done, target) = (done.clone(), target.clone());
+            std::thread::spawn(move || {
+                let mut seen = false;
+                let mut vanished = 0;
+                while !done.load(Ordering::SeqCst) {
+                    match std::fs::read_to_string(&target) {
+                        Ok(text) => {
+                            assert_eq!(text, "same weights");
+                            seen = true;
+                        }
+                        Err(_) if seen => vanished += 1,
+                        Err(_) => {}
+                    }
+                }
+                vanished
+            })
+        };
+        // All at once, so that several find nothing staged yet.
+        let start = Arc::new(std::sync::Barrier::new(8));
+        let created: Vec<bool> = (0..8)
+            .map(|i| {
+                let w = dir.path().join(format!("download-{i}"));
+                std::fs::write(&w, "same weights").unwrap();
+                let (d, m) = (dir.path().to_path_buf(), model.path().to_path_buf());
+                let start = start.clone();
+                std::thread::spawn(move || {
+                    start.wait();
+                    stage_version(&d, &m, &w, label, true).unwrap().1
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect();
+        done.store(true, Ordering::SeqCst);
+        assert_eq!(reader.join().unwrap(), 0, "the staged weights vanished");
+        assert_eq!(created.iter().filter(|&&c| c).count(), 1, "{created:?}");
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "same weights");
+        let leftovers = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name() != label)
+            .count();
+        assert_eq!(leftovers, 0, "temporary directories and downloads are gone");
     }
 
     #[test]
