@@ -11,6 +11,20 @@ pub(crate) fn outcome(episode_id: &str) -> EpisodeEvent {
     }
 }
 
+/// The first non-empty lease answer `worker` gets within a second (the iteration is
+/// started by another task).
+async fn first_leases(sched: &SchedulerHandle, worker: &str) -> Vec<tutor_proto::EpisodeLease> {
+    let mut leases = Vec::new();
+    for _ in 0..100 {
+        leases = sched.lease(worker.to_string(), 1).await.unwrap().leases;
+        if !leases.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    leases
+}
+
 #[tokio::test]
 async fn snapshot_counts_completions_by_purpose_expiries_and_the_queue() {
     let config = CoordinatorConfig {
@@ -185,14 +199,7 @@ async fn events_of_a_leased_episode_are_accepted_from_its_worker_only() {
 
     let runner = sched.clone();
     let _iteration = tokio::spawn(async move { runner.run_iteration(0, 1.0).await });
-    let mut leases = Vec::new();
-    for _ in 0..100 {
-        leases = sched.lease(w1.clone(), 1).await.unwrap().leases;
-        if !leases.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let leases = first_leases(&sched, &w1).await;
     let id = leases[0].episode_id.clone();
     let turn = EpisodeEvent {
         episode_id: id.clone(),
@@ -250,14 +257,7 @@ async fn events_nobody_could_have_leased_are_refused() {
     let proven2 = Some((w2.clone(), secret2.clone()));
     let runner = sched.clone();
     let _iteration = tokio::spawn(async move { runner.run_iteration(0, 1.0).await });
-    let mut leases = Vec::new();
-    for _ in 0..100 {
-        leases = sched.lease(w.clone(), 1).await.unwrap().leases;
-        if !leases.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let leases = first_leases(&sched, &w).await;
     let leased: EpisodeId = leases[0].episode_id.parse().unwrap();
     assert_eq!(leased.generation, 1);
     let refused = |a: Admission, what: &str| match a {
@@ -405,14 +405,7 @@ async fn a_failed_slot_stays_failed_after_a_restart() {
     let (worker, _) = sched.register("w".into(), 1).await.unwrap();
     let runner = sched.clone();
     let iteration = tokio::spawn(async move { runner.run_iteration(0, 1.0).await });
-    let mut leased = Vec::new();
-    for _ in 0..100 {
-        leased = sched.lease(worker.clone(), 1).await.unwrap().leases;
-        if !leased.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let leased = first_leases(&sched, &worker).await;
     assert_eq!(leased.len(), 1);
     // The worker goes silent: the only attempt expires and the slot fails.
     let rollouts = tokio::time::timeout(Duration::from_secs(10), iteration)

@@ -43,7 +43,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use crate::sandbox::confine::{Bind, Confinement, SYSTEM_PATH};
-use crate::sandbox::process::{kill_tagged, run_in_own_group, Isolation};
+use crate::sandbox::process::{kill_group, kill_tagged, run_in_own_group, Isolation};
 use crate::sandbox::{
     safe_rel, shell_quote, CommandOutput, LeftOutReason, Sandbox, SandboxError, Submission,
     BOOKKEEPING_CONFIG, MAX_SUBMISSION_BYTES, MAX_UNTRACKED_FILE_BYTES, SUBMISSION_EXCLUDE,
@@ -1142,8 +1142,7 @@ impl GitWatchdog {
                 if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(limit)
                 {
                     flag.store(true, std::sync::atomic::Ordering::SeqCst);
-                    // SAFETY: plain kill of the process group git leads.
-                    unsafe { libc::kill(-pgid, libc::SIGKILL) };
+                    kill_group(pgid);
                 }
             });
         if let Err(e) = spawned {
@@ -1201,8 +1200,7 @@ impl Drop for GitStream {
     fn drop(&mut self) {
         if matches!(self.child.try_wait(), Ok(None)) {
             // The whole group: what git started goes with it (see `git_command`).
-            // SAFETY: plain kill of the group git leads; git is not reaped yet.
-            unsafe { libc::kill(-(self.child.id() as libc::pid_t), libc::SIGKILL) };
+            kill_group(self.child.id() as libc::pid_t);
             let _ = self.child.kill();
         }
         let _ = self.child.wait();

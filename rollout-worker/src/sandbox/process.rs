@@ -173,7 +173,8 @@ fn leader_exited(pid: libc::pid_t) -> bool {
     r == 0 && unsafe { info.si_pid() } == pid
 }
 
-fn kill_group(pgid: libc::pid_t) {
+/// SIGKILL to process group `pgid` (nothing for 0 or 1).
+pub(crate) fn kill_group(pgid: libc::pid_t) {
     if pgid > 1 {
         // SAFETY: plain syscall; ESRCH (group already gone) is fine.
         unsafe { libc::kill(-pgid, libc::SIGKILL) };
