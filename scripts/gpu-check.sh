@@ -100,10 +100,11 @@ benches() {
         # 12 turns, with libtorch's default threads and with 4 (as gpu_check's generate
         # check): on 2026-11-27 the default ran ~75 ms per decoded token on an H100,
         # 4-5x gpu_check's engine; which difference causes that is still open.
-        for threads in 0 4; do
+        # PREFIX_THREADS / PREFIX_TIMEOUT (seconds per run) shorten it on a tight budget.
+        for threads in ${PREFIX_THREADS:-0 4}; do
             echo "## prefix_cache --device cuda --hidden 1024 --layers 28 --vocab 151936 --turns 12 --first 1000 --observation 200 --reply 32 --threads $threads"
             echo '```'
-            timeout 240 .gpu-check/prefix_cache --device cuda --hidden 1024 --layers 28 --vocab 151936 \
+            timeout "${PREFIX_TIMEOUT:-240}" .gpu-check/prefix_cache --device cuda --hidden 1024 --layers 28 --vocab 151936 \
                 --turns 12 --first 1000 --observation 200 --reply 32 --threads "$threads" 2>&1 \
                 || echo "prefix_cache failed or timed out ($?)"
             echo '```'

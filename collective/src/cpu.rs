@@ -68,6 +68,8 @@ pub struct CpuRendezvous {
     listener: TcpListener,
     addr: SocketAddr,
     secret: Option<CollectiveSecret>,
+    /// Set: `accept` gives up at once (its caller no longer waits for the ranks).
+    abandon: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// Connections whose hello rank 0 waits for at once; beyond it the oldest is dropped (a
@@ -88,6 +90,7 @@ impl CpuRendezvous {
             listener,
             addr,
             secret: None,
+            abandon: None,
         })
     }
 
@@ -95,6 +98,15 @@ impl CpuRendezvous {
     /// `None`: any connection that says a valid hello may join (loopback, no auth token).
     pub fn with_secret(self, secret: Option<CollectiveSecret>) -> Self {
         Self { secret, ..self }
+    }
+
+    /// `accept` gives up, with an error, once `flag` is set (within a few milliseconds):
+    /// for a caller that learns another way that the ranks will not come.
+    pub fn abandoned_by(self, flag: std::sync::Arc<std::sync::atomic::AtomicBool>) -> Self {
+        Self {
+            abandon: Some(flag),
+            ..self
+        }
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -130,6 +142,14 @@ impl CpuRendezvous {
         let result = loop {
             if peers.iter().all(|p| p.is_some()) {
                 break Ok(());
+            }
+            if let Some(flag) = &self.abandon {
+                if flag.load(std::sync::atomic::Ordering::SeqCst) {
+                    break Err(CollectiveError::Setup(format!(
+                        "rank 0 at {} stopped waiting for the other ranks: abandoned by its caller",
+                        self.addr
+                    )));
+                }
             }
             if start.elapsed() > timeouts.connect {
                 let missing: Vec<usize> = peers

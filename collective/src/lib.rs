@@ -7,6 +7,7 @@
 
 pub mod broadcast;
 mod cpu;
+pub mod engine_update;
 mod hello;
 #[cfg(feature = "nccl")]
 mod nccl;

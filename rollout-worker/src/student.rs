@@ -23,7 +23,7 @@ use tutor_proto::auth::ClientAuth;
 use tutor_proto::PolicyVersion;
 
 use crate::student_engine::{
-    stage_version, version_label, EngineError, RemoteEngine, StudentConfig,
+    stage_version, version_label, EngineError, ReloadKind, RemoteEngine, StudentConfig,
 };
 
 /// Reloads of an external engine refused in a row after which the worker stops leasing:
@@ -135,6 +135,10 @@ pub struct StudentHost {
     /// External engine: the version directories this worker staged, oldest first.
     staged: Arc<std::sync::Mutex<std::collections::VecDeque<PathBuf>>>,
     load_lock: Arc<tokio::sync::Mutex<()>>,
+    /// Running episodes hold it for reading ([`StudentHost::hold`]); a swap into the
+    /// in-process engine takes it for writing, so the weights never change under a running
+    /// episode: a new version waits for the episodes of the old one to end.
+    episodes: Arc<tokio::sync::RwLock<()>>,
     cache_dir: PathBuf,
     /// Sent with every weights download.
     auth: ClientAuth,
@@ -197,6 +201,7 @@ impl StudentHost {
             reload_failures: Default::default(),
             staged: Default::default(),
             load_lock: Default::default(),
+            episodes: Default::default(),
             cache_dir: cache_dir.to_path_buf(),
             auth,
             broadcast: None,
@@ -256,6 +261,14 @@ impl StudentHost {
     pub fn with_broadcast(mut self, inbox: Option<BroadcastInbox>) -> Self {
         self.broadcast = inbox;
         self
+    }
+
+    /// Held by a running episode, from after its `ensure` to its end: the in-process
+    /// engine's weights do not change meanwhile (a swap waits for every holder). An
+    /// external engine is shared with other clients; its turns are checked by version
+    /// instead.
+    pub async fn hold(&self) -> tokio::sync::OwnedRwLockReadGuard<()> {
+        self.episodes.clone().read_owned().await
     }
 
     pub fn loaded_version(&self) -> u64 {
@@ -363,6 +376,8 @@ impl StudentHost {
     async fn swap_in(&self, source: WeightsSource, version: u64, sha256: &str) -> Result<()> {
         match &self.engine {
             Backend::Local(engine) => {
+                // Not under a running episode: it finishes on the weights it started on.
+                let _no_episode = self.episodes.write().await;
                 if let Err(e) = engine.load(source.clone()).await {
                     if let tutor_policy::LoadError::Weights {
                         error: tutor_policy::PolicyError::Torch { .. },
@@ -385,6 +400,27 @@ impl StudentHost {
                 engine_dir,
                 ..
             } => {
+                let label = version_label(version, sha256);
+                if engine.config().reload == ReloadKind::Distributed {
+                    // Sent as tensors: nothing is staged for the engine to read.
+                    let (bytes, consumed) = match source {
+                        WeightsSource::Bytes { bytes, .. } => (bytes, None),
+                        WeightsSource::Path(path) => (
+                            Arc::new(
+                                tokio::fs::read(&path)
+                                    .await
+                                    .with_context(|| format!("reading {}", path.display()))?,
+                            ),
+                            Some(path),
+                        ),
+                    };
+                    engine.load_distributed(bytes, version, &label).await?;
+                    if let Some(path) = consumed {
+                        let _ = std::fs::remove_file(path);
+                    }
+                    self.set_current(version, label);
+                    return Ok(());
+                }
                 // The engine reads files: bytes from the broadcast are written for it.
                 let path = match source {
                     WeightsSource::Path(path) => path,
@@ -398,7 +434,6 @@ impl StudentHost {
                         path
                     }
                 };
-                let label = version_label(version, sha256);
                 let (name, created) = {
                     let (w, m, l) = (weights_dir.clone(), model_dir.clone(), label.clone());
                     let named_by_content = !sha256.is_empty();
@@ -552,6 +587,62 @@ impl StudentHost {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// With episodes of several versions in flight on one worker, the in-process engine's
+    /// weights never change under a running episode: a new version waits for the
+    /// episodes holding the student, and loads once they end.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_new_version_waits_for_the_running_episodes_of_the_old_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let tokenizer =
+            ChatTokenizer::train(&["fix the bug in the code".to_string()], 300).unwrap();
+        let config = ModelConfig::tiny(tokenizer.vocab_size());
+        config.save(&dir.path().join("config.json")).unwrap();
+        let host = StudentHost::start(
+            dir.path(),
+            dir.path(),
+            tokenizer,
+            EngineConfig::default(),
+            ClientAuth::default(),
+        )
+        .unwrap();
+        let version = |v: u64| {
+            let path = dir.path().join(format!("v{v}.safetensors"));
+            Policy::new(config.clone(), tch::Device::Cpu, v as i64)
+                .save_weights(&path)
+                .unwrap();
+            path
+        };
+        host.load_file(&version(1), 1, "").await.unwrap();
+        assert_eq!(host.loaded_version(), 1);
+
+        // An episode of version 1 runs; another asks for version 2.
+        let running = host.hold().await;
+        let loading = {
+            let (host, path) = (host.clone(), version(2));
+            tokio::spawn(async move { host.load_file(&path, 2, "").await })
+        };
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            !loading.is_finished(),
+            "version 2 loaded under a running episode"
+        );
+        assert_eq!(host.loaded_version(), 1);
+        // An episode that starts meanwhile waits too, and then runs on version 2.
+        let next = {
+            let host = host.clone();
+            tokio::spawn(async move {
+                let _held = host.hold().await;
+                host.loaded_version()
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!next.is_finished());
+        drop(running);
+        loading.await.unwrap().unwrap();
+        assert_eq!(host.loaded_version(), 2);
+        assert_eq!(next.await.unwrap(), 2);
+    }
 
     /// A version is taken only with the checksum the lease names; anything else waits
     /// out `broadcast_wait` (and the worker downloads over gRPC). Only the two newest

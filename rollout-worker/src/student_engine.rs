@@ -8,9 +8,15 @@
 //! - Every answer names the weight version that produced it (`meta_info.weight_version`);
 //!   an answer from any other version than the episode's is an error, never a turn, so no
 //!   episode is trained on with another version's log-probabilities.
-//! - A new policy version is staged as a Hugging Face directory the engine can read
-//!   (`weights_dir`), loaded with `POST /update_weights_from_disk` under its version, and
-//!   the engine's `/model_info` must then report that version.
+//! - A new policy version reaches the engine one of two ways (`reload`), and the engine's
+//!   `/model_info` must then report it:
+//!   - `disk` (default): staged as a Hugging Face directory the engine can read
+//!     (`weights_dir`), loaded with `POST /update_weights_from_disk` under its version;
+//!   - `distributed`: sent as tensors over Tutor's CPU collective, the worker as rank 0 and
+//!     the engine as rank 1 of a group formed for the reload (`POST
+//!     /init_weights_update_group`, `/update_weights_from_distributed`,
+//!     `/destroy_weights_update_group`: SGLang's routes, backend "tutor-cpu", which `tutor
+//!     serve --distributed-updates` serves). No directory is shared with the engine.
 //!
 //! Answers are checked before use: ids inside the vocabulary, one finite log-probability
 //! per sampled id, no more tokens than asked for. Errors name the engine and the version.
@@ -56,6 +62,26 @@ pub struct StudentConfig {
     /// The same directory as the engine sees it, when it mounts it elsewhere (a shared
     /// volume in another container). Default: `weights_dir`.
     pub engine_weights_dir: Option<PathBuf>,
+    /// How a new policy version reaches the engine: `disk` (staged in `weights_dir`, then
+    /// `/update_weights_from_disk`; SGLang or tutor serve --weights-root) or `distributed`
+    /// (tensors over Tutor's CPU collective; tutor serve --distributed-updates).
+    pub reload: ReloadKind,
+    /// `reload = "distributed"`: where this worker listens for the engine to join its
+    /// weight-update group, host:port (port 0: any free port).
+    pub group_listen: String,
+    /// `reload = "distributed"`: the host the engine dials to reach `group_listen` (this
+    /// worker's address as the engine sees it, e.g. its pod's IP). Default:
+    /// `group_listen`'s host, which must then not be 0.0.0.0.
+    pub group_address: Option<String>,
+}
+
+/// `[worker.student] reload`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ReloadKind {
+    #[default]
+    Disk,
+    Distributed,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -79,6 +105,9 @@ impl Default for StudentConfig {
             down_s: 300.0,
             weights_dir: None,
             engine_weights_dir: None,
+            reload: ReloadKind::Disk,
+            group_listen: "127.0.0.1:0".into(),
+            group_address: None,
         }
     }
 }
@@ -176,6 +205,26 @@ impl RemoteEngine {
                 );
             }
         }
+        if config.reload == ReloadKind::Distributed {
+            let listen: std::net::SocketAddr = config.group_listen.parse().map_err(|e| {
+                anyhow::anyhow!(
+                    "worker.student.group_listen = {:?}: not an ip:port ({e})",
+                    config.group_listen
+                )
+            })?;
+            match &config.group_address {
+                Some(a) if a.trim().is_empty() => anyhow::bail!(
+                    "worker.student.group_address is empty: name the host the engine dials, \
+                     or leave it out"
+                ),
+                None if listen.ip().is_unspecified() => anyhow::bail!(
+                    "worker.student.group_listen = {:?} listens on every address: set \
+                     worker.student.group_address to the one the engine dials",
+                    config.group_listen
+                ),
+                _ => {}
+            }
+        }
         let mut key = std::env::var(&config.api_key_env).unwrap_or_default();
         if key.trim().is_empty() {
             if let Some(p) = &config.api_key_file {
@@ -200,6 +249,11 @@ impl RemoteEngine {
 
     pub fn url(&self) -> &str {
         &self.base
+    }
+
+    /// `[worker.student]` as given.
+    pub fn config(&self) -> &StudentConfig {
+        &self.config
     }
 
     /// Whether the last request reached the engine.
@@ -330,14 +384,171 @@ impl RemoteEngine {
                 engine_path.display()
             )));
         }
+        self.check_served(version, label).await
+    }
+
+    /// After a reload: the engine must report weight version `label`.
+    async fn check_served(&self, version: u64, label: &str) -> Result<(), EngineError> {
         let served = self.served_version().await?;
         if served != label {
             return Err(self.refused(format!(
                 "loaded policy version {version} but reports weight version {served:?} instead \
-                 of {label:?}: it does not take weight_version from update_weights_from_disk"
+                 of {label:?}: it does not take weight_version from its reload routes"
             )));
         }
         Ok(())
+    }
+
+    /// A weight-update route's answer: `Ok(Err(message))` when the engine answered that it
+    /// did not succeed (SGLang's `success: false`, or an error status).
+    async fn post_update(
+        &self,
+        path: &str,
+        body: &Value,
+        timeout: Duration,
+    ) -> Result<Result<(), String>, EngineError> {
+        let (status, text) = self
+            .send(reqwest::Method::POST, path, Some(body), timeout)
+            .await?;
+        let answer: Option<Value> = serde_json::from_str(&text).ok();
+        let success = answer
+            .as_ref()
+            .and_then(|v| v.get("success"))
+            .and_then(Value::as_bool);
+        if status.is_success() && success == Some(true) {
+            return Ok(Ok(()));
+        }
+        let message = answer
+            .as_ref()
+            .and_then(|v| {
+                v.get("message")
+                    .or_else(|| v.pointer("/error/message"))
+                    .and_then(Value::as_str)
+            })
+            .map(str::to_string)
+            .unwrap_or_else(|| excerpt(&text));
+        Ok(Err(format!("{path}: HTTP {status}: {message}")))
+    }
+
+    /// Sends the safetensors file `file`, policy version `version`, to the engine as
+    /// tensors over Tutor's CPU collective and has it served under `label`; then checks
+    /// that the engine reports it. A group is formed for this reload (this worker rank 0,
+    /// listening at `group_listen`; its hello keyed by the engine's API key when there is
+    /// one) and destroyed after it.
+    pub async fn load_distributed(
+        &self,
+        file: std::sync::Arc<Vec<u8>>,
+        version: u64,
+        label: &str,
+    ) -> Result<(), EngineError> {
+        use tutor_collective::{
+            engine_update, CollectiveSecret, CpuCollectiveTimeouts, CpuRendezvous,
+        };
+        let metas = engine_update::tensors_of(&file)
+            .map_err(|e| self.refused(format!("policy version {version} cannot be sent: {e}")))?;
+        let t = Duration::from_secs_f64(self.config.reload_timeout_s);
+        let group = format!("{label}-{:016x}", rand::random::<u64>());
+        let secret = (!self.key.is_empty())
+            .then(|| CollectiveSecret::from_token(self.key.as_bytes(), &group));
+        let rdv = CpuRendezvous::bind(self.config.group_listen.as_str())
+            .map_err(|e| {
+                self.refused(format!(
+                    "worker.student.group_listen = {:?}: {e}",
+                    self.config.group_listen
+                ))
+            })?
+            .with_secret(secret);
+        let at = rdv.local_addr();
+        let host = self
+            .config
+            .group_address
+            .clone()
+            .unwrap_or_else(|| at.ip().to_string());
+        let timeouts = CpuCollectiveTimeouts {
+            connect: t.min(Duration::from_secs(60)),
+            io: t,
+        };
+        // Abandoned when the engine refuses to join: the thread does not wait out the
+        // connect timeout (nor hold up a worker that stops).
+        let abandon = std::sync::Arc::new(AtomicBool::new(false));
+        let rdv = rdv.abandoned_by(abandon.clone());
+        let joined = tokio::task::spawn_blocking(move || rdv.accept(2, timeouts));
+        let init = json!({
+            "master_address": host,
+            "master_port": at.port(),
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": group,
+            "backend": engine_update::BACKEND,
+        });
+        let answer = self
+            .post_update("/init_weights_update_group", &init, t)
+            .await;
+        if !matches!(answer, Ok(Ok(()))) {
+            abandon.store(true, Ordering::SeqCst);
+        }
+        if let Err(m) = answer? {
+            return Err(self.refused(format!(
+                "refused to form a weight-update group with this worker at {host}:{} for \
+                 policy version {version}: {m}",
+                at.port()
+            )));
+        }
+        let mut collective = match joined.await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                return Err(self.refused(format!(
+                    "said it joined weight-update group {group:?} but never did: {e}"
+                )))
+            }
+            Err(e) => return Err(self.refused(format!("forming the group: {e}"))),
+        };
+        let body = json!({
+            "names": metas.iter().map(|m| &m.name).collect::<Vec<_>>(),
+            "dtypes": metas.iter().map(|m| &m.dtype).collect::<Vec<_>>(),
+            "shapes": metas.iter().map(|m| &m.shape).collect::<Vec<_>>(),
+            "group_name": group,
+            "weight_version": label,
+            "flush_cache": true,
+        });
+        let started = Instant::now();
+        let sending = {
+            let file = file.clone();
+            tokio::task::spawn_blocking(move || engine_update::send(&mut collective, &file))
+        };
+        let answer = self
+            .post_update("/update_weights_from_distributed", &body, t)
+            .await;
+        let sent = sending.await;
+        // Best effort: a group whose update failed is closed by the engine already.
+        let destroy = json!({"group_name": group});
+        let _ = self
+            .post_update(
+                "/destroy_weights_update_group",
+                &destroy,
+                Duration::from_secs(10),
+            )
+            .await;
+        if let Err(m) = answer? {
+            return Err(self.refused(format!(
+                "refused policy version {version} sent over weight-update group {group:?}: {m}"
+            )));
+        }
+        match sent {
+            Ok(Ok(bytes)) => tracing::debug!(
+                version,
+                bytes,
+                seconds = started.elapsed().as_secs_f64(),
+                "sent the version to the student engine over the collective"
+            ),
+            Ok(Err(e)) => {
+                return Err(self.refused(format!(
+                    "took policy version {version} though sending it failed: {e}"
+                )))
+            }
+            Err(e) => return Err(self.refused(format!("sending policy version {version}: {e}"))),
+        }
+        self.check_served(version, label).await
     }
 
     /// Samples one assistant message after `prompt` under `params`, from the engine's
@@ -368,6 +579,9 @@ impl RemoteEngine {
                 "frequency_penalty": 0.0,
                 "presence_penalty": 0.0,
                 "min_new_tokens": 0,
+                // The episode's seed: a turn the engine repeats samples the same tokens
+                // (SGLang's `sampling_seed`; tutor serve honours it).
+                "sampling_seed": params.seed,
             },
             "return_logprob": true,
             "stream": false,

@@ -579,13 +579,15 @@ pub async fn run_worker(
                 .insert(lease.episode_id.clone());
             tokio::spawn(async move {
                 let id = lease.episode_id.clone();
-                // Weights are swapped between episodes, never during one.
+                // Weights are swapped between episodes, never during one: the episode
+                // holds the student from here to its end, and a swap waits for holders.
                 let mut lease = lease;
                 if let Some(p) = &lease.policy {
                     if let Err(e) = student.ensure(p).await {
                         tracing::error!(episode = %id, error = %format!("{e:#}"), "could not load the leased policy version");
                     }
                 }
+                let held = student.hold().await;
                 under_loaded_version(&mut lease, student.loaded_version());
                 let events = env.events.clone();
                 let worker_id = env.worker_id.clone();
@@ -595,6 +597,7 @@ pub async fn run_worker(
                 })
                 .await;
                 tracing::info!(episode = %id, status = o.status, turns = o.num_turns, seconds = o.duration_s, "episode done");
+                drop(held);
                 active.lock().expect("active set").remove(&id);
                 drop(permit);
             });

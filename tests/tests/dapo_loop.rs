@@ -101,34 +101,27 @@ fn dapo_run_across_processes_reports_groups_and_a_finite_loss() {
 }
 
 /// The same run with `tutor serve` as the workers' student engine (`[worker.student] kind
-/// = "engine"`): both workers drive one engine, which loads each policy version from disk;
-/// every turn comes from the episode's version, and the learner's first step sees ratio 1
-/// on every token (the engine's log-probs are the learner's).
+/// = "engine"`): both workers drive one engine and send it each policy version as tensors
+/// over the CPU collective (`reload = "distributed"`: no directory shared with the
+/// engine); every turn comes from the episode's version, and the learner's first step
+/// sees ratio 1 on every token (the engine's log-probs are the learner's). Loading from
+/// disk is tested against the same server in engine_student.rs.
 #[test]
 fn dapo_run_with_tutor_serve_as_the_student_engine() {
     let dir = tempfile::tempdir().unwrap();
     let model = common::make_model(&dir.path().join("student"), &["4096"]);
-    // Both workers stage versions in one directory, the engine's --weights-root.
-    let staging = dir.path().join("engine-weights");
-    std::fs::create_dir_all(&staging).unwrap();
     let served = common::serve(
         &model,
         "student",
         dir.path(),
-        &[
-            "--max-batch",
-            "4",
-            "--weights-root",
-            staging.to_str().unwrap(),
-        ],
+        &["--max-batch", "4", "--distributed-updates"],
     );
     let run = dapo_run(
         dir.path(),
         &format!("[model]\ninit_from = \"{}\"\n", model.display()),
         &format!(
-            "[worker.student]\nkind = \"engine\"\nbase_url = \"http://{}\"\nweights_dir = \"{}\"\n",
-            served.addr,
-            staging.display()
+            "[worker.student]\nkind = \"engine\"\nbase_url = \"http://{}\"\nreload = \"distributed\"\n",
+            served.addr
         ),
     );
     // The engine loaded every version an episode ran on, under its version, and nothing
@@ -169,6 +162,10 @@ fn dapo_run_with_tutor_serve_as_the_student_engine() {
         .map(|e| std::fs::read_to_string(e.path()).unwrap())
         .collect::<String>();
     assert!(logs.contains("student engine answers"), "{logs}");
+    assert!(
+        serve_log.contains("received weights over the collective"),
+        "{serve_log}"
+    );
 }
 
 /// Runs DAPO on coin-flip toy tasks under `dir` and checks what every such run must show;

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tutor_policy::{ChatTokenizer, GenParams, ModelConfig, Policy};
 use tutor_rollout_worker::student_engine::{
-    stage_version, version_label, EngineError, RemoteEngine, StudentConfig, StudentKind,
+    stage_version, version_label, EngineError, ReloadKind, RemoteEngine, StudentConfig, StudentKind,
 };
 
 /// ℓ(token j | tokens < j) of `tokens[from..]` by one forward pass over the sequence.
@@ -257,4 +257,143 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
         "{err}"
     );
     assert!(t.elapsed() >= Duration::from_secs(2));
+}
+
+/// `[worker.student] reload = "distributed"` against `tutor serve --distributed-updates`:
+/// a version goes to the engine as tensors over the CPU collective (no directory shared
+/// with the engine), is served under its version, and its turns' log-probs are that
+/// version's; a version that does not fit the model is refused with the old weights kept;
+/// a server without the flag takes none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tutor_serve_takes_versions_as_tensors_over_the_collective() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::make_model(&dir.path().join("model"), &["512", "64"]);
+    // With an API key: the group's hello is keyed by it.
+    let key_file = dir.path().join("engine.key");
+    std::fs::write(&key_file, "engine-key-123\n").unwrap();
+    let served = common::serve(
+        &model,
+        "student",
+        dir.path(),
+        &[
+            "--distributed-updates",
+            "--api-key-file",
+            key_file.to_str().unwrap(),
+        ],
+    );
+    let url = format!("http://{}", served.addr);
+    let config = StudentConfig {
+        kind: StudentKind::Engine,
+        base_url: url.clone(),
+        api_key_file: Some(key_file.clone()),
+        api_key_env: "TUTOR_TEST_UNSET_KEY_VARIABLE".into(),
+        timeout_s: 60.0,
+        reload_timeout_s: 60.0,
+        max_retries: 1,
+        down_s: 2.0,
+        reload: ReloadKind::Distributed,
+        ..Default::default()
+    };
+    let vocab = ModelConfig::load(&model.join("config.json"))
+        .unwrap()
+        .vocab_size;
+    let engine = RemoteEngine::new(&config, vocab).unwrap();
+
+    let policy = scaled(&model, 1.5);
+    let file = dir.path().join("v5.safetensors");
+    policy.save_weights(&file).unwrap();
+    let bytes = std::sync::Arc::new(std::fs::read(&file).unwrap());
+    let v5 = version_label(5, "5555555555555555");
+    engine.load_distributed(bytes, 5, &v5).await.unwrap();
+    assert_eq!(engine.served_version().await.unwrap(), v5);
+    let tok = ChatTokenizer::from_dir(&model).unwrap();
+    let prompt = tok
+        .render_prompt("You fix bugs.", "the test fails")
+        .unwrap();
+    let params = GenParams {
+        temperature: 1.0,
+        top_p: 1.0,
+        max_new_tokens: 12,
+        seed: 3,
+        stop_token_ids: tok.stop_ids().to_vec(),
+    };
+    let g = engine.generate(&prompt, &params, &v5).await.unwrap();
+    assert!(!g.tokens.is_empty());
+    let whole: Vec<u32> = prompt.iter().chain(&g.tokens).copied().collect();
+    let fresh = fresh_logprobs(&policy, &whole, prompt.len());
+    for (i, (a, b)) in g.logprobs.iter().zip(&fresh).enumerate() {
+        assert!(
+            (*a as f64 - b).abs() < 1e-4,
+            "token {i}: the engine's log-prob {a} vs version 5's {b}"
+        );
+    }
+    let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap();
+    assert!(
+        log.contains("received weights over the collective"),
+        "{log}"
+    );
+    // The turn's seed goes with it: the same seed samples the same reply.
+    let again = engine.generate(&prompt, &params, &v5).await.unwrap();
+    assert_eq!(again.tokens, g.tokens);
+
+    // A second version over a fresh group: the groups of earlier reloads were destroyed.
+    let v6_policy = scaled(&model, 0.5);
+    let file6 = dir.path().join("v6.safetensors");
+    v6_policy.save_weights(&file6).unwrap();
+    let v6 = version_label(6, "6666666666666666");
+    engine
+        .load_distributed(std::sync::Arc::new(std::fs::read(&file6).unwrap()), 6, &v6)
+        .await
+        .unwrap();
+    let g = engine.generate(&prompt, &params, &v6).await.unwrap();
+    let whole: Vec<u32> = prompt.iter().chain(&g.tokens).copied().collect();
+    let fresh = fresh_logprobs(&v6_policy, &whole, prompt.len());
+    for (a, b) in g.logprobs.iter().zip(&fresh) {
+        assert!((*a as f64 - b).abs() < 1e-4, "version 6: {a} vs {b}");
+    }
+
+    // Weights of another shape: refused, naming the engine and the version; version 6
+    // stays served and answers.
+    let other = common::make_model(&dir.path().join("other"), &["512", "32"]);
+    let other_bytes = std::sync::Arc::new(std::fs::read(other.join("model.safetensors")).unwrap());
+    let err = engine
+        .load_distributed(other_bytes, 7, "tutor-v7")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&url) && err.contains("policy version 7"),
+        "{err}"
+    );
+    assert_eq!(engine.served_version().await.unwrap(), v6);
+    assert!(engine.generate(&prompt, &params, &v6).await.is_ok());
+
+    // Bytes that are no safetensors file are refused before anything is sent.
+    let err = engine
+        .load_distributed(std::sync::Arc::new(b"not weights".to_vec()), 8, "tutor-v8")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("policy version 8 cannot be sent"), "{err}");
+
+    // Without --distributed-updates a server takes no weights this way.
+    let closed_dir = dir.path().join("closed");
+    std::fs::create_dir_all(&closed_dir).unwrap();
+    let closed = common::serve(&model, "student", &closed_dir, &[]);
+    let closed_engine = RemoteEngine::new(
+        &StudentConfig {
+            base_url: format!("http://{}", closed.addr),
+            api_key_file: None,
+            ..config.clone()
+        },
+        vocab,
+    )
+    .unwrap();
+    let err = closed_engine
+        .load_distributed(std::sync::Arc::new(std::fs::read(&file6).unwrap()), 6, &v6)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--distributed-updates"), "{err}");
+    assert_eq!(closed_engine.served_version().await.unwrap(), "default");
 }

@@ -13,6 +13,9 @@
 //!   bytes as they are (what workers do now: no file, no re-read).
 //! - `broadcast, via a file`: the same, but the receiver writes the file and the engine
 //!   reads it back (what workers did before).
+//! - `tensors in buckets`: the file's tensors over the CPU collective in buckets of up to
+//!   64 MiB (`tutor_collective::engine_update`, what `reload = "distributed"` sends to
+//!   `tutor serve`), written into a safetensors file in memory that the engine loads.
 //! - `gRPC`: the learner's Weights service streams the file, the worker writes it to disk
 //!   as it arrives (sha256 checked) and the engine loads the file.
 //!
@@ -28,6 +31,7 @@ use clap::Parser;
 use sha2::{Digest, Sha256};
 use tutor_bench::median;
 use tutor_collective::broadcast::{receive_one, send_version};
+use tutor_collective::engine_update;
 use tutor_collective::{CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
 use tutor_learner::weights::WeightsStore;
 use tutor_policy::{spawn_engine, ChatTokenizer, EngineHandle, ModelConfig, Policy, WeightsSource};
@@ -173,6 +177,29 @@ fn main() -> Result<()> {
             median(t),
         ));
     }
+
+    // Tensors in buckets over the CPU collective into a safetensors file in memory that
+    // the engine loads (what `reload = "distributed"` does into `tutor serve`): no copy
+    // to assemble a bucket on the sender, no sha256 of the whole file.
+    let mut t = Vec::new();
+    for _ in 0..args.repeat {
+        let s = Instant::now();
+        let metas = engine_update::tensors_of(&shared)?;
+        let file = shared.clone();
+        let send =
+            std::thread::spawn(move || engine_update::send(&mut sender, &file).map(|_| sender));
+        let got = engine_update::receive(&mut receiver, &metas, usize::MAX)?;
+        sender = send
+            .join()
+            .map_err(|_| anyhow::anyhow!("the sender panicked"))??;
+        load(&rt, &engine, bytes_source(&Arc::new(got)))?;
+        t.push(s.elapsed().as_secs_f64());
+    }
+    drop(sender);
+    rows.push((
+        "tensors in buckets (CPU collective), into the engine",
+        median(t),
+    ));
 
     // gRPC: the learner's Weights service, streamed to disk, then loaded.
     let endpoint = rt.block_on(serve_weights(store.clone()))?;

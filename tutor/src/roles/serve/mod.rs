@@ -63,6 +63,13 @@ pub struct ServeArgs {
     /// reloads are refused: anyone holding the API key could swap the model otherwise.
     #[arg(long, value_name = "DIR")]
     weights_root: Option<PathBuf>,
+    /// Let clients send weights over Tutor's CPU collective (`POST
+    /// /init_weights_update_group` with backend "tutor-cpu", then
+    /// `/update_weights_from_distributed`, SGLang's routes), as rollout workers do with
+    /// `[worker.student] reload = "distributed"`: no shared directory needed. This server
+    /// then connects to the address a client names. Without it these routes are refused.
+    #[arg(long)]
+    distributed_updates: bool,
     /// Serve on a non-loopback --host without an API key. Without this flag that is
     /// refused: anyone who can reach the port could use the model.
     #[arg(long)]
@@ -159,6 +166,15 @@ pub async fn serve(
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "tutor".into()),
     };
+    // What a weight update over the collective may announce: the model's parameters in
+    // f32 (the widest dtype a checkpoint of it has), and a little for the header's sake.
+    let max_update_bytes: usize = policy
+        .var_store()
+        .variables()
+        .values()
+        .map(|t| t.numel() * 4)
+        .sum::<usize>()
+        + (1 << 20);
     let (engine, _thread) = spawn_engine(
         policy,
         tokenizer.clone(),
@@ -192,6 +208,9 @@ pub async fn serve(
         served: std::sync::Mutex::new(start),
         weights_root,
         reloads: AtomicU64::new(0),
+        distributed_updates: args.distributed_updates,
+        max_update_bytes,
+        update_groups: tokio::sync::Mutex::new(std::collections::HashMap::new()),
     });
     let app = router(state.clone(), native::routes());
     let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))

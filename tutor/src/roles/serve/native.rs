@@ -9,6 +9,10 @@
 //!   under the old weights; later ones wait for the swap. A checkpoint that does not fit
 //!   the model is refused and the old weights stay. Only with `--weights-root`, and only
 //!   checkpoints inside it.
+//! - `POST /init_weights_update_group`, `POST /update_weights_from_distributed`, `POST
+//!   /destroy_weights_update_group` (with `--distributed-updates`): weights sent by the
+//!   client over Tutor's CPU collective (backend "tutor-cpu", `tutor_collective::
+//!   engine_update`), loaded from memory as a file's would be, under `weight_version`.
 //! - `GET /model_info` (SGLang's newer name), `GET /get_model_info`, `GET /get_weight_version`.
 //!
 //! The weight version a `/generate` answer reports is the one its request was queued
@@ -25,8 +29,10 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
+use tutor_collective::{engine_update, CollectiveSecret, CpuCollective, CpuCollectiveTimeouts};
 use tutor_policy::{
     EngineHandle, EngineRequest, FinishReason, GenParams, LoadError, PolicyError, RequestError,
+    WeightsSource,
 };
 
 use super::openai::{AppState, Weights};
@@ -37,6 +43,18 @@ pub(super) fn routes() -> axum::Router<Arc<AppState>> {
     axum::Router::new()
         .route("/generate", post(generate))
         .route("/update_weights_from_disk", post(update_weights_from_disk))
+        .route(
+            "/init_weights_update_group",
+            post(init_weights_update_group),
+        )
+        .route(
+            "/update_weights_from_distributed",
+            post(update_weights_from_distributed),
+        )
+        .route(
+            "/destroy_weights_update_group",
+            post(destroy_weights_update_group),
+        )
         .route("/get_weight_version", get(get_weight_version))
         .route("/model_info", get(get_model_info))
         .route("/get_model_info", get(get_model_info))
@@ -246,12 +264,8 @@ struct UpdateFromDisk {
 
 /// Loads `model_path` and serves it as `weight_version`: SGLang's answer shape
 /// (`success`, `message`), 400 with the old weights kept when it does not load. Only
-/// checkpoints inside `--weights-root` may be loaded; without it reloads are refused.
-///
-/// The load runs in a task of its own that holds the version's write lock until the swap
-/// is done and the version set: a client that goes away mid-reload cannot leave new
-/// weights served under the old version's name. A reload that names no version gets a
-/// new one (`reload-N`), never the old name.
+/// checkpoints inside `--weights-root` may be loaded; without it reloads are refused. A
+/// reload that names no version gets a new one (`reload-N`), never the old name.
 async fn update_weights_from_disk(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     let req: UpdateFromDisk = match serde_json::from_slice(&body) {
         Ok(r) => r,
@@ -286,22 +300,45 @@ async fn update_weights_from_disk(State(s): State<Arc<AppState>>, body: Bytes) -
     };
     let n = s.reloads.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
     let label = req.weight_version.unwrap_or_else(|| format!("reload-{n}"));
+    swap(
+        &s,
+        WeightsSource::Path(path),
+        label,
+        req.model_path.clone(),
+        n,
+    )
+    .await
+}
+
+/// Swaps `source` in as weight version `label` (`origin` says where it came from, for
+/// `/model_info` and the logs) and answers as SGLang does (`success`, `message`; 400 with
+/// the old weights kept when it does not load).
+///
+/// The load runs in a task of its own that holds the version's write lock until the swap
+/// is done and the version set: a client that goes away mid-reload cannot leave new
+/// weights served under the old version's name.
+async fn swap(
+    s: &Arc<AppState>,
+    source: WeightsSource,
+    label: String,
+    origin: String,
+    n: u64,
+) -> Response {
     let state = s.clone();
-    let model_path = req.model_path.clone();
     let task = tokio::spawn(async move {
         let mut w = state.weights.clone().write_owned().await;
         let t = std::time::Instant::now();
-        let result = state.engine.load_weights(&path).await;
+        let result = state.engine.load(source).await;
         match &result {
             Ok(()) => {
                 tracing::info!(
                     version = %label,
-                    path = %model_path,
+                    from = %origin,
                     seconds = t.elapsed().as_secs_f64(),
-                    "loaded weights from disk"
+                    "loaded weights"
                 );
                 w.version = label;
-                w.path = model_path;
+                w.path = origin;
             }
             // Checked tensors are copied one by one: a copy that fails leaves a mix.
             Err(LoadError::Weights {
@@ -309,10 +346,10 @@ async fn update_weights_from_disk(State(s): State<Arc<AppState>>, body: Bytes) -
                 ..
             }) => {
                 w.version = format!("{}+failed-reload-{n}", w.version);
-                tracing::error!(path = %model_path, version = %w.version, "a reload failed while copying tensors: the weights are a mix, served as a version of their own");
+                tracing::error!(from = %origin, version = %w.version, "a reload failed while copying tensors: the weights are a mix, served as a version of their own");
             }
             Err(e) => {
-                tracing::warn!(path = %model_path, error = %e, "refused weights: the old ones stay")
+                tracing::warn!(from = %origin, error = %e, "refused weights: the old ones stay")
             }
         }
         *state.served.lock().expect("served") = Weights {
@@ -346,6 +383,267 @@ async fn update_weights_from_disk(State(s): State<Arc<AppState>>, body: Bytes) -
             })),
         )
             .into_response(),
+    }
+}
+
+/// SGLang's failure answer for the weight-update routes: `success: false` and why.
+fn failed(status: StatusCode, message: impl Into<String>) -> Response {
+    (
+        status,
+        Json(json!({"success": false, "message": message.into()})),
+    )
+        .into_response()
+}
+
+/// Most weight-update groups open at once (one per worker using this engine).
+const MAX_UPDATE_GROUPS: usize = 64;
+
+fn default_group() -> String {
+    "weight_update_group".into()
+}
+
+#[derive(Deserialize)]
+struct InitGroup {
+    master_address: String,
+    master_port: u16,
+    rank_offset: usize,
+    world_size: usize,
+    #[serde(default = "default_group")]
+    group_name: String,
+    #[serde(default)]
+    backend: Option<String>,
+}
+
+/// SGLang's `/init_weights_update_group`: joins the client's group as rank
+/// `rank_offset` of `world_size`, connecting to rank 0 at `master_address:master_port`
+/// over Tutor's CPU collective (backend "tutor-cpu"; SGLang's "nccl" is not spoken here).
+/// With an API key, the group's hello is keyed by it (and the group's name), so only a
+/// client holding the key can form a group with this server. Answers once joined.
+async fn init_weights_update_group(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let req: InitGroup = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return failed(
+                StatusCode::BAD_REQUEST,
+                format!("invalid request body: {e}"),
+            )
+        }
+    };
+    if !s.distributed_updates {
+        return failed(
+            StatusCode::FORBIDDEN,
+            "weight updates over a collective are off: start tutor serve with \
+             --distributed-updates to take them",
+        );
+    }
+    let backend = req.backend.as_deref().unwrap_or("nccl");
+    if backend != engine_update::BACKEND {
+        return failed(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "backend {backend:?} is not served: this engine's data plane is Tutor's CPU \
+                 collective (backend {:?}); load weights from disk otherwise",
+                engine_update::BACKEND
+            ),
+        );
+    }
+    if req.world_size < 2 || req.rank_offset == 0 || req.rank_offset >= req.world_size {
+        return failed(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "rank_offset {} of world_size {}: this engine is one rank, 1..world_size \
+                 (rank 0 sends)",
+                req.rank_offset, req.world_size
+            ),
+        );
+    }
+    {
+        let groups = s.update_groups.lock().await;
+        if groups.contains_key(&req.group_name) {
+            return failed(
+                StatusCode::CONFLICT,
+                format!("group {:?} exists: destroy it first", req.group_name),
+            );
+        }
+        if groups.len() >= MAX_UPDATE_GROUPS {
+            return failed(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!("{MAX_UPDATE_GROUPS} weight-update groups are open: destroy one first"),
+            );
+        }
+    }
+    let secret = s
+        .api_key
+        .as_ref()
+        .map(|k| CollectiveSecret::from_token(k.as_bytes(), &req.group_name));
+    let addr = format!("{}:{}", req.master_address, req.master_port);
+    let (rank, world) = (req.rank_offset, req.world_size);
+    let joined = tokio::task::spawn_blocking(move || {
+        CpuCollective::connect_with_secret(
+            addr.as_str(),
+            rank,
+            world,
+            CpuCollectiveTimeouts {
+                connect: std::time::Duration::from_secs(60),
+                io: std::time::Duration::from_secs(300),
+            },
+            secret.as_ref(),
+        )
+    })
+    .await;
+    let collective = match joined {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
+            return failed(
+                StatusCode::BAD_REQUEST,
+                format!("could not join group {:?}: {e}", req.group_name),
+            )
+        }
+        Err(e) => return failed(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    };
+    let mut groups = s.update_groups.lock().await;
+    if groups.len() >= MAX_UPDATE_GROUPS || groups.contains_key(&req.group_name) {
+        return failed(
+            StatusCode::CONFLICT,
+            format!("group {:?} exists or too many are open", req.group_name),
+        );
+    }
+    tracing::info!(group = %req.group_name, master = %format!("{}:{}", req.master_address, req.master_port), "joined a weight-update group");
+    groups.insert(req.group_name, collective);
+    Json(json!({"success": true, "message": "Succeeded to initialize custom process group."}))
+        .into_response()
+}
+
+#[derive(Deserialize)]
+struct UpdateDistributed {
+    names: Vec<String>,
+    dtypes: Vec<String>,
+    shapes: Vec<Vec<usize>>,
+    #[serde(default = "default_group")]
+    group_name: String,
+    weight_version: Option<String>,
+}
+
+/// SGLang's `/update_weights_from_distributed`: receives the announced tensors from rank
+/// 0 of the group, in order, and serves them as `weight_version`. Before a byte is
+/// received, the announcement is checked (names, dtypes, sizes up to what this model can
+/// take); the tensors are then checked against the model as a file's would be, and a set
+/// that does not fit is refused with the old weights kept. A group whose update failed
+/// midway is closed (rank 0 sees its sends fail) and must be formed again.
+async fn update_weights_from_distributed(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let req: UpdateDistributed = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return failed(
+                StatusCode::BAD_REQUEST,
+                format!("invalid request body: {e}"),
+            )
+        }
+    };
+    if !s.distributed_updates {
+        return failed(
+            StatusCode::FORBIDDEN,
+            "weight updates over a collective are off: start tutor serve with \
+             --distributed-updates to take them",
+        );
+    }
+    if req.names.len() != req.dtypes.len() || req.names.len() != req.shapes.len() {
+        return failed(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "{} names, {} dtypes and {} shapes: one of each per tensor",
+                req.names.len(),
+                req.dtypes.len(),
+                req.shapes.len()
+            ),
+        );
+    }
+    let metas: Vec<engine_update::TensorMeta> = req
+        .names
+        .into_iter()
+        .zip(req.dtypes)
+        .zip(req.shapes)
+        .map(|((name, dtype), shape)| engine_update::TensorMeta {
+            name,
+            dtype: dtype.trim_start_matches("torch.").to_string(),
+            shape,
+        })
+        .collect();
+    let Some(mut collective) = s.update_groups.lock().await.remove(&req.group_name) else {
+        return failed(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "no weight-update group {:?}: POST /init_weights_update_group first",
+                req.group_name
+            ),
+        );
+    };
+    let max = s.max_update_bytes;
+    let t = std::time::Instant::now();
+    let received = tokio::task::spawn_blocking(move || {
+        let r = engine_update::receive(&mut collective, &metas, max);
+        (r, collective)
+    })
+    .await;
+    let file = match received {
+        Ok((Ok(file), collective)) => {
+            s.update_groups
+                .lock()
+                .await
+                .insert(req.group_name.clone(), collective);
+            file
+        }
+        Ok((Err(e), _closed)) => {
+            tracing::warn!(group = %req.group_name, error = %e, "a weight update failed: the group is closed");
+            return failed(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "Failed to receive the weights over group {:?}: {e}; the group is closed \
+                     and the old weights stay",
+                    req.group_name
+                ),
+            );
+        }
+        Err(e) => return failed(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    };
+    tracing::info!(group = %req.group_name, bytes = file.len(), seconds = t.elapsed().as_secs_f64(), "received weights over the collective");
+    let n = s.reloads.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+    let label = req.weight_version.unwrap_or_else(|| format!("reload-{n}"));
+    let origin = format!("group {}", req.group_name);
+    let source = WeightsSource::Bytes {
+        bytes: Arc::new(file),
+        name: format!("weights received over group {:?}", req.group_name),
+    };
+    swap(&s, source, label, origin, n).await
+}
+
+#[derive(Deserialize)]
+struct DestroyGroup {
+    #[serde(default = "default_group")]
+    group_name: String,
+}
+
+/// SGLang's `/destroy_weights_update_group`: leaves the group (closes this rank's
+/// connection).
+async fn destroy_weights_update_group(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let req: DestroyGroup = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return failed(
+                StatusCode::BAD_REQUEST,
+                format!("invalid request body: {e}"),
+            )
+        }
+    };
+    match s.update_groups.lock().await.remove(&req.group_name) {
+        Some(_) => {
+            Json(json!({"success": true, "message": "Succeeded to destroy custom process group."}))
+                .into_response()
+        }
+        None => failed(
+            StatusCode::BAD_REQUEST,
+            format!("no weight-update group {:?}", req.group_name),
+        ),
     }
 }
 

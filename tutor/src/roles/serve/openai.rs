@@ -42,6 +42,14 @@ pub(super) struct AppState {
     pub(super) weights_root: Option<std::path::PathBuf>,
     /// Reloads so far (names a reload that names no version).
     pub(super) reloads: AtomicU64,
+    /// Whether clients may send weights over the CPU collective (`--distributed-updates`).
+    pub(super) distributed_updates: bool,
+    /// The most bytes one update over the collective may announce.
+    pub(super) max_update_bytes: usize,
+    /// Weight-update groups by name: this server's rank in each, taken out while an
+    /// update receives over it (and dropped when that fails).
+    pub(super) update_groups:
+        tokio::sync::Mutex<std::collections::HashMap<String, tutor_collective::CpuCollective>>,
 }
 
 /// What the served weights are: the version clients named when they loaded them
