@@ -7,8 +7,8 @@
 //! shape in sending order). The data plane is this module: the tensors of one safetensors
 //! file, in the order of their bytes in the file, broadcast in buckets of consecutive
 //! tensors of at most [`BUCKET_BYTES`] (a larger tensor is a bucket of its own). A bucket
-//! is a slice of the file as it is, so the sender copies nothing to assemble it; the
-//! receiver writes each bucket into place in a safetensors file of its own in memory,
+//! is one contiguous slice of the file (copied once into the message, nothing to
+//! assemble); the receiver writes each bucket into place in a safetensors file of its own in memory,
 //! whose header it built from the announced names, dtypes and shapes before the first byte
 //! arrived, and refuses a bucket of any other length than announced.
 //!
@@ -22,6 +22,11 @@ use crate::{Collective, CollectiveError};
 
 /// The `backend` a weight-update group over this data plane is initialised with.
 pub const BACKEND: &str = "tutor-cpu";
+
+/// Prefixed to a weight-update group's name where its hello key is derived from the
+/// engine's API key (`CollectiveSecret::from_token(key, SECRET_CONTEXT + group)`): no such
+/// key is ever that of a run's group.
+pub const SECRET_CONTEXT: &str = "engine-update/";
 
 /// Most bytes of one broadcast: consecutive tensors are sent together up to this size.
 pub const BUCKET_BYTES: usize = 64 << 20;
@@ -175,9 +180,10 @@ pub fn receive(
     }
     let (mut header, sizes) = header_of(metas, max_bytes)?;
     let total: usize = sizes.iter().sum();
-    let mut file = Vec::with_capacity(8 + header.len() + total);
     let pad = (8 - header.len() % 8) % 8;
     header.resize(header.len() + pad, b' ');
+    // Exactly the file's size: growing past it would copy everything received so far.
+    let mut file = Vec::with_capacity(8 + header.len() + total);
     file.extend_from_slice(&(header.len() as u64).to_le_bytes());
     file.extend_from_slice(&header);
     for b in buckets(&sizes) {

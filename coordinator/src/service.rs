@@ -68,8 +68,13 @@ pub(crate) fn refusal(ev: &EpisodeEvent) -> Option<String> {
                 "a lease expiry is recorded by the coordinator itself, never by a worker".into(),
             )
         }
+        Some(episode_event::Event::LeaseGranted(_)) => {
+            return Some(
+                "a lease grant is recorded by the coordinator itself, never by a worker".into(),
+            )
+        }
         Some(episode_event::Event::Turn(t))
-            if t.turn_index >= tutor_proto::TURN_INDEX_LEASE_EXPIRED =>
+            if t.turn_index >= tutor_proto::TURN_INDEX_LEASE_GRANTED =>
         {
             return Some(format!(
                 "turn index {} is reserved for the coordinator's records",
@@ -87,6 +92,46 @@ pub(crate) fn refusal(ev: &EpisodeEvent) -> Option<String> {
         ));
     }
     None
+}
+
+impl RolloutService {
+    /// Records whom each of `resp`'s leases went to (`LeaseGranted`), durably, before the
+    /// worker has them: a restarted coordinator then accepts each attempt's events from
+    /// its holder only. If the store cannot, the lease call fails; the leases granted in
+    /// memory reach nobody and expire.
+    async fn record_grants(&self, worker_id: &str, resp: &LeaseResponse) -> Result<(), Status> {
+        let mut answers = Vec::with_capacity(resp.leases.len());
+        for lease in &resp.leases {
+            let (reply, answer) = oneshot::channel();
+            let event = EpisodeEvent {
+                episode_id: lease.episode_id.clone(),
+                worker_id: crate::scheduler::COORDINATOR_WRITER.into(),
+                event: Some(episode_event::Event::LeaseGranted(
+                    tutor_proto::LeaseGranted {
+                        worker_id: worker_id.to_string(),
+                    },
+                )),
+            };
+            self.store
+                .send(StoreRequest { event, reply })
+                .await
+                .map_err(|_| Status::unavailable("the coordinator's store stopped"))?;
+            answers.push(answer);
+        }
+        for answer in answers {
+            match answer.await {
+                Ok(StoreReply { result: Ok(_), .. }) => {}
+                Ok(StoreReply { result: Err(e), .. }) => {
+                    tracing::error!(worker = worker_id, error = %e, "could not record a lease: the lease call fails");
+                    return Err(Status::unavailable(format!(
+                        "the coordinator could not record the lease: {e}"
+                    )));
+                }
+                Err(_) => return Err(Status::unavailable("the coordinator's store stopped")),
+            }
+        }
+        Ok(())
+    }
 }
 
 #[tonic::async_trait]
@@ -119,11 +164,13 @@ impl Rollout for RolloutService {
         request: Request<LeaseRequest>,
     ) -> Result<Response<LeaseResponse>, Status> {
         let r = request.into_inner();
+        let worker_id = r.worker_id.clone();
         let resp = self
             .scheduler
             .lease(r.worker_id, r.max_episodes.min(64))
             .await
             .ok_or_else(|| Status::unavailable("coordinator is shutting down"))?;
+        self.record_grants(&worker_id, &resp).await?;
         Ok(Response::new(resp))
     }
 
@@ -475,12 +522,29 @@ mod tests {
         };
         let why = refusal(&forged).expect("a worker's lease expiry is refused");
         assert!(why.contains("coordinator itself"), "{why}");
-        let mut reserved = event("e1", Some(0));
-        if let Some(episode_event::Event::Turn(t)) = reserved.event.as_mut() {
-            t.turn_index = tutor_proto::TURN_INDEX_LEASE_EXPIRED;
+        // A grant it sends would, replayed after a restart, hand it another worker's lease.
+        let granted = EpisodeEvent {
+            episode_id: "it000-train0000-g0a0".into(),
+            worker_id: "coordinator".into(),
+            event: Some(episode_event::Event::LeaseGranted(
+                tutor_proto::LeaseGranted {
+                    worker_id: "w-evil".into(),
+                },
+            )),
+        };
+        let why = refusal(&granted).expect("a worker's lease grant is refused");
+        assert!(why.contains("coordinator itself"), "{why}");
+        for index in [
+            tutor_proto::TURN_INDEX_LEASE_EXPIRED,
+            tutor_proto::TURN_INDEX_LEASE_GRANTED,
+        ] {
+            let mut reserved = event("e1", Some(0));
+            if let Some(episode_event::Event::Turn(t)) = reserved.event.as_mut() {
+                t.turn_index = index;
+            }
+            let why = refusal(&reserved).expect("the reserved turn index is refused");
+            assert!(why.contains("reserved"), "{why}");
         }
-        let why = refusal(&reserved).expect("the reserved turn index is refused");
-        assert!(why.contains("reserved"), "{why}");
         assert_eq!(refusal(&event("e1", Some(3))), None);
         assert_eq!(refusal(&event("e1", None)), None);
     }

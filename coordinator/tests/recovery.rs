@@ -64,6 +64,18 @@ async fn restart_mid_iteration_runs_and_counts_every_episode_once() {
 
     // Second coordinator on the same directory.
     let b = start_coordinator(&run_dir, &learner_addr, config(), train, heldout).await;
+    // Another registered worker cannot complete an attempt leased to w1 before the
+    // restart: the first coordinator recorded whose lease it was.
+    let mut intruder = Worker::register(&b.addr, "intruder").await;
+    let intruder_id = intruder.id.clone();
+    let acks = intruder.send(vec![outcome(silent, &intruder_id, 0)]).await;
+    assert!(
+        acks.len() == 1
+            && acks[0]
+                .refused
+                .contains(&format!("leased to worker {w1_id}")),
+        "{acks:?}"
+    );
     // The worker that was running an episode carries on with it.
     let mut w1 = w1.reconnect(&b.addr).await;
     w1.heartbeat(vec![in_progress.episode_id.clone()], 0).await;

@@ -18,6 +18,10 @@ pub const TURN_INDEX_OUTCOME: u32 = u32::MAX;
 /// expired (`LeaseExpired`).
 pub const TURN_INDEX_LEASE_EXPIRED: u32 = u32::MAX - 1;
 
+/// Turn index in idempotency keys for the coordinator's record of whom it leased an
+/// attempt to (`LeaseGranted`).
+pub const TURN_INDEX_LEASE_GRANTED: u32 = u32::MAX - 2;
+
 /// Largest gRPC message any Tutor service accepts or sends (weights travel chunked).
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
@@ -53,6 +57,9 @@ pub fn event_key(ev: &EpisodeEvent) -> Option<(String, u32)> {
         episode_event::Event::Outcome(_) => Some((ev.episode_id.clone(), TURN_INDEX_OUTCOME)),
         episode_event::Event::LeaseExpired(_) => {
             Some((ev.episode_id.clone(), TURN_INDEX_LEASE_EXPIRED))
+        }
+        episode_event::Event::LeaseGranted(_) => {
+            Some((ev.episode_id.clone(), TURN_INDEX_LEASE_GRANTED))
         }
     }
 }

@@ -129,7 +129,8 @@ pub fn fit_event(mut ev: EpisodeEvent) -> Result<EpisodeEvent, String> {
             }
         }
         // The coordinator's own record, never sent by a worker; nothing to cut.
-        Some(episode_event::Event::LeaseExpired(_)) | None => {}
+        Some(episode_event::Event::LeaseExpired(_) | episode_event::Event::LeaseGranted(_))
+        | None => {}
     }
     let now = ev.encoded_len();
     if now <= MAX_EVENT_BYTES {

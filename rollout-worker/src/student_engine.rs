@@ -124,6 +124,22 @@ pub fn version_label(version: u64, sha256: &str) -> String {
     }
 }
 
+/// Set on drop: a rendezvous waiting for the engine gives up (see
+/// `RemoteEngine::load_distributed`).
+struct Abandon(std::sync::Arc<AtomicBool>);
+
+impl Abandon {
+    fn set(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Abandon {
+    fn drop(&mut self) {
+        self.set();
+    }
+}
+
 /// Why the engine could not give a turn or load a version. Every message names the
 /// engine (its base URL).
 #[derive(Debug, thiserror::Error)]
@@ -448,12 +464,16 @@ impl RemoteEngine {
             .map_err(|e| self.refused(format!("policy version {version} cannot be sent: {e}")))?;
         let t = Duration::from_secs_f64(self.config.reload_timeout_s);
         let group = format!("{label}-{:016x}", rand::random::<u64>());
-        let secret = (!self.key.is_empty())
-            .then(|| CollectiveSecret::from_token(self.key.as_bytes(), &group));
+        let secret = (!self.key.is_empty()).then(|| {
+            CollectiveSecret::from_token(
+                self.key.as_bytes(),
+                &format!("{}{group}", engine_update::SECRET_CONTEXT),
+            )
+        });
         let rdv = CpuRendezvous::bind(self.config.group_listen.as_str())
             .map_err(|e| {
                 self.refused(format!(
-                    "worker.student.group_listen = {:?}: {e}",
+                    "policy version {version}: worker.student.group_listen = {:?}: {e}",
                     self.config.group_listen
                 ))
             })?
@@ -468,10 +488,11 @@ impl RemoteEngine {
             connect: t.min(Duration::from_secs(60)),
             io: t,
         };
-        // Abandoned when the engine refuses to join: the thread does not wait out the
-        // connect timeout (nor hold up a worker that stops).
-        let abandon = std::sync::Arc::new(AtomicBool::new(false));
-        let rdv = rdv.abandoned_by(abandon.clone());
+        // Set when this reload is over, however it ends (an error, or the caller giving
+        // up on it): the rendezvous thread stops waiting for the engine at once instead of
+        // after the connect timeout, and does not hold up a worker that stops.
+        let abandon = Abandon(std::sync::Arc::new(AtomicBool::new(false)));
+        let rdv = rdv.abandoned_by(abandon.0.clone());
         let joined = tokio::task::spawn_blocking(move || rdv.accept(2, timeouts));
         let init = json!({
             "master_address": host,
@@ -481,74 +502,104 @@ impl RemoteEngine {
             "group_name": group,
             "backend": engine_update::BACKEND,
         });
-        let answer = self
-            .post_update("/init_weights_update_group", &init, t)
-            .await;
-        if !matches!(answer, Ok(Ok(()))) {
-            abandon.store(true, Ordering::SeqCst);
-        }
-        if let Err(m) = answer? {
-            return Err(self.refused(format!(
-                "refused to form a weight-update group with this worker at {host}:{} for \
-                 policy version {version}: {m}",
-                at.port()
-            )));
-        }
-        let mut collective = match joined.await {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => {
-                return Err(self.refused(format!(
-                    "said it joined weight-update group {group:?} but never did: {e}"
-                )))
+        // From here on the engine may hold the group (even if its answer is lost): it is
+        // destroyed whatever happens next.
+        let result = async {
+            let answer = self
+                .post_update("/init_weights_update_group", &init, t)
+                .await;
+            if !matches!(answer, Ok(Ok(()))) {
+                abandon.set();
             }
-            Err(e) => return Err(self.refused(format!("forming the group: {e}"))),
-        };
-        let body = json!({
-            "names": metas.iter().map(|m| &m.name).collect::<Vec<_>>(),
-            "dtypes": metas.iter().map(|m| &m.dtype).collect::<Vec<_>>(),
-            "shapes": metas.iter().map(|m| &m.shape).collect::<Vec<_>>(),
-            "group_name": group,
-            "weight_version": label,
-            "flush_cache": true,
-        });
-        let started = Instant::now();
-        let sending = {
-            let file = file.clone();
-            tokio::task::spawn_blocking(move || engine_update::send(&mut collective, &file))
-        };
-        let answer = self
-            .post_update("/update_weights_from_distributed", &body, t)
-            .await;
-        let sent = sending.await;
-        // Best effort: a group whose update failed is closed by the engine already.
-        let destroy = json!({"group_name": group});
-        let _ = self
+            if let Err(m) = answer? {
+                return Err(self.refused(format!(
+                    "refused to form a weight-update group with this worker at {host}:{} for \
+                     policy version {version}: {m}",
+                    at.port()
+                )));
+            }
+            let mut collective = match joined.await {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
+                    return Err(self.refused(format!(
+                        "said it joined weight-update group {group:?} for policy version \
+                         {version} but never did: {e}"
+                    )))
+                }
+                Err(e) => {
+                    return Err(self.refused(format!(
+                        "forming the weight-update group for policy version {version}: {e}"
+                    )))
+                }
+            };
+            let body = json!({
+                "names": metas.iter().map(|m| &m.name).collect::<Vec<_>>(),
+                "dtypes": metas.iter().map(|m| &m.dtype).collect::<Vec<_>>(),
+                "shapes": metas.iter().map(|m| &m.shape).collect::<Vec<_>>(),
+                "group_name": group,
+                "weight_version": label,
+                "flush_cache": true,
+            });
+            let started = Instant::now();
+            let sending = {
+                let file = file.clone();
+                tokio::task::spawn_blocking(move || engine_update::send(&mut collective, &file))
+            };
+            let answer = self
+                .post_update("/update_weights_from_distributed", &body, t)
+                .await;
+            // The group is destroyed before the sender is waited for: an engine that
+            // never started receiving (the request refused, or lost) closes its end, and
+            // the sender stops instead of waiting out the io timeout.
+            self.destroy_group(&group).await;
+            let sent = sending.await;
+            if let Err(m) = answer? {
+                return Err(self.refused(format!(
+                    "refused policy version {version} sent over weight-update group \
+                     {group:?}: {m}"
+                )));
+            }
+            match sent {
+                Ok(Ok(bytes)) => tracing::debug!(
+                    version,
+                    bytes,
+                    seconds = started.elapsed().as_secs_f64(),
+                    "sent the version to the student engine over the collective"
+                ),
+                Ok(Err(e)) => {
+                    return Err(self.refused(format!(
+                        "took policy version {version} though sending it failed: {e}"
+                    )))
+                }
+                Err(e) => {
+                    return Err(self.refused(format!("sending policy version {version}: {e}")))
+                }
+            }
+            Ok(())
+        }
+        .await;
+        abandon.set();
+        if result.is_err() {
+            self.destroy_group(&group).await;
+        }
+        result?;
+        self.check_served(version, label).await
+    }
+
+    /// Best effort: asks the engine to close weight-update group `group` (an engine that
+    /// has none of that name, or is down, changes nothing).
+    async fn destroy_group(&self, group: &str) {
+        let body = json!({"group_name": group});
+        if let Ok(Err(m)) = self
             .post_update(
                 "/destroy_weights_update_group",
-                &destroy,
+                &body,
                 Duration::from_secs(10),
             )
-            .await;
-        if let Err(m) = answer? {
-            return Err(self.refused(format!(
-                "refused policy version {version} sent over weight-update group {group:?}: {m}"
-            )));
+            .await
+        {
+            tracing::debug!(group, message = %m, "destroying a weight-update group");
         }
-        match sent {
-            Ok(Ok(bytes)) => tracing::debug!(
-                version,
-                bytes,
-                seconds = started.elapsed().as_secs_f64(),
-                "sent the version to the student engine over the collective"
-            ),
-            Ok(Err(e)) => {
-                return Err(self.refused(format!(
-                    "took policy version {version} though sending it failed: {e}"
-                )))
-            }
-            Err(e) => return Err(self.refused(format!("sending policy version {version}: {e}"))),
-        }
-        self.check_served(version, label).await
     }
 
     /// Samples one assistant message after `prompt` under `params`, from the engine's
@@ -581,7 +632,8 @@ impl RemoteEngine {
                 "min_new_tokens": 0,
                 // The episode's seed: a turn the engine repeats samples the same tokens
                 // (SGLang's `sampling_seed`; tutor serve honours it).
-                "sampling_seed": params.seed,
+                // 63 bits: SGLang takes it as a signed 64-bit integer.
+                "sampling_seed": params.seed & (i64::MAX as u64),
             },
             "return_logprob": true,
             "stream": false,

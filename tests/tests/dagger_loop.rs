@@ -105,8 +105,29 @@ fn dagger_iteration_across_processes() {
     let mut keys = BTreeSet::new();
     let mut turns: BTreeMap<String, Vec<u32>> = BTreeMap::new();
     let mut outcomes: BTreeMap<String, u32> = BTreeMap::new();
+    // The coordinator recorded whom it leased each episode to before its first event, and
+    // that worker sent every event of it.
+    let mut granted: BTreeMap<String, String> = BTreeMap::new();
     for ev in &events {
+        if let Some(Event::Turn(_) | Event::Outcome(_)) = &ev.event {
+            assert_eq!(
+                granted.get(&ev.episode_id),
+                Some(&ev.worker_id),
+                "{}: its events come from the worker its lease record names",
+                ev.episode_id
+            );
+        }
         match ev.event.as_ref().unwrap() {
+            Event::LeaseGranted(g) => {
+                assert_eq!(ev.worker_id, "coordinator");
+                assert!(
+                    granted
+                        .insert(ev.episode_id.clone(), g.worker_id.clone())
+                        .is_none(),
+                    "lease recorded twice: {}",
+                    ev.episode_id
+                );
+            }
             Event::Turn(t) => {
                 assert!(
                     keys.insert((ev.episode_id.clone(), t.turn_index)),

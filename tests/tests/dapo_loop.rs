@@ -264,6 +264,7 @@ fn dapo_run(dir: &std::path::Path, model: &str, extra: &str) -> std::path::PathB
             Event::LeaseExpired(e) => {
                 panic!("no lease expires in this run: {} {e:?}", ev.episode_id)
             }
+            Event::LeaseGranted(_) => {}
         }
     }
     assert!(turns > 0);

@@ -336,7 +336,7 @@ async fn tutor_serve_takes_versions_as_tensors_over_the_collective() {
     let again = engine.generate(&prompt, &params, &v5).await.unwrap();
     assert_eq!(again.tokens, g.tokens);
 
-    // A second version over a fresh group: the groups of earlier reloads were destroyed.
+    // A second version, over a group of its own.
     let v6_policy = scaled(&model, 0.5);
     let file6 = dir.path().join("v6.safetensors");
     v6_policy.save_weights(&file6).unwrap();

@@ -73,7 +73,9 @@ pub fn report(run_dir: &Path, episodes: bool) -> Result<()> {
             }
             // The attempt never finished: the coordinator took its lease back.
             Some(Event::LeaseExpired(_)) => e.status = "LEASE_EXPIRED".into(),
-            None => {}
+            // Leased, and nothing since (yet): in progress, or lost with its worker.
+            Some(Event::LeaseGranted(_)) if e.status.is_empty() => e.status = "LEASED".into(),
+            Some(Event::LeaseGranted(_)) | None => {}
         }
     }
     println!(
@@ -118,7 +120,7 @@ pub fn transcript(run_dir: &Path, episode_id: &str) -> Result<()> {
             }
             Some(Event::Outcome(o)) => outcome = Some(o),
             Some(Event::LeaseExpired(e)) => expired = Some(e),
-            None => {}
+            Some(Event::LeaseGranted(_)) | None => {}
         }
     }
     if turns.is_empty() && outcome.is_none() && expired.is_none() {

@@ -179,8 +179,8 @@ fn main() -> Result<()> {
     }
 
     // Tensors in buckets over the CPU collective into a safetensors file in memory that
-    // the engine loads (what `reload = "distributed"` does into `tutor serve`): no copy
-    // to assemble a bucket on the sender, no sha256 of the whole file.
+    // the engine loads (what `reload = "distributed"` does into `tutor serve`): a bucket
+    // is one contiguous slice of the file; no sha256 of the whole file.
     let mut t = Vec::new();
     for _ in 0..args.repeat {
         let s = Instant::now();

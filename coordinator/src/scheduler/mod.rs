@@ -24,7 +24,7 @@ use tutor_proto::{
 
 use self::lease::{episode_lease, Leases};
 use self::plan::Plan;
-use self::recovery::Backlog;
+use self::recovery::{Backlog, Grants};
 use self::workers::Workers;
 use crate::config::{Algorithm, CoordinatorConfig};
 use crate::dataset::{EpisodeData, IterationDatasets};
@@ -370,9 +370,13 @@ struct Scheduler {
     datasets: IterationDatasets,
     /// Stored events not replayed yet, and early outcome claims.
     backlog: Backlog,
-    /// The latest iteration the store had events of at start: an earlier coordinator of
-    /// this run may have leased episodes of the one after it at most.
+    /// The latest iteration the store had events or lease records of at start: an
+    /// earlier coordinator of this run may have leased episodes of the one after it at
+    /// most.
     recovered_horizon: u32,
+    /// Whom earlier coordinators leased the attempts of iterations from
+    /// `recovered_horizon` on to (their `LeaseGranted` records).
+    grants: Grants,
     /// Turns of the episodes in progress.
     turns: HashMap<EpisodeId, Vec<TurnRecord>>,
     rollouts: IterationRollouts,
@@ -393,9 +397,17 @@ impl Scheduler {
         heldout_tasks: Vec<Task>,
         recovery: Recovery,
     ) -> Self {
+        let mut recovery = recovery;
+        let mut grants = recovery.history.take_grants();
         let backlog = Backlog::new(recovery.history);
+        let recovered_horizon = backlog
+            .last_iteration()
+            .max(grants.last_iteration())
+            .unwrap_or(0);
+        grants.keep_from(recovered_horizon);
         Self {
-            recovered_horizon: backlog.last_iteration().unwrap_or(0),
+            recovered_horizon,
+            grants,
             datasets: IterationDatasets::new(config.clone()),
             config,
             train_tasks,
@@ -909,6 +921,29 @@ impl Scheduler {
                     id.slot.iteration, self.recovered_horizon
                 ));
             }
+            // The earlier coordinator recorded whom it leased each attempt to before the
+            // worker had the lease: from that worker only. (Attempts of iterations before
+            // the horizon are stored and never counted; a store from before these records
+            // has none, and the first proven worker is bound, as before.)
+            if id.slot.iteration >= self.recovered_horizon && self.grants.recorded(id.generation) {
+                match self.grants.holder(&id) {
+                    Some(h) if h == w => {}
+                    Some(h) => {
+                        return Admission::Refused(format!(
+                            "episode {episode_id} was leased to worker {h} before the \
+                             coordinator restarted; its events are accepted from that worker \
+                             only, not from worker {w}"
+                        ))
+                    }
+                    None => {
+                        return Admission::Refused(format!(
+                            "episode {episode_id}: the coordinator of generation {} recorded \
+                             no lease of it, so nobody holds it; its events are not accepted",
+                            id.generation
+                        ))
+                    }
+                }
+            }
             self.leases.bind(id, w);
         }
         match outcome {
@@ -973,6 +1008,8 @@ impl Scheduler {
             // Turns of an episode of another iteration: stored, not part of this dataset.
             (Some(episode_event::Event::Turn(_) | episode_event::Event::LeaseExpired(_)), None)
             | (None, _) => {}
+            // Lease records are read at start (`Grants`), never replayed as events.
+            (Some(episode_event::Event::LeaseGranted(_)), _) => {}
         }
     }
 

@@ -4,10 +4,10 @@
 //! store file and read back when their iteration is replayed, one iteration at a time,
 //! so a restart never holds the whole history in memory.
 
-use std::collections::{btree_map, BTreeMap, HashMap};
+use std::collections::{btree_map, BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
-use tutor_proto::EpisodeEvent;
+use tutor_proto::{episode_event, EpisodeEvent};
 
 use crate::episode_id::{EpisodeId, SlotId};
 use crate::store::StoreReader;
@@ -46,6 +46,61 @@ pub struct History {
     log: Option<PathBuf>,
     events: BTreeMap<u32, Vec<Entry>>,
     len: usize,
+    /// The coordinators' records of whom they leased each attempt to (`LeaseGranted`):
+    /// kept apart, never replayed as events.
+    grants: Grants,
+}
+
+/// Whom earlier coordinators of the run leased attempts to, from their `LeaseGranted`
+/// records, and which generations recorded their leases (a store written before
+/// coordinators did has none).
+#[derive(Debug, Default)]
+pub struct Grants {
+    holders: HashMap<EpisodeId, String>,
+    generations: BTreeSet<u64>,
+}
+
+impl Grants {
+    fn record(&mut self, id: EpisodeId, worker_id: &str) {
+        self.generations.insert(id.generation);
+        self.holders.insert(id, worker_id.to_string());
+    }
+
+    /// The worker an earlier coordinator leased `id` to, when it recorded it.
+    pub fn holder(&self, id: &EpisodeId) -> Option<&str> {
+        self.holders.get(id).map(String::as_str)
+    }
+
+    /// Whether the coordinator of `generation` recorded its leases: then an id of it
+    /// with no record was never leased.
+    pub fn recorded(&self, generation: u64) -> bool {
+        self.generations.contains(&generation)
+    }
+
+    /// The latest iteration an attempt was leased in.
+    pub fn last_iteration(&self) -> Option<u32> {
+        self.holders.keys().map(|id| id.slot.iteration).max()
+    }
+
+    /// Forgets the attempts of iterations before `iteration` (their events are stored
+    /// but never counted): what is kept is bounded by two iterations' leases.
+    pub fn keep_from(&mut self, iteration: u32) {
+        self.holders.retain(|id, _| id.slot.iteration >= iteration);
+    }
+
+    pub fn len(&self) -> usize {
+        self.holders.len()
+    }
+}
+
+/// The attempt and holder of a coordinator's `LeaseGranted` record.
+fn grant_of(ev: &EpisodeEvent) -> Option<(EpisodeId, &str)> {
+    match &ev.event {
+        Some(episode_event::Event::LeaseGranted(g)) => {
+            Some((ev.episode_id.parse().ok()?, g.worker_id.as_str()))
+        }
+        _ => None,
+    }
 }
 
 #[derive(Debug)]
@@ -70,6 +125,10 @@ impl History {
     pub fn push_stored(&mut self, offset: u64, ev: &EpisodeEvent) {
         assert!(self.log.is_some(), "History::in_store keeps offsets");
         self.len += 1;
+        if let Some((id, worker)) = grant_of(ev) {
+            self.grants.record(id, worker);
+            return;
+        }
         if let Some(k) = iteration_of(ev) {
             self.events
                 .entry(k)
@@ -85,6 +144,11 @@ impl History {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Takes the lease records out (the rest is replayed as events).
+    pub fn take_grants(&mut self) -> Grants {
+        std::mem::take(&mut self.grants)
     }
 
     /// Events held in memory rather than as offsets.
@@ -104,6 +168,10 @@ impl From<Vec<EpisodeEvent>> for History {
         let mut history = Self::default();
         for ev in events {
             history.len += 1;
+            if let Some((id, worker)) = grant_of(&ev) {
+                history.grants.record(id, worker);
+                continue;
+            }
             if let Some(k) = iteration_of(&ev) {
                 let entries = history.events.entry(k).or_default();
                 entries.push(Entry::Event(Box::new(ev)));

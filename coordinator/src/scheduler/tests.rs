@@ -3,6 +3,8 @@
 use super::*;
 use tutor_proto::EpisodeOutcome;
 
+use super::recovery::History;
+
 pub(crate) fn outcome(episode_id: &str) -> EpisodeEvent {
     EpisodeEvent {
         episode_id: episode_id.to_string(),
@@ -384,6 +386,100 @@ async fn a_restarted_coordinator_checks_the_secrets_its_predecessor_gave() {
     // The key survives its hex form in the run state.
     assert_eq!(WorkerKey::from_hex(&key.to_hex()), Some(key));
     assert_eq!(WorkerKey::from_hex("abc"), None);
+}
+
+/// The coordinator records whom it leased each attempt to before the worker has it
+/// (`LeaseGranted`, written by the Lease call). A restarted coordinator accepts an
+/// attempt's events from that worker only, and an id its predecessor recorded no lease of
+/// from nobody. Before, the first proven worker to send a predecessor's id was bound to
+/// it, so another registered worker could take over an attempt it never held. A
+/// generation that recorded no leases (a store from before the records) keeps that rule.
+#[tokio::test]
+async fn a_predecessors_recorded_leases_decide_who_may_send_its_events() {
+    let key = WorkerKey::default();
+    let config = CoordinatorConfig {
+        episodes_per_iteration: 2,
+        heldout_episodes: 0,
+        ..Default::default()
+    };
+    let first = SchedulerHandle::spawn_recovered(
+        config.clone(),
+        vec![Task::default()],
+        Vec::new(),
+        Recovery {
+            generation: 0,
+            worker_key: key.clone(),
+            ..Default::default()
+        },
+    );
+    let (wa, secret_a, _) = first.register_worker("a".into(), 1).await.unwrap();
+    let (wb, secret_b, _) = first.register_worker("b".into(), 1).await.unwrap();
+    first.finish().await;
+    let granted = |episode: &str, worker: &str| EpisodeEvent {
+        episode_id: episode.into(),
+        worker_id: COORDINATOR_WRITER.into(),
+        event: Some(episode_event::Event::LeaseGranted(
+            tutor_proto::LeaseGranted {
+                worker_id: worker.into(),
+            },
+        )),
+    };
+    // Generation 0 leased slot 0 of iteration 0 to worker a, and recorded it; slot 1
+    // was never leased. Generation 1 recorded nothing.
+    let history = History::from(vec![granted("it000-train0000-g0a0", &wa)]);
+    let restarted = SchedulerHandle::spawn_recovered(
+        config,
+        vec![Task::default()],
+        Vec::new(),
+        Recovery {
+            generation: 2,
+            worker_key: key,
+            history,
+        },
+    );
+    let a = Some((wa.clone(), secret_a));
+    let b = Some((wb.clone(), secret_b));
+    let refused = |adm: Admission, what: &str| match adm {
+        Admission::Refused(why) => why,
+        other => panic!("{what}: {other:?}"),
+    };
+    let why = refused(
+        restarted
+            .admit(&outcome("it000-train0000-g0a0"), b.clone())
+            .await,
+        "another worker's events of a recorded lease",
+    );
+    assert!(
+        why.contains(&format!(
+            "leased to worker {wa} before the coordinator restarted"
+        )),
+        "{why}"
+    );
+    assert_eq!(
+        restarted
+            .admit(&outcome("it000-train0000-g0a0"), a.clone())
+            .await,
+        Admission::Store
+    );
+    for never in ["it000-train0001-g0a0", "it001-train0000-g0a0"] {
+        let why = refused(
+            restarted.admit(&outcome(never), a.clone()).await,
+            "an attempt its generation recorded no lease of",
+        );
+        assert!(why.contains("recorded no lease of it"), "{never}: {why}");
+    }
+    // No records of generation 1: its ids go to the first proven worker, as before.
+    assert_eq!(
+        restarted
+            .admit(&outcome("it000-train0001-g1a0"), b.clone())
+            .await,
+        Admission::Store
+    );
+    let why = refused(
+        restarted.admit(&outcome("it000-train0001-g1a0"), a).await,
+        "a bound id from another worker",
+    );
+    assert!(why.contains(&format!("leased to worker {wb}")), "{why}");
 }
 
 /// A slot whose attempts ran out stays failed across a coordinator restart: its outcome

@@ -372,5 +372,14 @@ pub fn stored_outcomes(run_dir: &Path) -> BTreeMap<String, usize> {
 pub fn stored_episodes(run_dir: &Path) -> std::collections::BTreeSet<String> {
     let (events, _) =
         tutor_coordinator::store::scan(&run_dir.join("trajectories/events.log")).unwrap();
-    events.into_iter().map(|e| e.episode_id).collect()
+    events
+        .into_iter()
+        .filter(|e| {
+            matches!(
+                e.event,
+                Some(episode_event::Event::Turn(_) | episode_event::Event::Outcome(_))
+            )
+        })
+        .map(|e| e.episode_id)
+        .collect()
 }

@@ -332,6 +332,7 @@ pub fn check_store(run_dir: &Path) -> StoredRun {
     let mut outcomes = BTreeMap::new();
     let mut turn_events = 0;
     let mut expired = BTreeSet::new();
+    let mut granted = BTreeSet::new();
     for ev in &events {
         match ev.event.as_ref().unwrap() {
             Event::Turn(t) => {
@@ -351,6 +352,22 @@ pub fn check_store(run_dir: &Path) -> StoredRun {
                 "outcome stored twice: {}",
                 ev.episode_id
             ),
+            // The coordinator's record of whom it leased an attempt to: written once,
+            // by the coordinator, before any event of the attempt.
+            Event::LeaseGranted(g) => {
+                assert_eq!(ev.worker_id, "coordinator", "{ev:?}");
+                assert!(!g.worker_id.is_empty(), "{ev:?}");
+                assert!(
+                    granted.insert(ev.episode_id.clone()),
+                    "lease grant stored twice: {}",
+                    ev.episode_id
+                );
+                assert!(
+                    !turns.contains_key(&ev.episode_id) && !outcomes.contains_key(&ev.episode_id),
+                    "a lease grant stored after its episode's events: {}",
+                    ev.episode_id
+                );
+            }
             // The coordinator's record that an attempt's lease expired: written once.
             Event::LeaseExpired(_) => {
                 assert_eq!(ev.worker_id, "coordinator", "{ev:?}");

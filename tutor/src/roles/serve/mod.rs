@@ -105,6 +105,7 @@ fn load_api_key(file: Option<&std::path::Path>, env: Option<&str>) -> Result<Opt
 
 mod native;
 mod openai;
+mod update_groups;
 
 use openai::{now, router, AppState, Weights};
 
@@ -167,14 +168,19 @@ pub async fn serve(
             .unwrap_or_else(|| "tutor".into()),
     };
     // What a weight update over the collective may announce: the model's parameters in
-    // f32 (the widest dtype a checkpoint of it has), and a little for the header's sake.
+    // f32 (the widest dtype a checkpoint of it has).
     let max_update_bytes: usize = policy
         .var_store()
         .variables()
         .values()
         .map(|t| t.numel() * 4)
-        .sum::<usize>()
-        + (1 << 20);
+        .sum::<usize>();
+    if args.distributed_updates && api_key.is_none() {
+        tracing::warn!(
+            "--distributed-updates without an API key: any process that can reach this port \
+             may replace the served weights and make this server connect where it names"
+        );
+    }
     let (engine, _thread) = spawn_engine(
         policy,
         tokenizer.clone(),
@@ -210,7 +216,8 @@ pub async fn serve(
         reloads: AtomicU64::new(0),
         distributed_updates: args.distributed_updates,
         max_update_bytes,
-        update_groups: tokio::sync::Mutex::new(std::collections::HashMap::new()),
+        update_groups: tokio::sync::Mutex::new(Default::default()),
+        update_permit: tokio::sync::Semaphore::new(1),
     });
     let app = router(state.clone(), native::routes());
     let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))

@@ -395,8 +395,14 @@ fn failed(status: StatusCode, message: impl Into<String>) -> Response {
         .into_response()
 }
 
-/// Most weight-update groups open at once (one per worker using this engine).
-const MAX_UPDATE_GROUPS: usize = 64;
+/// The key of a weight-update group's hello: the API key, bound to the group's name
+/// (namespaced apart from any group of a run).
+fn group_secret(api_key: &str, group: &str) -> CollectiveSecret {
+    CollectiveSecret::from_token(
+        api_key.as_bytes(),
+        &format!("{}{group}", engine_update::SECRET_CONTEXT),
+    )
+}
 
 fn default_group() -> String {
     "weight_update_group".into()
@@ -458,25 +464,24 @@ async fn init_weights_update_group(State(s): State<Arc<AppState>>, body: Bytes) 
         );
     }
     {
-        let groups = s.update_groups.lock().await;
-        if groups.contains_key(&req.group_name) {
+        let mut groups = s.update_groups.lock().await;
+        if groups.contains(&req.group_name) {
             return failed(
                 StatusCode::CONFLICT,
                 format!("group {:?} exists: destroy it first", req.group_name),
             );
         }
-        if groups.len() >= MAX_UPDATE_GROUPS {
-            return failed(
-                StatusCode::TOO_MANY_REQUESTS,
-                format!("{MAX_UPDATE_GROUPS} weight-update groups are open: destroy one first"),
-            );
+        if let Err(why) = groups.make_room() {
+            return failed(StatusCode::TOO_MANY_REQUESTS, why);
         }
     }
-    let secret = s
-        .api_key
-        .as_ref()
-        .map(|k| CollectiveSecret::from_token(k.as_bytes(), &req.group_name));
-    let addr = format!("{}:{}", req.master_address, req.master_port);
+    let secret = s.api_key.as_ref().map(|k| group_secret(k, &req.group_name));
+    // An IPv6 literal needs brackets to be joined with its port.
+    let addr = match req.master_address.parse::<std::net::IpAddr>() {
+        Ok(ip) => std::net::SocketAddr::new(ip, req.master_port).to_string(),
+        Err(_) => format!("{}:{}", req.master_address, req.master_port),
+    };
+    let master = addr.clone();
     let (rank, world) = (req.rank_offset, req.world_size);
     let joined = tokio::task::spawn_blocking(move || {
         CpuCollective::connect_with_secret(
@@ -502,13 +507,16 @@ async fn init_weights_update_group(State(s): State<Arc<AppState>>, body: Bytes) 
         Err(e) => return failed(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     };
     let mut groups = s.update_groups.lock().await;
-    if groups.len() >= MAX_UPDATE_GROUPS || groups.contains_key(&req.group_name) {
+    if groups.contains(&req.group_name) {
         return failed(
             StatusCode::CONFLICT,
-            format!("group {:?} exists or too many are open", req.group_name),
+            format!("group {:?} was formed meanwhile", req.group_name),
         );
     }
-    tracing::info!(group = %req.group_name, master = %format!("{}:{}", req.master_address, req.master_port), "joined a weight-update group");
+    if let Err(why) = groups.make_room() {
+        return failed(StatusCode::TOO_MANY_REQUESTS, why);
+    }
+    tracing::info!(group = %req.group_name, %master, "joined a weight-update group");
     groups.insert(req.group_name, collective);
     Json(json!({"success": true, "message": "Succeeded to initialize custom process group."}))
         .into_response()
@@ -569,7 +577,11 @@ async fn update_weights_from_distributed(State(s): State<Arc<AppState>>, body: B
             shape,
         })
         .collect();
-    let Some(mut collective) = s.update_groups.lock().await.remove(&req.group_name) else {
+    // One update at a time, from its first byte to its swap.
+    let Ok(_permit) = s.update_permit.acquire().await else {
+        return failed(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping");
+    };
+    let Some(mut collective) = s.update_groups.lock().await.take(&req.group_name) else {
         return failed(
             StatusCode::BAD_REQUEST,
             format!(
@@ -590,11 +602,12 @@ async fn update_weights_from_distributed(State(s): State<Arc<AppState>>, body: B
             s.update_groups
                 .lock()
                 .await
-                .insert(req.group_name.clone(), collective);
+                .give_back(&req.group_name, collective);
             file
         }
         Ok((Err(e), _closed)) => {
-            tracing::warn!(group = %req.group_name, error = %e, "a weight update failed: the group is closed");
+            s.update_groups.lock().await.lose(&req.group_name);
+            tracing::warn!(group = %req.group_name, version = ?req.weight_version, error = %e, "a weight update failed: the group is closed");
             return failed(
                 StatusCode::BAD_REQUEST,
                 format!(
@@ -604,7 +617,10 @@ async fn update_weights_from_distributed(State(s): State<Arc<AppState>>, body: B
                 ),
             );
         }
-        Err(e) => return failed(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        Err(e) => {
+            s.update_groups.lock().await.lose(&req.group_name);
+            return failed(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
+        }
     };
     tracing::info!(group = %req.group_name, bytes = file.len(), seconds = t.elapsed().as_secs_f64(), "received weights over the collective");
     let n = s.reloads.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
@@ -635,12 +651,12 @@ async fn destroy_weights_update_group(State(s): State<Arc<AppState>>, body: Byte
             )
         }
     };
-    match s.update_groups.lock().await.remove(&req.group_name) {
-        Some(_) => {
+    match s.update_groups.lock().await.destroy(&req.group_name) {
+        true => {
             Json(json!({"success": true, "message": "Succeeded to destroy custom process group."}))
                 .into_response()
         }
-        None => failed(
+        false => failed(
             StatusCode::BAD_REQUEST,
             format!("no weight-update group {:?}", req.group_name),
         ),

@@ -46,10 +46,11 @@ pub(super) struct AppState {
     pub(super) distributed_updates: bool,
     /// The most bytes one update over the collective may announce.
     pub(super) max_update_bytes: usize,
-    /// Weight-update groups by name: this server's rank in each, taken out while an
-    /// update receives over it (and dropped when that fails).
-    pub(super) update_groups:
-        tokio::sync::Mutex<std::collections::HashMap<String, tutor_collective::CpuCollective>>,
+    /// Weight-update groups by name.
+    pub(super) update_groups: tokio::sync::Mutex<super::update_groups::UpdateGroups>,
+    /// One update over a collective at a time, from its first byte to its swap: what
+    /// updates hold in memory is one model's worth, however many clients send.
+    pub(super) update_permit: tokio::sync::Semaphore,
 }
 
 /// What the served weights are: the version clients named when they loaded them
@@ -72,8 +73,9 @@ pub(super) fn router(state: Arc<AppState>, more: Router<Arc<AppState>>) -> Route
                 StatusCode::NOT_FOUND,
                 "no such route; this server has GET /v1/models, POST /v1/chat/completions, \
                  POST /v1/completions, and the engine control plane: POST /generate, POST \
-                 /update_weights_from_disk, GET /model_info, GET /get_model_info, GET \
-                 /get_weight_version",
+                 /update_weights_from_disk, POST /init_weights_update_group, POST \
+                 /update_weights_from_distributed, POST /destroy_weights_update_group, GET \
+                 /model_info, GET /get_model_info, GET /get_weight_version",
             )
         })
         .route_layer(axum::middleware::from_fn_with_state(
