@@ -145,10 +145,13 @@ pub async fn serve(
             scheduler::WorkerKey::default()
         }
     };
+    let generation = if resumed { run_state.generation + 1 } else { 0 };
     let run_state = state::RunState {
-        generation: if resumed { run_state.generation + 1 } else { 0 },
+        generation,
         run_id,
         worker_key: worker_key.to_hex(),
+        // This coordinator records its leases: from it on, every generation does.
+        lease_records_from: run_state.lease_records_from.or(Some(generation)),
         ..run_state
     };
     run_state.save(&state_path)?;
@@ -174,6 +177,7 @@ pub async fn serve(
         scheduler::Recovery {
             generation: run_state.generation,
             worker_key,
+            lease_records_from: run_state.lease_records_from,
             ..recovery
         },
         Some(&store_tx),

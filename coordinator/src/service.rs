@@ -29,6 +29,9 @@ pub struct RolloutService {
 
 type AckStream = Pin<Box<dyn Stream<Item = Result<EventAck, Status>> + Send>>;
 
+/// Longest worker id a Lease call may name (Register makes ids far shorter).
+const MAX_WORKER_ID_BYTES: usize = 256;
+
 /// Events of one stream handed to the store and not yet acknowledged, at most.
 const STREAM_PIPELINE: usize = 256;
 
@@ -120,7 +123,15 @@ impl RolloutService {
         }
         for answer in answers {
             match answer.await {
-                Ok(StoreReply { result: Ok(_), .. }) => {}
+                Ok(StoreReply {
+                    result: Ok(duplicate),
+                    event,
+                }) => {
+                    if duplicate {
+                        // Never for a new lease: each attempt's id is leased once.
+                        tracing::warn!(episode = %event.episode_id, worker = worker_id, "a lease record was already in the store");
+                    }
+                }
                 Ok(StoreReply { result: Err(e), .. }) => {
                     tracing::error!(worker = worker_id, error = %e, "could not record a lease: the lease call fails");
                     return Err(Status::unavailable(format!(
@@ -164,6 +175,14 @@ impl Rollout for RolloutService {
         request: Request<LeaseRequest>,
     ) -> Result<Response<LeaseResponse>, Status> {
         let r = request.into_inner();
+        // Recorded with every lease: a worker id is what Register gave, never megabytes.
+        if r.worker_id.is_empty() || r.worker_id.len() > MAX_WORKER_ID_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "worker_id must be 1 to {MAX_WORKER_ID_BYTES} bytes (the id Register gave), \
+                 got {}",
+                r.worker_id.len()
+            )));
+        }
         let worker_id = r.worker_id.clone();
         let resp = self
             .scheduler

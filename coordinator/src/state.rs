@@ -50,6 +50,12 @@ pub struct RunState {
     /// Empty only in a state written before the key existed.
     #[serde(default)]
     pub worker_key: String,
+    /// The first generation that recorded its leases in the store (`LeaseGranted`); every
+    /// later one does too. Set by the first coordinator that records them, before it
+    /// leases anything: an id of such a generation with no record was never leased, even
+    /// if that generation recorded nothing at all. `None` in a state written before.
+    #[serde(default)]
+    pub lease_records_from: Option<u64>,
 }
 
 impl Default for RunState {
@@ -62,6 +68,7 @@ impl Default for RunState {
             policy_version: 0,
             run_id: String::new(),
             worker_key: String::new(),
+            lease_records_from: None,
         }
     }
 }

@@ -150,6 +150,8 @@ async fn restart_mid_iteration_runs_and_counts_every_episode_once() {
     assert!(log.trained[0].1.contains(&in_progress.episode_id));
     let st = RunState::load(&state_path(&run_dir)).unwrap().unwrap();
     assert_eq!((st.generation, st.phase), (1, Phase::Finished));
+    // The first start recorded its leases, and the restart kept that.
+    assert_eq!(st.lease_records_from, Some(0));
     assert_eq!(st.policy_version, 2);
 }
 

@@ -725,6 +725,10 @@ async fn heartbeat_loop(
     rpc_timeout: Duration,
 ) {
     let mut tick = tokio::time::interval(every);
+    // A prefetch runs beside the heartbeats, one at a time: a swap waits for the
+    // episodes holding the student, and heartbeats must go on meanwhile, or their
+    // leases would expire.
+    let prefetching = Arc::new(std::sync::atomic::AtomicBool::new(false));
     loop {
         tick.tick().await;
         let active_now: Vec<String> = active.lock().expect("active set").iter().cloned().collect();
@@ -742,10 +746,15 @@ async fn heartbeat_loop(
                     if !latest.sha256.is_empty()
                         && latest.version != student.loaded_version()
                         && active_now.is_empty()
+                        && !prefetching.swap(true, std::sync::atomic::Ordering::SeqCst)
                     {
-                        if let Err(e) = student.ensure(&latest).await {
-                            tracing::warn!(version = latest.version, error = %format!("{e:#}"), "prefetching weights failed");
-                        }
+                        let (student, prefetching) = (student.clone(), prefetching.clone());
+                        tokio::spawn(async move {
+                            if let Err(e) = student.ensure(&latest).await {
+                                tracing::warn!(version = latest.version, error = %format!("{e:#}"), "prefetching weights failed");
+                            }
+                            prefetching.store(false, std::sync::atomic::Ordering::SeqCst);
+                        });
                     }
                 }
             }

@@ -46,6 +46,8 @@ pub fn report(run_dir: &Path, episodes: bool) -> Result<()> {
         student_acted: u32,
         student_format_errors: u32,
         seconds: f64,
+        /// The coordinator recorded its lease.
+        leased: bool,
     }
     let mut eps: BTreeMap<String, Ep> = BTreeMap::new();
     for ev in events {
@@ -73,9 +75,8 @@ pub fn report(run_dir: &Path, episodes: bool) -> Result<()> {
             }
             // The attempt never finished: the coordinator took its lease back.
             Some(Event::LeaseExpired(_)) => e.status = "LEASE_EXPIRED".into(),
-            // Leased, and nothing since (yet): in progress, or lost with its worker.
-            Some(Event::LeaseGranted(_)) if e.status.is_empty() => e.status = "LEASED".into(),
-            Some(Event::LeaseGranted(_)) | None => {}
+            Some(Event::LeaseGranted(_)) => e.leased = true,
+            None => {}
         }
     }
     println!(
@@ -83,10 +84,13 @@ pub fn report(run_dir: &Path, episodes: bool) -> Result<()> {
         "episode", "task", "status", "turns", "teacher", "student", "fmt_err", "seconds"
     );
     for (id, e) in eps {
-        let status = if e.status.is_empty() {
-            "INCOMPLETE".to_string()
-        } else {
+        let status = if !e.status.is_empty() {
             e.status
+        } else if e.leased && e.teacher_acted + e.student_acted == 0 {
+            // Leased, and nothing stored since: not started yet, or lost with its worker.
+            "LEASED".to_string()
+        } else {
+            "INCOMPLETE".to_string()
         };
         println!(
             "{id:<22} {:<36} {status:<16} {:>5} {:>7} {:>7} {:>8} {:>7.1}",

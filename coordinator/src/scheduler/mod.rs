@@ -374,9 +374,12 @@ struct Scheduler {
     /// earlier coordinator of this run may have leased episodes of the one after it at
     /// most.
     recovered_horizon: u32,
-    /// Whom earlier coordinators leased the attempts of iterations from
+    /// Whom earlier coordinators leased the attempts of iterations from the one before
     /// `recovered_horizon` on to (their `LeaseGranted` records).
     grants: Grants,
+    /// The first generation that recorded its leases: from it on, an id with no record
+    /// was never leased.
+    lease_records_from: Option<u64>,
     /// Turns of the episodes in progress.
     turns: HashMap<EpisodeId, Vec<TurnRecord>>,
     rollouts: IterationRollouts,
@@ -404,10 +407,13 @@ impl Scheduler {
             .last_iteration()
             .max(grants.last_iteration())
             .unwrap_or(0);
-        grants.keep_from(recovered_horizon);
+        // The iteration before the horizon too: in async mode the next iteration may
+        // have been leased before this one's last records were written.
+        grants.keep_from(recovered_horizon.saturating_sub(1));
         Self {
             recovered_horizon,
             grants,
+            lease_records_from: recovery.lease_records_from,
             datasets: IterationDatasets::new(config.clone()),
             config,
             train_tasks,
@@ -922,10 +928,14 @@ impl Scheduler {
                 ));
             }
             // The earlier coordinator recorded whom it leased each attempt to before the
-            // worker had the lease: from that worker only. (Attempts of iterations before
-            // the horizon are stored and never counted; a store from before these records
-            // has none, and the first proven worker is bound, as before.)
-            if id.slot.iteration >= self.recovered_horizon && self.grants.recorded(id.generation) {
+            // worker had the lease: from that worker only, and an attempt it recorded no
+            // lease of from nobody. (Attempts of older iterations are stored and never
+            // counted; the generations of a run started before these records have none,
+            // and the first proven worker is bound, as before.)
+            let recorded = self
+                .lease_records_from
+                .is_some_and(|first| id.generation >= first);
+            if recorded && id.slot.iteration + 1 >= self.recovered_horizon {
                 match self.grants.holder(&id) {
                     Some(h) if h == w => {}
                     Some(h) => {

@@ -4,7 +4,7 @@
 //! store file and read back when their iteration is replayed, one iteration at a time,
 //! so a restart never holds the whole history in memory.
 
-use std::collections::{btree_map, BTreeMap, BTreeSet, HashMap};
+use std::collections::{btree_map, BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use tutor_proto::{episode_event, EpisodeEvent};
@@ -22,6 +22,8 @@ pub struct Recovery {
     pub generation: u64,
     /// The key worker secrets are derived from, kept across restarts (`RunState`).
     pub worker_key: WorkerKey,
+    /// The first generation that recorded its leases (`RunState::lease_records_from`).
+    pub lease_records_from: Option<u64>,
     pub history: History,
 }
 
@@ -33,6 +35,7 @@ impl Recovery {
         Self {
             generation: 0,
             worker_key: WorkerKey::default(),
+            lease_records_from: None,
             history: History::in_store(log),
         }
     }
@@ -52,17 +55,25 @@ pub struct History {
 }
 
 /// Whom earlier coordinators of the run leased attempts to, from their `LeaseGranted`
-/// records, and which generations recorded their leases (a store written before
-/// coordinators did has none).
+/// records. Only the attempts of the latest two iterations with records are kept, also
+/// while the store is read: older attempts' events are stored and never counted.
 #[derive(Debug, Default)]
 pub struct Grants {
     holders: HashMap<EpisodeId, String>,
-    generations: BTreeSet<u64>,
+    /// The latest iteration a record was of.
+    latest: Option<u32>,
 }
 
 impl Grants {
     fn record(&mut self, id: EpisodeId, worker_id: &str) {
-        self.generations.insert(id.generation);
+        let iteration = id.slot.iteration;
+        if self.latest.is_some_and(|l| iteration + 1 < l) {
+            return;
+        }
+        if self.latest.is_none_or(|l| iteration > l) {
+            self.latest = Some(iteration);
+            self.keep_from(iteration.saturating_sub(1));
+        }
         self.holders.insert(id, worker_id.to_string());
     }
 
@@ -71,19 +82,12 @@ impl Grants {
         self.holders.get(id).map(String::as_str)
     }
 
-    /// Whether the coordinator of `generation` recorded its leases: then an id of it
-    /// with no record was never leased.
-    pub fn recorded(&self, generation: u64) -> bool {
-        self.generations.contains(&generation)
-    }
-
     /// The latest iteration an attempt was leased in.
     pub fn last_iteration(&self) -> Option<u32> {
-        self.holders.keys().map(|id| id.slot.iteration).max()
+        self.latest
     }
 
-    /// Forgets the attempts of iterations before `iteration` (their events are stored
-    /// but never counted): what is kept is bounded by two iterations' leases.
+    /// Forgets the attempts of iterations before `iteration`.
     pub fn keep_from(&mut self, iteration: u32) {
         self.holders.retain(|id, _| id.slot.iteration >= iteration);
     }
@@ -320,6 +324,32 @@ mod tests {
     /// A lease expires and its slot goes to a second attempt while the first worker keeps
     /// going: whichever outcome arrives first completes the slot; the other is refused,
     /// before and after the winner is stored, and a replay of the winner is allowed.
+    /// Lease records are kept for the latest two iterations with records only, also
+    /// while the store is read: a long run's restart holds two iterations' leases, not
+    /// every lease of the run.
+    #[test]
+    fn lease_records_of_older_iterations_are_not_kept() {
+        let mut grants = super::Grants::default();
+        for iteration in 0..50u32 {
+            for slot in 0..10 {
+                let id: crate::episode_id::EpisodeId =
+                    format!("it{iteration:03}-train{slot:04}-g0a0")
+                        .parse()
+                        .unwrap();
+                grants.record(id, "w");
+            }
+        }
+        assert_eq!(grants.len(), 20);
+        assert_eq!(grants.last_iteration(), Some(49));
+        let old: crate::episode_id::EpisodeId = "it047-train0000-g0a0".parse().unwrap();
+        let kept: crate::episode_id::EpisodeId = "it048-train0003-g0a0".parse().unwrap();
+        assert_eq!(grants.holder(&old), None);
+        assert_eq!(grants.holder(&kept), Some("w"));
+        // A record of an older iteration read late changes nothing.
+        grants.record(old, "x");
+        assert_eq!((grants.len(), grants.holder(&old)), (20, None));
+    }
+
     #[tokio::test]
     async fn only_one_attempt_of_a_slot_may_store_its_outcome() {
         let config = CoordinatorConfig {

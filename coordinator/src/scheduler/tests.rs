@@ -391,9 +391,11 @@ async fn a_restarted_coordinator_checks_the_secrets_its_predecessor_gave() {
 /// The coordinator records whom it leased each attempt to before the worker has it
 /// (`LeaseGranted`, written by the Lease call). A restarted coordinator accepts an
 /// attempt's events from that worker only, and an id its predecessor recorded no lease of
-/// from nobody. Before, the first proven worker to send a predecessor's id was bound to
-/// it, so another registered worker could take over an attempt it never held. A
-/// generation that recorded no leases (a store from before the records) keeps that rule.
+/// from nobody, also when that predecessor recorded nothing at all (it crashed before
+/// leasing: every id of it is forged). Before, the first proven worker to send a
+/// predecessor's id was bound to it, so another registered worker could take over an
+/// attempt it never held. Generations before the first that recorded leases (a run
+/// started by an older Tutor) keep that rule.
 #[tokio::test]
 async fn a_predecessors_recorded_leases_decide_who_may_send_its_events() {
     let key = WorkerKey::default();
@@ -424,16 +426,17 @@ async fn a_predecessors_recorded_leases_decide_who_may_send_its_events() {
             },
         )),
     };
-    // Generation 0 leased slot 0 of iteration 0 to worker a, and recorded it; slot 1
-    // was never leased. Generation 1 recorded nothing.
-    let history = History::from(vec![granted("it000-train0000-g0a0", &wa)]);
+    // Generation 0 ran before lease records. Generation 1 recorded its lease of slot 0
+    // of iteration 0 to worker a (slot 1 it never leased); generation 2 leased nothing.
+    let history = History::from(vec![granted("it000-train0000-g1a0", &wa)]);
     let restarted = SchedulerHandle::spawn_recovered(
         config,
         vec![Task::default()],
         Vec::new(),
         Recovery {
-            generation: 2,
+            generation: 3,
             worker_key: key,
+            lease_records_from: Some(1),
             history,
         },
     );
@@ -445,7 +448,7 @@ async fn a_predecessors_recorded_leases_decide_who_may_send_its_events() {
     };
     let why = refused(
         restarted
-            .admit(&outcome("it000-train0000-g0a0"), b.clone())
+            .admit(&outcome("it000-train0000-g1a0"), b.clone())
             .await,
         "another worker's events of a recorded lease",
     );
@@ -457,26 +460,30 @@ async fn a_predecessors_recorded_leases_decide_who_may_send_its_events() {
     );
     assert_eq!(
         restarted
-            .admit(&outcome("it000-train0000-g0a0"), a.clone())
+            .admit(&outcome("it000-train0000-g1a0"), a.clone())
             .await,
         Admission::Store
     );
-    for never in ["it000-train0001-g0a0", "it001-train0000-g0a0"] {
+    for never in [
+        "it000-train0001-g1a0",
+        "it001-train0000-g1a0",
+        "it000-train0001-g2a0",
+    ] {
         let why = refused(
             restarted.admit(&outcome(never), a.clone()).await,
             "an attempt its generation recorded no lease of",
         );
         assert!(why.contains("recorded no lease of it"), "{never}: {why}");
     }
-    // No records of generation 1: its ids go to the first proven worker, as before.
+    // Generation 0 recorded no leases: its ids go to the first proven worker, as before.
     assert_eq!(
         restarted
-            .admit(&outcome("it000-train0001-g1a0"), b.clone())
+            .admit(&outcome("it000-train0001-g0a0"), b.clone())
             .await,
         Admission::Store
     );
     let why = refused(
-        restarted.admit(&outcome("it000-train0001-g1a0"), a).await,
+        restarted.admit(&outcome("it000-train0001-g0a0"), a).await,
         "a bound id from another worker",
     );
     assert!(why.contains(&format!("leased to worker {wb}")), "{why}");

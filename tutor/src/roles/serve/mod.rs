@@ -168,13 +168,15 @@ pub async fn serve(
             .unwrap_or_else(|| "tutor".into()),
     };
     // What a weight update over the collective may announce: the model's parameters in
-    // f32 (the widest dtype a checkpoint of it has).
+    // f32 (the widest dtype a checkpoint of it has), and 1 MiB for small tensors the
+    // model does not hold (a checkpoint may carry buffers the loader skips).
     let max_update_bytes: usize = policy
         .var_store()
         .variables()
         .values()
         .map(|t| t.numel() * 4)
-        .sum::<usize>();
+        .sum::<usize>()
+        + (1 << 20);
     if args.distributed_updates && api_key.is_none() {
         tracing::warn!(
             "--distributed-updates without an API key: any process that can reach this port \
