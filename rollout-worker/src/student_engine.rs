@@ -376,27 +376,12 @@ impl RemoteEngine {
             "flush_cache": true,
         });
         let t = Duration::from_secs_f64(self.config.reload_timeout_s);
-        let (status, text) = self
-            .send(
-                reqwest::Method::POST,
-                "/update_weights_from_disk",
-                Some(&body),
-                t,
-            )
-            .await?;
-        let answer: Option<Value> = serde_json::from_str(&text).ok();
-        let success = answer
-            .as_ref()
-            .and_then(|v| v.get("success"))
-            .and_then(Value::as_bool);
-        if !status.is_success() || success != Some(true) {
-            let message = answer
-                .as_ref()
-                .and_then(|v| v.get("message").and_then(Value::as_str))
-                .map(str::to_string)
-                .unwrap_or_else(|| excerpt(&text));
+        if let Err(m) = self
+            .post_update("/update_weights_from_disk", &body, t)
+            .await?
+        {
             return Err(self.refused(format!(
-                "refused to load policy version {version} from {} (HTTP {status}): {message}",
+                "refused to load policy version {version} from {} ({m})",
                 engine_path.display()
             )));
         }

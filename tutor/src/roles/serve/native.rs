@@ -420,28 +420,38 @@ struct InitGroup {
     backend: Option<String>,
 }
 
+/// A weight-update route's request: its body parsed, or the answer refusing it (a body
+/// that does not parse; updates over a collective off without `--distributed-updates`).
+fn update_request<T: serde::de::DeserializeOwned>(
+    s: &AppState,
+    body: &[u8],
+) -> Result<T, Box<Response>> {
+    let req = serde_json::from_slice(body).map_err(|e| {
+        Box::new(failed(
+            StatusCode::BAD_REQUEST,
+            format!("invalid request body: {e}"),
+        ))
+    })?;
+    if !s.distributed_updates {
+        return Err(Box::new(failed(
+            StatusCode::FORBIDDEN,
+            "weight updates over a collective are off: start tutor serve with \
+             --distributed-updates to take them",
+        )));
+    }
+    Ok(req)
+}
+
 /// SGLang's `/init_weights_update_group`: joins the client's group as rank
 /// `rank_offset` of `world_size`, connecting to rank 0 at `master_address:master_port`
 /// over Tutor's CPU collective (backend "tutor-cpu"; SGLang's "nccl" is not spoken here).
 /// With an API key, the group's hello is keyed by it (and the group's name), so only a
 /// client holding the key can form a group with this server. Answers once joined.
 async fn init_weights_update_group(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
-    let req: InitGroup = match serde_json::from_slice(&body) {
+    let req: InitGroup = match update_request(&s, &body) {
         Ok(r) => r,
-        Err(e) => {
-            return failed(
-                StatusCode::BAD_REQUEST,
-                format!("invalid request body: {e}"),
-            )
-        }
+        Err(refused) => return *refused,
     };
-    if !s.distributed_updates {
-        return failed(
-            StatusCode::FORBIDDEN,
-            "weight updates over a collective are off: start tutor serve with \
-             --distributed-updates to take them",
-        );
-    }
     let backend = req.backend.as_deref().unwrap_or("nccl");
     if backend != engine_update::BACKEND {
         return failed(
@@ -539,22 +549,10 @@ struct UpdateDistributed {
 /// that does not fit is refused with the old weights kept. A group whose update failed
 /// midway is closed (rank 0 sees its sends fail) and must be formed again.
 async fn update_weights_from_distributed(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
-    let req: UpdateDistributed = match serde_json::from_slice(&body) {
+    let req: UpdateDistributed = match update_request(&s, &body) {
         Ok(r) => r,
-        Err(e) => {
-            return failed(
-                StatusCode::BAD_REQUEST,
-                format!("invalid request body: {e}"),
-            )
-        }
+        Err(refused) => return *refused,
     };
-    if !s.distributed_updates {
-        return failed(
-            StatusCode::FORBIDDEN,
-            "weight updates over a collective are off: start tutor serve with \
-             --distributed-updates to take them",
-        );
-    }
     if req.names.len() != req.dtypes.len() || req.names.len() != req.shapes.len() {
         return failed(
             StatusCode::BAD_REQUEST,
