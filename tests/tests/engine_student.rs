@@ -28,6 +28,19 @@ fn fresh_logprobs(policy: &Policy, tokens: &[u32], from: usize) -> Vec<f64> {
         .collect()
 }
 
+/// Every sampled token's log-prob in `g` equals a fresh forward pass of `policy` over
+/// `prompt` and the reply, within 1e-4.
+fn assert_logprobs_of(policy: &Policy, prompt: &[u32], g: &tutor_policy::Generation, what: &str) {
+    let whole: Vec<u32> = prompt.iter().chain(&g.tokens).copied().collect();
+    let fresh = fresh_logprobs(policy, &whole, prompt.len());
+    for (i, (a, b)) in g.logprobs.iter().zip(&fresh).enumerate() {
+        assert!(
+            (*a as f64 - b).abs() < 1e-4,
+            "token {i}: the engine's log-prob {a} vs {what}'s {b}"
+        );
+    }
+}
+
 /// The weights of `model` times `factor`: another version that differs everywhere.
 fn scaled(model: &Path, factor: f64) -> Policy {
     let mut policy = Policy::load_dir(model, tch::Device::Cpu).unwrap();
@@ -319,14 +332,7 @@ async fn tutor_serve_takes_versions_as_tensors_over_the_collective() {
     };
     let g = engine.generate(&prompt, &params, &v5).await.unwrap();
     assert!(!g.tokens.is_empty());
-    let whole: Vec<u32> = prompt.iter().chain(&g.tokens).copied().collect();
-    let fresh = fresh_logprobs(&policy, &whole, prompt.len());
-    for (i, (a, b)) in g.logprobs.iter().zip(&fresh).enumerate() {
-        assert!(
-            (*a as f64 - b).abs() < 1e-4,
-            "token {i}: the engine's log-prob {a} vs version 5's {b}"
-        );
-    }
+    assert_logprobs_of(&policy, &prompt, &g, "version 5");
     let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap();
     assert!(
         log.contains("received weights over the collective"),
@@ -346,11 +352,7 @@ async fn tutor_serve_takes_versions_as_tensors_over_the_collective() {
         .await
         .unwrap();
     let g = engine.generate(&prompt, &params, &v6).await.unwrap();
-    let whole: Vec<u32> = prompt.iter().chain(&g.tokens).copied().collect();
-    let fresh = fresh_logprobs(&v6_policy, &whole, prompt.len());
-    for (a, b) in g.logprobs.iter().zip(&fresh) {
-        assert!((*a as f64 - b).abs() < 1e-4, "version 6: {a} vs {b}");
-    }
+    assert_logprobs_of(&v6_policy, &prompt, &g, "version 6");
 
     // Weights of another shape: refused, naming the engine and the version; version 6
     // stays served and answers.
