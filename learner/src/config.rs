@@ -84,8 +84,9 @@ pub struct LearnerConfig {
     /// The results equal `"none"` up to rounding; checkpoints keep the same layout (rank 0
     /// gathers the state), so a run resumes under any setting and world size. A group
     /// that loses a rank loses that rank's slice: rank 0 then stops, and restarted it
-    /// resumes from its last checkpoint. `"full"` (parameters too, ZeRO-3) is planned by
-    /// `tutor plan` but not built yet.
+    /// resumes from its last checkpoint. `"full"` (ZeRO-3) shards the parameters too:
+    /// each pass gathers one layer at a time (it needs `checkpoint_activations = true`),
+    /// and after a step only rank 0 keeps the gathered weights (it publishes them).
     pub shard: Shard,
     /// Memory of each rank's GPU in GiB (80 for an H100, 141 for an H200): `tutor plan`
     /// says whether the run fits, and a learner on a GPU refuses to start a run whose plan
@@ -134,7 +135,8 @@ pub enum Shard {
     Optimizer,
     /// ZeRO-2: the fp32 gradient sums are sharded too.
     Gradients,
-    /// ZeRO-3 / FSDP: parameters too, one layer gathered at a time (planned, not built).
+    /// ZeRO-3 / FSDP: parameters too, one layer gathered at a time (with activation
+    /// checkpointing).
     Full,
 }
 
@@ -148,11 +150,6 @@ impl Shard {
             Shard::Gradients => "gradients",
             Shard::Full => "full",
         }
-    }
-
-    /// Whether this build trains with it (`"full"` is only planned).
-    pub fn implemented(self) -> bool {
-        self != Shard::Full
     }
 }
 
@@ -287,8 +284,8 @@ impl LearnerConfig {
                 warmup: self.warmup_steps,
             });
         }
-        if !self.shard.implemented() {
-            return Err(ConfigError::Shard { got: self.shard });
+        if self.shard == Shard::Full && !self.checkpoint_activations {
+            return Err(ConfigError::FullShard);
         }
         if !(self.gpu_memory_gib.is_finite() && self.gpu_memory_gib >= 0.0) {
             return Err(ConfigError::GpuMemory {
@@ -326,11 +323,11 @@ pub enum ConfigError {
     #[error("learner.schedule = \"cosine\" needs total_steps ({total}) > warmup_steps ({warmup})")]
     Cosine { total: u64, warmup: u32 },
     #[error(
-        "learner.shard = \"{}\" is not built yet (`tutor plan` shows what it would save); use \
-         \"none\", \"optimizer\" or \"gradients\"",
-        got.name()
+        "learner.shard = \"full\" needs learner.checkpoint_activations = true: each layer's \
+         parameters are gathered only while it runs, and again when its backward recomputes \
+         it"
     )]
-    Shard { got: Shard },
+    FullShard,
     #[error("learner.gpu_memory_gib must be a number of GiB, 0 or more (0: unknown), got {got}")]
     GpuMemory { got: f64 },
 }
@@ -420,27 +417,30 @@ mod tests {
         assert!(serde_json::from_str::<LearnerConfig>(r#"{"precision": "fp16"}"#).is_err());
     }
 
-    /// `shard` reads its four names; the three built ones validate, `"full"` is refused
-    /// with a message naming the field and the built modes.
+    /// `shard` reads its four names and each validates, `"full"` only with activation
+    /// checkpointing (the message names both fields).
     #[test]
-    fn shard_modes_are_parsed_and_the_unbuilt_one_refused() {
+    fn shard_modes_are_parsed_and_full_needs_checkpointing() {
         assert_eq!(LearnerConfig::default().shard, Shard::None);
         for mode in Shard::ALL {
             let c: LearnerConfig =
                 serde_json::from_str(&format!(r#"{{"shard": "{}"}}"#, mode.name())).unwrap();
             assert_eq!(c.shard, mode);
             match c.validate() {
-                Ok(()) => assert!(mode.implemented()),
+                Ok(()) => assert_ne!(mode, Shard::Full),
                 Err(e) => {
                     assert_eq!(mode, Shard::Full);
                     let e = e.to_string();
                     assert!(
-                        e.contains("learner.shard") && e.contains("\"gradients\""),
+                        e.contains("learner.shard") && e.contains("checkpoint_activations"),
                         "{e}"
                     );
                 }
             }
         }
+        let c: LearnerConfig =
+            serde_json::from_str(r#"{"shard": "full", "checkpoint_activations": true}"#).unwrap();
+        c.validate().unwrap();
         assert!(serde_json::from_str::<LearnerConfig>(r#"{"shard": "zero2"}"#).is_err());
     }
 }

@@ -71,7 +71,10 @@ pub struct PlanInput {
 #[derive(Debug, Clone, Serialize)]
 pub struct Memory {
     pub shard: Shard,
-    pub implemented: bool,
+    /// The parameters (bf16 under mixed precision). With `full` no rank holds them during
+    /// the passes; rank 0 gathers them after each step (it publishes and checkpoints
+    /// them), so its memory is the larger of `total` during the passes and
+    /// `between_steps`.
     pub weights: f64,
     /// The parameters' own `.grad` (bf16 under mixed precision).
     pub grads: f64,
@@ -79,10 +82,15 @@ pub struct Memory {
     pub grad_sums: f64,
     pub masters: f64,
     pub optimizer: f64,
-    /// Gathered parameters and gradients of one layer (`full` only).
+    /// `full` only: what a pass holds gathered at once: the embedding/head unit's
+    /// parameters and `.grad`, one layer's parameters and gradients, and the fp32 buffer
+    /// its gradients are reduce-scattered from.
     pub gathered: f64,
-    /// The training state: everything above.
+    /// The training state during a pass: everything above (without `weights` for `full`).
     pub state: f64,
+    /// `full`: rank 0 between steps (its slices and the gathered parameters, no
+    /// activations); 0 otherwise.
+    pub between_steps: f64,
     /// One pass's activations (checkpointed or not, as the input says).
     pub activations: f64,
     pub logits: f64,
@@ -201,8 +209,11 @@ pub fn plan(input: &PlanInput) -> Plan {
     } else {
         (4.0, 4.0, 0.0, 0.0, 8.0)
     };
+    // The embedding/head unit: the embedding, the head unless tied, the final norm.
+    let heads = if m.tie_word_embeddings { 1.0 } else { 2.0 };
+    let outer_params = (heads * m.vocab_size as f64 * h + h).min(n);
     let layer_params = if m.num_hidden_layers > 0 {
-        (n - m.vocab_size as f64 * h) / layers
+        (n - outer_params) / layers
     } else {
         0.0
     };
@@ -225,25 +236,31 @@ pub fn plan(input: &PlanInput) -> Plan {
                     0.0,
                 ),
                 Shard::Full => (
-                    w * n / k,
-                    g * n / k,
+                    w * n,
+                    0.0,
                     slice_sums,
                     slice_masters,
                     moments * n / k,
-                    // One layer's parameters and gradients gathered at a time (and the
-                    // embedding/head, the largest "layer" of a wide vocabulary).
-                    (w + g) * layer_params.max(m.vocab_size as f64 * h),
+                    // The embedding/head unit (parameters and `.grad`) for the whole
+                    // pass, one layer's parameters and gradients, and the fp32 buffer a
+                    // unit's gradients are reduce-scattered from.
+                    (w + g) * (outer_params + layer_params) + 4.0 * outer_params.max(layer_params),
                 ),
             };
-            let state = weights + grads + grad_sums + mast + opt + gathered;
+            let (state, between_steps) = if shard == Shard::Full {
+                let slices = grad_sums + mast + opt;
+                (slices + gathered, slices + weights)
+            } else {
+                (weights + grads + grad_sums + mast + opt + gathered, 0.0)
+            };
             let tokens = input.pass_tokens as f64;
             let activations = per_token * tokens;
             let logit_bytes = logits(tokens);
-            let total = state + activations + logit_bytes;
+            let total = (state + activations + logit_bytes).max(between_steps);
             let fits = usable.map(|u| total <= u);
             let max_pass_tokens = usable.and_then(|u| {
                 let room = u - state;
-                if room <= 0.0 {
+                if room <= 0.0 || between_steps > u {
                     return None;
                 }
                 // Largest t with per_token·t + logits(t) ≤ room (logits is monotone).
@@ -261,7 +278,6 @@ pub fn plan(input: &PlanInput) -> Plan {
             });
             Memory {
                 shard,
-                implemented: shard.implemented(),
                 weights,
                 grads,
                 grad_sums,
@@ -269,6 +285,7 @@ pub fn plan(input: &PlanInput) -> Plan {
                 optimizer: opt,
                 gathered,
                 state,
+                between_steps,
                 activations,
                 logits: logit_bytes,
                 total,
@@ -385,9 +402,12 @@ mod tests {
         assert!((opt.state - (8.0 * n + 12.0 * n / 8.0)).abs() < 1.0);
         let grads = p.mode(Shard::Gradients);
         assert!((grads.state - (4.0 * n + 16.0 * n / 8.0)).abs() < 1.0);
+        // "full": the slices (16 bytes per parameter over 8 ranks) and the units a pass
+        // gathers; rank 0 also holds the bf16 parameters between steps.
         let full = p.mode(Shard::Full);
-        assert!(full.state < none.state / 4.0 && full.state > none.state / 8.0);
-        assert!(none.implemented && opt.implemented && grads.implemented && !full.implemented);
+        assert!(full.state > 16.0 * n / 8.0 && full.state < grads.state);
+        assert!((full.between_steps - (2.0 * n + 16.0 * n / 8.0)).abs() < 1.0);
+        assert!(full.total >= full.between_steps);
         // Two sequences of 4,096 tokens: 6·N·T, plus causal attention 6·L·(heads·head_dim)·t²/2
         // for each.
         let six_nt = 6.0 * p.matmul_parameters as f64 * 8192.0;

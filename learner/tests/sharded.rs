@@ -208,6 +208,94 @@ fn bf16_sharded_ranks_match_the_unsharded_group() {
     }
 }
 
+/// Elements of each `[learner] shard = "full"` unit (the embedding/head unit, then each
+/// layer), as `tutor_policy::param_unit` groups the parameters.
+fn unit_elements(t: &Trainer) -> Vec<u64> {
+    let mut units: Vec<u64> = Vec::new();
+    for (name, p) in t.named_parameters() {
+        let u = tutor_policy::param_unit(name);
+        if units.len() <= u {
+            units.resize(u + 1, 0);
+        }
+        units[u] += p.numel() as u64;
+    }
+    units
+}
+
+/// `"full"` (ZeRO-3) on 3 ranks, f32 and bf16: rank 0 ends with the weights of one
+/// unsharded rank (f32 rounding) or of the unsharded bf16 group, after steps whose ranks
+/// ran different numbers of passes. During the passes a rank holds, of the parameters,
+/// exactly the embedding/head unit and one layer (measured by the gate, padding
+/// included); between steps the ranks other than 0 hold none of them, and every rank a
+/// third of the fp32 weights, gradient sums and moments.
+#[test]
+fn fully_sharded_ranks_hold_a_layer_at_a_time_and_train_the_weights_of_one_rank() {
+    let batches = batches(3);
+    let checkpointed = |shard, precision| LearnerConfig {
+        checkpoint_activations: true,
+        ..config(shard, precision)
+    };
+    let mut single =
+        Trainer::new(tiny_policy(3), checkpointed(Shard::None, Precision::F32)).unwrap();
+    for b in &batches {
+        single.step(b).unwrap();
+    }
+    let want = params(&single);
+    let whole = single.state_bytes();
+    let units = unit_elements(&single);
+    assert!(
+        units.len() >= 3,
+        "the embedding/head unit and two layers: {units:?}"
+    );
+    let pad3 = |n: u64| n.div_ceil(3) * 3;
+    let share: u64 = units.iter().map(|&n| pad3(n) / 3).sum();
+    let largest_layer = units[1..].iter().copied().max().unwrap();
+
+    let plain_bf16 = train_group(3, &checkpointed(Shard::None, Precision::Bf16), &batches);
+    for precision in [Precision::F32, Precision::Bf16] {
+        let ranks = train_group(3, &checkpointed(Shard::Full, precision), &batches);
+        let elt = if precision == Precision::F32 { 4 } else { 2 };
+        for (rank, (got, bytes, _)) in ranks.iter().enumerate() {
+            println!("full {precision:?} rank {rank}: {bytes:?}; one rank f32 {whole:?}");
+            assert_eq!(bytes.moments, 8 * share, "rank {rank}");
+            assert_eq!(bytes.masters, 4 * share, "rank {rank}");
+            assert_eq!(bytes.grad_sums, 4 * share, "rank {rank}");
+            assert!(bytes.moments * 3 <= whole.moments + 8 * 3 * units.len() as u64);
+            assert_eq!(
+                bytes.parameters_in_passes,
+                elt * (pad3(units[0]) + pad3(largest_layer)),
+                "rank {rank}: the embedding/head unit and one layer at a time"
+            );
+            if rank > 0 {
+                assert_eq!(bytes.parameters, 0, "rank {rank} keeps no parameters");
+                assert!(got.iter().all(|(_, v)| v.is_empty()));
+            }
+        }
+        let (got, bytes, _) = &ranks[0];
+        assert_eq!(
+            bytes.parameters,
+            elt * whole.parameters / 4,
+            "rank 0 keeps them"
+        );
+        let (d, limit) = match precision {
+            // Measured (f32) like the other modes: rounding of sums in another order.
+            Precision::F32 => (max_rel_diff(got, &want), 1e-5),
+            // One bf16 step (2⁻⁸) of the tensor's scale, as the other modes.
+            _ => (max_rel_diff(got, &plain_bf16[0].0), 4e-3),
+        };
+        println!("full {precision:?}: max relative diff {d:e}");
+        assert!(d <= limit, "full {precision:?}: {d}");
+        let start = params(&single_start());
+        assert!(max_rel_diff(got, &start) > 1e-3, "the weights moved");
+        let passes: Vec<usize> = ranks.iter().map(|r| r.2).collect();
+        assert!(passes.iter().any(|&p| p != passes[0]), "{passes:?}");
+    }
+}
+
+fn single_start() -> Trainer {
+    Trainer::new(tiny_policy(3), config(Shard::None, Precision::F32)).unwrap()
+}
+
 /// A checkpoint of a sharded group keeps the unsharded layout (rank 0 gathers): resumed
 /// by a sharded group, the run continues to the bit where the uninterrupted one went;
 /// resumed by one unsharded rank, it continues within rounding.

@@ -32,7 +32,7 @@ pub use engine::{
 };
 pub use error::PolicyError;
 pub use generate::{fit_context, FinishReason, GenParams, Generation};
-pub use model::Policy;
+pub use model::{param_unit, ParamGate, Policy};
 pub use prefix_cache::PrefixStats;
 
 /// The device a setting names: `"cpu"`, `"cuda"` (GPU `default_gpu`) or `"cuda:N"`;

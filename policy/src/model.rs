@@ -579,18 +579,62 @@ impl Recompute {
     /// the output is exactly that gradient); what reaches its input goes on to the layer
     /// before, and finally into the embedding. Parameters' gradients accumulate in
     /// `.grad` as in the ordinary backward pass, which they equal up to rounding.
-    fn backward(self, decoder: &Decoder) {
+    ///
+    /// Under a [`ParamGate`] each layer is gathered before it runs again, and its
+    /// gradients are taken from this backward alone (`run_backward`, nothing accumulates
+    /// in their `.grad`) and handed to the gate with the unit's parameters released;
+    /// last the embedding/head unit's `.grad`. Every unit is reduced even when the loss
+    /// did not reach the decoder (zeros), so every rank makes the same collective calls.
+    fn backward(self, decoder: &Decoder, mut gated: Option<&mut Gated>) {
         let mut grad = self.last.grad();
         if !grad.defined() {
-            return; // the loss did not reach the decoder
+            match gated {
+                None => return, // the loss did not reach the decoder
+                Some(_) => grad = self.last.zeros_like(),
+            }
         }
-        for (layer, input) in decoder.layers.iter().zip(self.inputs).rev() {
+        for (i, (layer, input)) in decoder.layers.iter().zip(self.inputs).enumerate().rev() {
             let x = input.set_requires_grad(true);
-            let y = decoder.layer_forward(layer, &x, &self.rope, &self.mask);
-            (y * &grad).sum(Kind::Float).backward();
-            grad = x.grad();
+            match gated.as_deref_mut() {
+                None => {
+                    let y = decoder.layer_forward(layer, &x, &self.rope, &self.mask);
+                    (y * &grad).sum(Kind::Float).backward();
+                    grad = x.grad();
+                }
+                Some(g) => {
+                    let unit = i + 1;
+                    g.gate.gather(unit);
+                    let y = decoder.layer_forward(layer, &x, &self.rope, &self.mask);
+                    let out = (y * &grad).sum(Kind::Float);
+                    let mut inputs = vec![x.shallow_clone()];
+                    inputs.extend(g.units[unit].iter().map(Tensor::shallow_clone));
+                    let mut grads = Tensor::run_backward(&[out], &inputs, false, false);
+                    let rest = grads.split_off(1);
+                    grad = grads.pop().expect("the input's gradient");
+                    let rest: Vec<Tensor> = rest
+                        .into_iter()
+                        .zip(&g.units[unit])
+                        .map(|(d, p)| if d.defined() { d } else { p.zeros_like() })
+                        .collect();
+                    g.gate.reduce(unit, &rest);
+                }
+            }
         }
         (&self.embedded * &grad).sum(Kind::Float).backward();
+        if let Some(g) = gated {
+            let outer: Vec<Tensor> = g.units[0]
+                .iter()
+                .map(|p| {
+                    let d = p.grad();
+                    if d.defined() {
+                        d
+                    } else {
+                        p.zeros_like()
+                    }
+                })
+                .collect();
+            g.gate.reduce(0, &outer);
+        }
     }
 }
 
@@ -834,15 +878,28 @@ impl Decoder {
     /// finishes the backward pass once the loss's backward has reached that leaf
     /// ([`Recompute::backward`]). Where gradients are off (evaluation, `no_grad`) there
     /// is nothing to recompute: `None`, and the states are computed as usual.
+    ///
+    /// Under a [`ParamGate`] the embedding/head unit is gathered first (for the whole
+    /// pass: the gate releases it when it is reduced) and each layer is gathered before
+    /// it runs and released after it.
     fn checkpointed_hidden(
         &self,
         input_ids: &Tensor,
         positions: &Tensor,
         mask: AttnMask,
+        mut gate: Option<&mut dyn ParamGate>,
     ) -> (Tensor, Option<Recompute>) {
         let rope = self.rope(positions);
+        if let Some(g) = gate.as_deref_mut() {
+            g.gather(0);
+        }
         let embedded = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
         if !embedded.requires_grad() {
+            assert!(
+                gate.is_none(),
+                "a forward without gradients under a parameter gate: the gate's passes \
+                 are training passes (evaluate between steps)"
+            );
             let mut h = embedded;
             for layer in &self.layers {
                 h = self.layer_forward(layer, &h, &rope, &mask);
@@ -852,8 +909,14 @@ impl Decoder {
         let mut inputs = Vec::with_capacity(self.layers.len());
         let mut h = embedded.detach();
         tch::no_grad(|| {
-            for layer in &self.layers {
+            for (i, layer) in self.layers.iter().enumerate() {
+                if let Some(g) = gate.as_deref_mut() {
+                    g.gather(i + 1);
+                }
                 let next = self.layer_forward(layer, &h, &rope, &mask);
+                if let Some(g) = gate.as_deref_mut() {
+                    g.release(i + 1);
+                }
                 inputs.push(std::mem::replace(&mut h, next));
             }
         });
@@ -888,6 +951,42 @@ pub struct Policy {
     checkpoint_activations: bool,
     /// The checkpointed passes whose layers' backward is still to run.
     pending: Mutex<Vec<Recompute>>,
+    /// See [`Policy::set_param_gate`].
+    gate: Mutex<Option<Gated>>,
+}
+
+/// Makes the parameters of one unit of the model present around its use, for training
+/// whose parameters are sharded across ranks (ZeRO-3: the learner's `shard = "full"`).
+/// Unit 0 is the embedding, the final norm and the output head (everything not under
+/// `model.layers.`); unit 1 + i is decoder layer i ([`param_unit`]). Installed with
+/// [`Policy::set_param_gate`] under activation checkpointing, a training pass calls, in
+/// this order: `gather(0)`; `gather(u)`, `release(u)` for each layer, first to last (the
+/// forward without gradients); `gather(u)`, `reduce(u, …)` for each layer, last to first
+/// (the backward); `reduce(0, …)`. The gate owns what "present" means (an all-gather of
+/// the rank's slices) and releases a unit when it is reduced.
+pub trait ParamGate: Send {
+    /// Unit `unit`'s parameters are about to be used: make them present.
+    fn gather(&mut self, unit: usize);
+    /// Unit `unit`'s forward without gradients ended: its parameters may go.
+    fn release(&mut self, unit: usize);
+    /// Unit `unit`'s gradients of this pass, one per parameter of [`Policy::unit_params`]
+    /// (name order); the parameters may go after.
+    fn reduce(&mut self, unit: usize, grads: &[Tensor]);
+}
+
+/// The unit a parameter belongs to under a [`ParamGate`]: 1 + i for decoder layer i
+/// (`model.layers.{i}.…`), 0 for everything else.
+pub fn param_unit(name: &str) -> usize {
+    name.strip_prefix("model.layers.")
+        .and_then(|rest| rest.split('.').next())
+        .and_then(|i| i.parse::<usize>().ok())
+        .map_or(0, |i| i + 1)
+}
+
+/// An installed gate and each unit's parameters (handles), in name order.
+struct Gated {
+    gate: Box<dyn ParamGate>,
+    units: Vec<Vec<Tensor>>,
 }
 
 /// libtorch has one global random generator, so concurrent `Policy::new` calls would
@@ -932,6 +1031,7 @@ impl Policy {
             model,
             checkpoint_activations: false,
             pending: Mutex::new(Vec::new()),
+            gate: Mutex::new(None),
         }
     }
 
@@ -964,9 +1064,45 @@ impl Policy {
     /// (nothing without checkpointing): call it after the loss's `backward()`.
     pub fn backward_checkpointed(&self) {
         let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
         for recompute in pending.into_iter().rev() {
-            recompute.backward(&self.model);
+            recompute.backward(&self.model, gate.as_mut());
         }
+    }
+
+    /// Each unit's parameters (see [`ParamGate`]), in name order within a unit: unit 0
+    /// first, then the layers in order.
+    pub fn unit_params(&self) -> Vec<Vec<(String, Tensor)>> {
+        let mut named: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut units: Vec<Vec<(String, Tensor)>> =
+            (0..=self.model.layers.len()).map(|_| Vec::new()).collect();
+        for (name, t) in named {
+            let u = param_unit(&name);
+            units[u].push((name, t));
+        }
+        units
+    }
+
+    /// Installs `gate` for the training passes that follow (`Some`), or takes it out
+    /// (`None`; returns the one installed). Under a gate the training forwards must be
+    /// checkpointed ([`Policy::set_checkpoint_activations`]): the gate gathers each
+    /// layer's parameters only while the layer runs. One training forward and its
+    /// backward per pass; what comes outside the sequence [`ParamGate`] describes is the
+    /// gate's to refuse.
+    pub fn set_param_gate(&self, gate: Option<Box<dyn ParamGate>>) -> Option<Box<dyn ParamGate>> {
+        let units = gate.is_some().then(|| {
+            self.unit_params()
+                .into_iter()
+                .map(|u| u.into_iter().map(|(_, t)| t).collect())
+                .collect()
+        });
+        let mut slot = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+        let old = slot.take().map(|g| g.gate);
+        if let (Some(gate), Some(units)) = (gate, units) {
+            *slot = Some(Gated { gate, units });
+        }
+        old
     }
 
     /// Drops what checkpointed forwards kept for a backward pass that will not come.
@@ -980,10 +1116,17 @@ impl Policy {
     /// The final hidden states of a training forward without a cache: checkpointed when
     /// that is on (see [`Policy::set_checkpoint_activations`]).
     fn train_hidden(&self, ids: &Tensor, positions: &Tensor, mask: AttnMask) -> Tensor {
+        let mut gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
         if !self.checkpoint_activations {
+            assert!(
+                gate.is_none(),
+                "a parameter gate needs activation checkpointing (the layers' parameters \
+                 are present only while each layer runs)"
+            );
             return self.model.hidden_states(ids, positions, &mask, None);
         }
-        let (hidden, recompute) = self.model.checkpointed_hidden(ids, positions, mask);
+        let gate = gate.as_mut().map(|g| &mut *g.gate as &mut dyn ParamGate);
+        let (hidden, recompute) = self.model.checkpointed_hidden(ids, positions, mask, gate);
         if let Some(r) = recompute {
             self.pending
                 .lock()

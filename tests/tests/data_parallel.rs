@@ -65,12 +65,15 @@ eps = 1e-3
 rendezvous_timeout_s = 60.0
 collective_timeout_s = 60.0
 shard = "{shard}"
+# "full" gathers each layer while it runs, under activation checkpointing.
+checkpoint_activations = {checkpointed}
 
 [worker]
 capacity = 1
 sandbox_root = {:?}
 "#,
         sandboxes.display().to_string(),
+        checkpointed = shard == "full",
     )
 }
 
@@ -512,14 +515,16 @@ fn killed_ranks_train_the_weights_of_one_learner(shard: &str) -> tempfile::TempD
     dir
 }
 
-/// `[learner] shard = "gradients"` (ZeRO-2) over two learner processes: the same weights
-/// as one unsharded learner, also when rank 1 is killed (rank 0, without rank 1's slice
-/// of the optimizer state, stops and is restarted) and when rank 0 is killed and
-/// restarted: each time rank 0 resumes from its checkpoint, which holds the whole state
-/// gathered from both ranks, and sends rank 1 its slice again.
+/// `[learner] shard = "full"` (ZeRO-3: parameters sharded too, one layer gathered at a
+/// time) over two learner processes: the same weights as one unsharded learner (rank 0
+/// publishes them), also when rank 1 is killed (rank 0, without rank 1's slices, stops
+/// and is restarted) and when rank 0 is killed and restarted: each time rank 0 resumes
+/// from its checkpoint, which holds the whole state gathered from both ranks, and sends
+/// rank 1 its slice again. (`"optimizer"` and `"gradients"` are tested in-process in
+/// learner/tests/sharded.rs.)
 #[test]
 fn sharded_learner_processes_train_the_same_weights_and_survive_rank_zeros_restart() {
-    let dir = killed_ranks_train_the_weights_of_one_learner("gradients");
+    let dir = killed_ranks_train_the_weights_of_one_learner("full");
     let root = dir.path().canonicalize().unwrap();
     let log = std::fs::read_to_string(root.join("two/logs/learner1.log")).unwrap();
     assert!(
@@ -527,7 +532,7 @@ fn sharded_learner_processes_train_the_same_weights_and_survive_rank_zeros_resta
         "rank 1 joined rank 0's new group after the restart: {log}"
     );
     assert!(
-        log.contains("sharded training state") && log.contains("gradients"),
+        log.contains("sharded training state") && log.contains("full"),
         "rank 1 kept a slice: {log}"
     );
     // Rank 0 stopped once, when rank 1 was killed; the clean end of the run is no stop.

@@ -117,7 +117,11 @@ pub fn memory_refusal(plan: &Plan) -> Option<String> {
             " or shard the training state ([learner] shard = \"optimizer\" or \"gradients\"; \
              tutor plan lists the modes)"
         }
-        Shard::Gradients | Shard::Full => " or train on more GPUs (the state is sharded over them)",
+        Shard::Gradients => {
+            " or shard the parameters too ([learner] shard = \"full\", with \
+             checkpoint_activations = true), or train on more GPUs"
+        }
+        Shard::Full => " or train on more GPUs (the state is sharded over them)",
     };
     if m.fits == Some(false) {
         let gpu = plan.gpu_memory.unwrap_or(0) as f64;
@@ -212,9 +216,8 @@ pub fn render(plan: &Plan, model_source: &str, model: &ModelConfig) -> String {
     );
     for m in &plan.memory {
         let mode = format!(
-            "{}{}{}",
+            "{}{}",
             m.shard.name(),
-            if m.implemented { "" } else { "*" },
             if m.shard == plan.shard { " <" } else { "" }
         );
         s += &format!(
@@ -240,8 +243,10 @@ pub fn render(plan: &Plan, model_source: &str, model: &ModelConfig) -> String {
         );
     }
     s += &format!(
-        "(< the run's [learner] shard = \"{}\"; * planned, not built yet)\n\n",
-        plan.shard.name()
+        "(< the run's [learner] shard = \"{}\"; full: no rank holds the weights during the \
+         passes, rank 0 gathers them after each step: {} then, counted in total)\n\n",
+        plan.shard.name(),
+        gib(plan.mode(Shard::Full).between_steps)
     );
     s += &format!(
         "FLOPs: {:.3} TFLOP per pass, {:.3} TFLOP per step and rank ({:.3} executed with the recomputation)\n",
@@ -308,7 +313,7 @@ mod tests {
             "none <",
             "optimizer ",
             "gradients ",
-            "full*",
+            "full ",
             "TFLOP per pass",
             "yes",
         ] {

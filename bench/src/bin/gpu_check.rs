@@ -981,8 +981,12 @@ fn check_sharded(ctx: &Ctx, c: &mut Check) -> Result<()> {
                 "f32: the unsharded pair trains the weights of one rank (1e-4)",
             );
         }
-        for mode in [Shard::Optimizer, Shard::Gradients] {
-            let ranks = pair(config(mode, precision))?;
+        for mode in [Shard::Optimizer, Shard::Gradients, Shard::Full] {
+            let ranks = pair(LearnerConfig {
+                // "full" gathers each layer while it runs: under checkpointing.
+                checkpoint_activations: mode == Shard::Full,
+                ..config(mode, precision)
+            })?;
             let d = max_rel_diff(&ranks[0].0, &reference);
             let base = &plain[0].1;
             let (got, _) = &ranks[0];
@@ -995,10 +999,20 @@ fn check_sharded(ctx: &Ctx, c: &mut Check) -> Result<()> {
                 d <= tolerance,
                 format!("{precision:?} {mode:?}: within {tolerance:e} of the reference"),
             );
-            c.expect(
-                ranks[1].0 == *got,
-                format!("{precision:?} {mode:?}: both ranks hold the same weights to the bit"),
-            );
+            if mode == Shard::Full {
+                c.expect(
+                    ranks[1].1.parameters == 0 && bytes.parameters_in_passes * 2 < bytes.parameters,
+                    format!(
+                        "{precision:?} full: rank 1 keeps no parameters between steps, and a \
+                         pass held less than half of them at once"
+                    ),
+                );
+            } else {
+                c.expect(
+                    ranks[1].0 == *got,
+                    format!("{precision:?} {mode:?}: both ranks hold the same weights to the bit"),
+                );
+            }
             c.expect(
                 bytes.moments * 2 <= base.moments + 8 * 2,
                 format!("{precision:?} {mode:?}: each rank holds half the AdamW moments"),
@@ -1006,6 +1020,7 @@ fn check_sharded(ctx: &Ctx, c: &mut Check) -> Result<()> {
             rows.push(json!({
                 "precision": format!("{precision:?}"), "shard": mode.name(), "max_rel_diff": d,
                 "moments": bytes.moments, "masters": bytes.masters, "grad_sums": bytes.grad_sums,
+                "parameters_in_passes": bytes.parameters_in_passes,
                 "unsharded_moments": base.moments, "unsharded_masters": base.masters,
             }));
         }

@@ -52,6 +52,10 @@ pub struct StateBytes {
     pub moments: u64,
     /// fp32 gradient sums kept besides the parameters' `.grad`.
     pub grad_sums: u64,
+    /// The most parameter bytes present at once during the last step's passes: with
+    /// `shard = "full"` the units gathered at a time (the embedding/head and one layer),
+    /// else `parameters`.
+    pub parameters_in_passes: u64,
 }
 
 /// Mixed precision (`LearnerConfig::precision`): the fp32 weights AdamW updates (the
@@ -80,6 +84,9 @@ pub struct Trainer {
     /// (not checkpointed).
     skipped_steps: u64,
     collective: Box<dyn Collective>,
+    /// `shard = "full"`: the most parameter bytes present at once during the last
+    /// step's passes.
+    pass_parameter_peak: Option<u64>,
     /// The trainer's own random stream (seeded by `config.seed`), saved in checkpoints so
     /// a resumed run draws the same numbers. The cross-entropy step draws none.
     rng: ChaCha8Rng,
@@ -145,6 +152,7 @@ impl Trainer {
         let sharded = (config.shard != Shard::None).then(|| {
             Sharded::new(
                 config.shard,
+                &param_names,
                 &params,
                 collective.world_size(),
                 collective.rank(),
@@ -201,8 +209,14 @@ impl Trainer {
             steps: 0,
             skipped_steps: 0,
             collective,
+            pass_parameter_peak: None,
             rng,
         })
+    }
+
+    /// The parameters' number format (a released parameter keeps it).
+    pub(crate) fn param_kind(&self) -> Kind {
+        self.params.first().map_or(Kind::Float, Tensor::kind)
     }
 
     /// The trainer's random stream (restored exactly on resume).
@@ -271,6 +285,7 @@ impl Trainer {
             masters,
             moments,
             grad_sums,
+            parameters_in_passes: self.pass_parameter_peak.unwrap_or(parameters),
         }
     }
 

@@ -21,29 +21,114 @@ use crate::config::Shard;
 const GATHER_CHUNK: i64 = 1 << 24;
 
 /// Where each parameter sits in the flat vector and which slice is this rank's.
+///
+/// The flat vector is cut into units (one for `"optimizer"` and `"gradients"`: every
+/// parameter; with `"full"` the embedding/head unit and one per decoder layer, as
+/// `tutor_policy::param_unit` groups them), each zero-padded to a multiple of the world
+/// size K and split into K equal parts. Rank r's slice is its part of every unit, unit
+/// after unit: so one unit is gathered, or its gradients reduce-scattered, with one
+/// collective call that involves nothing else.
 #[derive(Debug, Clone)]
 pub(crate) struct FlatLayout {
     /// Elements of each parameter, in `Trainer::params` order.
     numels: Vec<i64>,
     shapes: Vec<Vec<i64>>,
-    /// Elements of each rank's slice.
+    /// Where each parameter starts in the flat vector.
+    offsets: Vec<i64>,
+    units: Vec<Unit>,
+    /// Elements of each rank's slice (the sum of the units' parts).
     share: i64,
     world: usize,
     rank: usize,
 }
 
+#[derive(Debug, Clone)]
+pub(crate) struct Unit {
+    /// Its parameters (indices into `Trainer::params`), in flat order.
+    pub(crate) params: Vec<usize>,
+    /// Where it starts in the flat vector.
+    pub(crate) start: i64,
+    /// Its elements with padding: world × `part`.
+    pub(crate) padded: i64,
+    /// Each rank's part of it.
+    pub(crate) part: i64,
+    /// Where this rank's part of it starts in the rank's slice.
+    pub(crate) in_slice: i64,
+}
+
 impl FlatLayout {
+    /// One unit: every parameter, in order.
     pub(crate) fn new(params: &[Tensor], world: usize, rank: usize) -> Self {
+        Self::with_units(params, &[(0..params.len()).collect()], world, rank)
+    }
+
+    /// The layout a sharding mode uses for parameters named `names` (name order).
+    pub(crate) fn for_mode(
+        mode: Shard,
+        names: &[String],
+        params: &[Tensor],
+        world: usize,
+        rank: usize,
+    ) -> Self {
+        if mode != Shard::Full {
+            return Self::new(params, world, rank);
+        }
+        let mut units: Vec<Vec<usize>> = Vec::new();
+        for (i, name) in names.iter().enumerate() {
+            let u = tutor_policy::param_unit(name);
+            if units.len() <= u {
+                units.resize_with(u + 1, Vec::new);
+            }
+            units[u].push(i);
+        }
+        Self::with_units(params, &units, world, rank)
+    }
+
+    /// `units` (indices into `params`, each parameter in exactly one), in that order.
+    pub(crate) fn with_units(
+        params: &[Tensor],
+        units: &[Vec<usize>],
+        world: usize,
+        rank: usize,
+    ) -> Self {
         let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
-        let total: i64 = numels.iter().sum();
         let world = world.max(1);
+        let mut offsets = vec![0i64; params.len()];
+        let (mut at, mut share) = (0i64, 0i64);
+        let units = units
+            .iter()
+            .map(|members| {
+                let start = at;
+                for &j in members {
+                    offsets[j] = at;
+                    at += numels[j];
+                }
+                let part = (at - start + world as i64 - 1) / world as i64;
+                at = start + part * world as i64;
+                let unit = Unit {
+                    params: members.clone(),
+                    start,
+                    padded: part * world as i64,
+                    part,
+                    in_slice: share,
+                };
+                share += part;
+                unit
+            })
+            .collect();
         Self {
             numels,
             shapes: params.iter().map(Tensor::size).collect(),
-            share: (total + world as i64 - 1) / world as i64,
+            offsets,
+            units,
+            share,
             world,
             rank,
         }
+    }
+
+    pub(crate) fn units(&self) -> &[Unit] {
+        &self.units
     }
 
     /// Elements of the padded flat vector (world × share).
@@ -55,8 +140,13 @@ impl FlatLayout {
         self.share
     }
 
-    fn start(&self) -> i64 {
-        self.rank as i64 * self.share
+    /// Where parameter `j` starts within its unit, its elements and its shape.
+    pub(crate) fn param_in_unit(&self, unit: &Unit, j: usize) -> (i64, i64, &[i64]) {
+        (
+            self.offsets[j] - unit.start,
+            self.numels[j],
+            &self.shapes[j],
+        )
     }
 
     /// The flat vector of `tensors` (shaped like the parameters) in `kind`, padded: one
@@ -76,24 +166,31 @@ impl FlatLayout {
     /// building the whole flat vector.
     pub(crate) fn slice_of(&self, tensors: &[Tensor]) -> Tensor {
         let device = tensors.first().map_or(Device::Cpu, Tensor::device);
-        let (lo, hi) = (self.start(), self.start() + self.share);
         let mut parts = Vec::new();
-        let mut offset = 0;
-        for (t, &n) in tensors.iter().zip(&self.numels) {
-            let (a, b) = (offset.max(lo), (offset + n).min(hi));
-            if a < b {
-                parts.push(
-                    t.detach()
-                        .reshape([-1])
-                        .narrow(0, a - offset, b - a)
-                        .to_kind(Kind::Float),
-                );
+        for unit in &self.units {
+            let lo = unit.start + self.rank as i64 * unit.part;
+            let hi = lo + unit.part;
+            let mut have = 0;
+            for &j in &unit.params {
+                let (offset, n) = (self.offsets[j], self.numels[j]);
+                let (a, b) = (offset.max(lo), (offset + n).min(hi));
+                if a < b {
+                    parts.push(
+                        tensors[j]
+                            .detach()
+                            .reshape([-1])
+                            .narrow(0, a - offset, b - a)
+                            .to_kind(Kind::Float),
+                    );
+                    have += b - a;
+                }
             }
-            offset += n;
+            if have < unit.part {
+                parts.push(Tensor::zeros([unit.part - have], (Kind::Float, device)));
+            }
         }
-        let have: i64 = parts.iter().map(|p| p.numel() as i64).sum();
-        if have < self.share {
-            parts.push(Tensor::zeros([self.share - have], (Kind::Float, device)));
+        if parts.is_empty() {
+            return Tensor::zeros([0], (Kind::Float, device));
         }
         Tensor::cat(&parts, 0).copy()
     }
@@ -101,25 +198,19 @@ impl FlatLayout {
     /// Copies the flat vector `flat` into `params` (cast to each parameter's kind).
     pub(crate) fn unflatten_into(&self, flat: &Tensor, params: &mut [Tensor]) {
         tch::no_grad(|| {
-            let mut offset = 0;
-            for (p, &n) in params.iter_mut().zip(&self.numels) {
-                p.copy_(&flat.narrow(0, offset, n).view(p.size().as_slice()));
-                offset += n;
+            for (p, view) in params.iter_mut().zip(self.split(flat)) {
+                p.copy_(&view);
             }
         });
     }
 
     /// The flat vector cut back into tensors shaped like the parameters (views of it).
     pub(crate) fn split(&self, flat: &Tensor) -> Vec<Tensor> {
-        let mut offset = 0;
-        self.numels
+        self.offsets
             .iter()
+            .zip(&self.numels)
             .zip(&self.shapes)
-            .map(|(&n, shape)| {
-                let t = flat.narrow(0, offset, n).view(shape.as_slice());
-                offset += n;
-                t
-            })
+            .map(|((&offset, &n), shape)| flat.narrow(0, offset, n).view(shape.as_slice()))
             .collect()
     }
 
@@ -132,20 +223,58 @@ impl FlatLayout {
     ) -> Result<Vec<Tensor>, CollectiveError> {
         let host = Tensor::zeros([self.padded()], (Kind::Float, Device::Cpu));
         let world = self.world as i64;
-        let mut at = 0;
-        while at < self.share {
-            let len = GATHER_CHUNK.min(self.share - at);
-            let mine = slice.narrow(0, at, len);
-            let mut all = Tensor::zeros([world * len], (Kind::Float, slice.device()));
-            collective.all_gather(&mine, &mut all)?;
-            let all = all.to_device(Device::Cpu);
-            for r in 0..world {
-                host.narrow(0, r * self.share + at, len)
-                    .copy_(&all.narrow(0, r * len, len));
+        for unit in &self.units {
+            let mut at = 0;
+            while at < unit.part {
+                let len = GATHER_CHUNK.min(unit.part - at);
+                let mine = slice.narrow(0, unit.in_slice + at, len);
+                let mut all = Tensor::zeros([world * len], (Kind::Float, slice.device()));
+                collective.all_gather(&mine, &mut all)?;
+                let all = all.to_device(Device::Cpu);
+                for r in 0..world {
+                    host.narrow(0, unit.start + r * unit.part + at, len)
+                        .copy_(&all.narrow(0, r * len, len));
+                }
+                at += len;
             }
-            at += len;
         }
         Ok(self.split(&host))
+    }
+
+    /// This rank's slice of the sum over the ranks of the flat vectors `flat` (one
+    /// reduce-scatter per unit).
+    pub(crate) fn reduce_scatter(
+        &self,
+        flat: &Tensor,
+        collective: &mut dyn Collective,
+    ) -> Result<Tensor, CollectiveError> {
+        let mine = Tensor::zeros([self.share], (Kind::Float, flat.device()));
+        for unit in &self.units {
+            if unit.part == 0 {
+                continue;
+            }
+            let mut part = Tensor::zeros([unit.part], (Kind::Float, flat.device()));
+            collective.reduce_scatter_sum(&flat.narrow(0, unit.start, unit.padded), &mut part)?;
+            mine.narrow(0, unit.in_slice, unit.part).copy_(&part);
+        }
+        Ok(mine)
+    }
+
+    /// Unit `unit` of the flat vector whose slices are `slice` (each rank's), in `kind`:
+    /// one all-gather.
+    pub(crate) fn all_gather_unit(
+        &self,
+        unit: &Unit,
+        slice: &Tensor,
+        kind: Kind,
+        collective: &mut dyn Collective,
+    ) -> Result<Tensor, CollectiveError> {
+        let mine = slice.narrow(0, unit.in_slice, unit.part).to_kind(kind);
+        let mut all = Tensor::zeros([unit.padded], (kind, slice.device()));
+        if unit.part > 0 {
+            collective.all_gather(&mine, &mut all)?;
+        }
+        Ok(all)
     }
 }
 
@@ -170,16 +299,19 @@ impl Sharded {
     /// parameters), on `device`.
     pub(crate) fn new(
         mode: Shard,
+        names: &[String],
         weights: &[Tensor],
         world: usize,
         rank: usize,
         mixed_precision: bool,
         device: Device,
     ) -> Self {
-        let layout = FlatLayout::new(weights, world, rank);
+        let layout = FlatLayout::for_mode(mode, names, weights, world, rank);
         let slice = tch::no_grad(|| layout.slice_of(weights)).to_device(device);
         let grad_sums = match mode {
-            Shard::Gradients => Some(Tensor::zeros([layout.share()], (Kind::Float, device))),
+            Shard::Gradients | Shard::Full => {
+                Some(Tensor::zeros([layout.share()], (Kind::Float, device)))
+            }
             _ if mixed_precision => Some(Tensor::zeros([layout.padded()], (Kind::Float, device))),
             _ => None,
         };
@@ -244,8 +376,7 @@ impl Sharded {
         }
         let grads: Vec<Tensor> = params.iter().map(grad_or_zeros).collect();
         let flat = self.layout.flatten(&grads, Kind::Float);
-        let mut mine = Tensor::zeros([self.layout.share()], (Kind::Float, flat.device()));
-        collective.reduce_scatter_sum(&flat, &mut mine)?;
+        let mine = self.layout.reduce_scatter(&flat, collective)?;
         tch::no_grad(|| {
             let sums = self
                 .grad_sums
@@ -269,11 +400,11 @@ impl Sharded {
         params: &[Tensor],
         collective: &mut dyn Collective,
     ) -> Result<Tensor, CollectiveError> {
-        if self.mode == Shard::Gradients {
+        if matches!(self.mode, Shard::Gradients | Shard::Full) {
             return Ok(self
                 .grad_sums
                 .as_ref()
-                .expect("\"gradients\" keeps slice sums")
+                .expect("\"gradients\" and \"full\" keep slice sums")
                 .shallow_clone());
         }
         let flat = match &self.grad_sums {
@@ -283,19 +414,32 @@ impl Sharded {
                 self.layout.flatten(&grads, Kind::Float)
             }
         };
-        let mut mine = Tensor::zeros([self.layout.share()], (Kind::Float, flat.device()));
-        collective.reduce_scatter_sum(&flat, &mut mine)?;
-        Ok(mine)
+        self.layout.reduce_scatter(&flat, collective)
     }
 
     /// After AdamW updated this rank's slice: every rank's slice gathered into the
-    /// parameters (in their kind: bf16 parameters are the masters' rounding).
+    /// parameters (in their kind: bf16 parameters are the masters' rounding). With
+    /// `"full"` one unit at a time, and only a rank that `keeps` them (rank 0, which
+    /// publishes and checkpoints the weights) keeps the result: the others' parameters
+    /// stay released until their next pass gathers them.
     pub(crate) fn gather_into_params(
         &self,
         params: &mut [Tensor],
+        kind: Kind,
+        keep: bool,
         collective: &mut dyn Collective,
     ) -> Result<(), CollectiveError> {
-        let kind = params.first().map_or(Kind::Float, Tensor::kind);
+        if self.mode == Shard::Full {
+            for unit in self.layout.units() {
+                let all = self
+                    .layout
+                    .all_gather_unit(unit, &self.weights, kind, collective)?;
+                if keep {
+                    set_unit(&self.layout, unit, &all, params);
+                }
+            }
+            return Ok(());
+        }
         let mine = self.weights.to_kind(kind);
         let mut all = Tensor::zeros([self.layout.padded()], (kind, mine.device()));
         collective.all_gather(&mine, &mut all)?;
@@ -310,6 +454,216 @@ impl Sharded {
             tensor_bytes(&self.weights),
             self.grad_sums.as_ref().map_or(0, tensor_bytes),
         )
+    }
+}
+
+/// Points each parameter of `unit` at its elements of the gathered unit `all` (views:
+/// the unit's one buffer lives as long as any of them does).
+fn set_unit(layout: &FlatLayout, unit: &Unit, all: &Tensor, params: &mut [Tensor]) {
+    for &j in &unit.params {
+        let (at, n, shape) = layout.param_in_unit(unit, j);
+        params[j].set_data(&all.narrow(0, at, n).view(shape));
+    }
+}
+
+/// Drops each parameter's elements (`"full"`): a released parameter has shape `[0]`.
+fn release_unit(unit: &Unit, params: &mut [Tensor], empty: &Tensor) {
+    for &j in &unit.params {
+        params[j].set_data(empty);
+    }
+}
+
+/// One pass step of `FullGate`'s fixed order (see `tutor_policy::ParamGate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GateOp {
+    Gather(usize),
+    Release(usize),
+    Reduce(usize),
+}
+
+/// `[learner] shard = "full"` (ZeRO-3) during a step's passes: the parameters are
+/// released (shape `[0]`) except the units a pass is using, each gathered from the
+/// ranks' fp32 slices when the policy asks (`tutor_policy::ParamGate`) and released after
+/// its forward or its backward; each unit's gradients are reduce-scattered into this
+/// rank's slice of the sums as soon as its backward ends. Every rank makes the same
+/// collective calls in the same order: a rank short of a batch, or whose loss did not
+/// reach the model, completes the pass with zeros (`complete_pass`). A failed collective
+/// is kept (`failed`) and ends every later one at once (the units then hold zeros, so the
+/// pass runs out harmlessly); the step then fails with it.
+pub(crate) struct FullGate {
+    layout: FlatLayout,
+    params: Vec<Tensor>,
+    /// This rank's fp32 slice of the weights and of the step's gradient sums (handles
+    /// sharing `Sharded`'s storage).
+    weights: Tensor,
+    sums: Tensor,
+    kind: Kind,
+    empty: Tensor,
+    pub(crate) collective: Box<dyn Collective>,
+    order: Vec<GateOp>,
+    next: usize,
+    pub(crate) failed: Option<(&'static str, CollectiveError)>,
+    bytes: u64,
+    /// The most parameter bytes present at once.
+    pub(crate) peak_bytes: u64,
+}
+
+impl FullGate {
+    /// Releases every parameter: from here on a unit is present only while a pass uses it.
+    pub(crate) fn open(
+        sharded: &Sharded,
+        params: &[Tensor],
+        kind: Kind,
+        collective: Box<dyn Collective>,
+    ) -> Self {
+        let units = sharded.layout.units().len();
+        let mut order = vec![GateOp::Gather(0)];
+        for u in 1..units {
+            order.extend([GateOp::Gather(u), GateOp::Release(u)]);
+        }
+        for u in (1..units).rev() {
+            order.extend([GateOp::Gather(u), GateOp::Reduce(u)]);
+        }
+        order.push(GateOp::Reduce(0));
+        let device = sharded.weights.device();
+        let empty = Tensor::zeros([0], (kind, device));
+        let mut params: Vec<Tensor> = params.iter().map(Tensor::shallow_clone).collect();
+        for unit in sharded.layout.units() {
+            release_unit(unit, &mut params, &empty);
+        }
+        Self {
+            layout: sharded.layout.clone(),
+            params,
+            weights: sharded.weights.shallow_clone(),
+            sums: sharded
+                .grad_sums
+                .as_ref()
+                .expect("\"full\" keeps slice sums")
+                .shallow_clone(),
+            kind,
+            empty,
+            collective,
+            order,
+            next: 0,
+            failed: None,
+            bytes: 0,
+            peak_bytes: 0,
+        }
+    }
+
+    /// Runs what is left of the current pass's order with zero gradients (a rank without
+    /// a batch this round, or a loss that did not reach the model) and starts the next.
+    pub(crate) fn complete_pass(&mut self) {
+        while self.next < self.order.len() {
+            let op = self.order[self.next];
+            self.next += 1;
+            self.run(op, None);
+        }
+        self.next = 0;
+    }
+
+    fn expect(&mut self, op: GateOp) {
+        let want = self.order.get(self.next).copied();
+        assert_eq!(
+            want,
+            Some(op),
+            "shard = \"full\": a training pass used the model out of the order the ranks \
+             agree on (one checkpointed forward and its backward per pass)"
+        );
+        self.next += 1;
+    }
+
+    fn run(&mut self, op: GateOp, grads: Option<&[Tensor]>) {
+        tch::no_grad(|| match op {
+            GateOp::Gather(u) => self.gather(u),
+            GateOp::Release(u) => self.release(u),
+            GateOp::Reduce(u) => {
+                self.reduce(u, grads);
+                self.release(u);
+            }
+        })
+    }
+
+    fn gather(&mut self, u: usize) {
+        let unit = &self.layout.units()[u];
+        let all = match &self.failed {
+            Some(_) => Tensor::zeros([unit.padded], (self.kind, self.weights.device())),
+            None => {
+                let got = self.layout.all_gather_unit(
+                    unit,
+                    &self.weights,
+                    self.kind,
+                    &mut *self.collective,
+                );
+                got.unwrap_or_else(|e| {
+                    self.failed = Some(("all-gathering a layer's parameters", e));
+                    Tensor::zeros([unit.padded], (self.kind, self.weights.device()))
+                })
+            }
+        };
+        set_unit(&self.layout, unit, &all, &mut self.params);
+        self.bytes += tensor_bytes(&all);
+        self.peak_bytes = self.peak_bytes.max(self.bytes);
+    }
+
+    fn release(&mut self, u: usize) {
+        let unit = &self.layout.units()[u];
+        release_unit(unit, &mut self.params, &self.empty);
+        let elt = self.kind.elt_size_in_bytes() as u64;
+        self.bytes = self.bytes.saturating_sub(unit.padded as u64 * elt);
+    }
+
+    /// Unit `u`'s gradients (`None`: zeros) reduce-scattered into this rank's sums; the
+    /// `.grad` the embedding/head unit accumulates is cleared.
+    fn reduce(&mut self, u: usize, grads: Option<&[Tensor]>) {
+        let unit = &self.layout.units()[u];
+        let device = self.weights.device();
+        let flat = Tensor::zeros([unit.padded], (Kind::Float, device));
+        if let Some(grads) = grads {
+            for (g, &j) in grads.iter().zip(&unit.params) {
+                let (at, n, _) = self.layout.param_in_unit(unit, j);
+                flat.narrow(0, at, n).copy_(&g.reshape([-1]));
+            }
+        }
+        if self.failed.is_none() && unit.part > 0 {
+            let mut mine = Tensor::zeros([unit.part], (Kind::Float, device));
+            match self.collective.reduce_scatter_sum(&flat, &mut mine) {
+                Ok(()) => {
+                    let _ = self.sums.narrow(0, unit.in_slice, unit.part).g_add_(&mine);
+                }
+                Err(e) => self.failed = Some(("reduce-scattering a layer's gradients", e)),
+            }
+        }
+        for &j in &unit.params {
+            let mut g = self.params[j].grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        }
+    }
+}
+
+/// `FullGate` shared between the trainer (which takes it back after the passes) and the
+/// policy (which calls it during them).
+pub(crate) struct GateHandle(pub(crate) std::sync::Arc<std::sync::Mutex<FullGate>>);
+
+impl tutor_policy::ParamGate for GateHandle {
+    fn gather(&mut self, unit: usize) {
+        let mut g = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        g.expect(GateOp::Gather(unit));
+        g.run(GateOp::Gather(unit), None);
+    }
+
+    fn release(&mut self, unit: usize) {
+        let mut g = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        g.expect(GateOp::Release(unit));
+        g.run(GateOp::Release(unit), None);
+    }
+
+    fn reduce(&mut self, unit: usize, grads: &[Tensor]) {
+        let mut g = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        g.expect(GateOp::Reduce(unit));
+        g.run(GateOp::Reduce(unit), Some(grads));
     }
 }
 

@@ -238,7 +238,8 @@ impl Trainer {
         let world = collective.world_size();
         let device = self.params[0].device();
         for r in 1..world {
-            let layout = FlatLayout::new(&weights, world, r);
+            let layout =
+                FlatLayout::for_mode(self.config.shard, &self.param_names, &weights, world, r);
             let mut pair = [
                 layout.slice_of(&full.exp_avg).to_device(device),
                 layout.slice_of(&full.exp_avg_sq).to_device(device),
@@ -250,7 +251,15 @@ impl Trainer {
         self.collective = collective;
         let mode = self.config.shard;
         let mixed = full.master.is_some();
-        self.sharded = Some(Sharded::new(mode, &weights, world, 0, mixed, device));
+        self.sharded = Some(Sharded::new(
+            mode,
+            &self.param_names,
+            &weights,
+            world,
+            0,
+            mixed,
+            device,
+        ));
         let steps = self.optimizer.steps_taken();
         self.install_moments(steps, full.exp_avg, full.exp_avg_sq);
         Ok(())

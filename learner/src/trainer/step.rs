@@ -10,6 +10,11 @@ use tch::{Kind, Tensor};
 use tutor_collective::CollectiveError;
 use tutor_policy::Policy;
 
+use std::sync::{Arc, Mutex};
+
+use tutor_collective::CpuCollective;
+
+use super::shard::{FullGate, GateHandle};
 use super::{StepReport, Trainer};
 
 /// Why a step failed. Each variant says what happens next, so rank 0's service decides
@@ -76,6 +81,7 @@ impl Trainer {
                 .map_err(|e| StepError::ShardLost(format!("{e:#}")))?;
         }
         let rounds = self.pass_rounds(batches.len())?;
+        let gate = self.open_gate();
         let (mut local_sum, mut local_tokens, mut passes) = (0.0, 0u64, 0);
         for _ in 0..rounds {
             // One batch at a time: a batch's tensors are made when it is taken.
@@ -85,7 +91,11 @@ impl Trainer {
                 local_tokens += tokens;
                 passes += 1;
             }
-            if let Some(s) = &mut self.sharded {
+            if let Some(g) = &gate {
+                // A forward whose loss was not trained has nothing to recompute.
+                self.policy.clear_checkpointed();
+                g.lock().unwrap_or_else(|e| e.into_inner()).complete_pass();
+            } else if let Some(s) = &mut self.sharded {
                 s.reduce_pass(&self.params, &mut *self.collective)
                     .map_err(|source| StepError::Collective {
                         during: "reduce-scattering a micro-batch's gradients",
@@ -93,7 +103,76 @@ impl Trainer {
                     })?;
             }
         }
-        self.finish_step(start, local_sum, local_tokens, passes)
+        if let Some(g) = gate {
+            self.close_gate(g)?;
+        }
+        let report = self.finish_step(start, local_sum, local_tokens, passes)?;
+        if self.is_fully_sharded() && (report.skipped.is_some() || report.label_tokens == 0) {
+            // Nothing was updated, so nothing was gathered: the parameters of rank 0
+            // come back as they were (every rank takes this path: the totals are
+            // summed over the ranks).
+            self.regather_full()?;
+        }
+        Ok(report)
+    }
+
+    /// Whether `[learner] shard = "full"`.
+    pub(crate) fn is_fully_sharded(&self) -> bool {
+        self.sharded
+            .as_ref()
+            .is_some_and(|s| s.mode == crate::config::Shard::Full)
+    }
+
+    /// `shard = "full"`: releases the parameters and lends the collective to a gate the
+    /// policy calls during the passes (`shard::FullGate`). `None` in other modes.
+    fn open_gate(&mut self) -> Option<Arc<Mutex<FullGate>>> {
+        if !self.is_fully_sharded() {
+            return None;
+        }
+        let s = self.sharded.as_ref()?;
+        let collective = std::mem::replace(&mut self.collective, Box::new(CpuCollective::solo()));
+        let kind = self.param_kind();
+        let gate = Arc::new(Mutex::new(FullGate::open(
+            s,
+            &self.params,
+            kind,
+            collective,
+        )));
+        self.policy
+            .set_param_gate(Some(Box::new(GateHandle(gate.clone()))));
+        Some(gate)
+    }
+
+    /// Takes the gate out of the policy and the collective back; a collective call that
+    /// failed during the passes fails the step.
+    fn close_gate(&mut self, gate: Arc<Mutex<FullGate>>) -> Result<(), StepError> {
+        drop(self.policy.set_param_gate(None));
+        let gate = Arc::try_unwrap(gate)
+            .ok()
+            .expect("the policy dropped its handle of the gate")
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner());
+        self.collective = gate.collective;
+        self.pass_parameter_peak = Some(gate.peak_bytes);
+        match gate.failed {
+            Some((during, source)) => Err(StepError::Collective { during, source }),
+            None => Ok(()),
+        }
+    }
+
+    /// `shard = "full"`, after a step that gathered nothing: every rank's slices
+    /// gathered again, rank 0 keeping the parameters.
+    fn regather_full(&mut self) -> Result<(), StepError> {
+        let keep = self.collective.rank() == 0;
+        let kind = self.param_kind();
+        let Some(s) = &self.sharded else {
+            return Ok(());
+        };
+        s.gather_into_params(&mut self.params, kind, keep, &mut *self.collective)
+            .map_err(|source| StepError::Collective {
+                during: "all-gathering the weights",
+                source,
+            })
     }
 
     /// Rounds of passes of this step: this rank's batches, except under `shard =
@@ -101,8 +180,9 @@ impl Trainer {
     /// makes: the most batches of any rank (a rank short of batches adds zeros).
     fn pass_rounds(&mut self, batches: usize) -> Result<usize, StepError> {
         let world = self.collective.world_size();
-        let sharded_passes =
-            matches!(&self.sharded, Some(s) if s.mode == crate::config::Shard::Gradients);
+        // "full" too: each pass gathers and reduce-scatters unit by unit.
+        let sharded_passes = matches!(&self.sharded, Some(s) if matches!(s.mode,
+            crate::config::Shard::Gradients | crate::config::Shard::Full));
         if world == 1 || !sharded_passes {
             return Ok(batches);
         }
@@ -286,11 +366,13 @@ impl Trainer {
                 skipped: Some(why),
             });
         }
+        let kind = self.param_kind();
         match (&mut self.sharded, &mut self.master) {
             (Some(s), _) => {
                 self.optimizer
                     .step(std::slice::from_mut(&mut s.weights), &grads, lr);
-                s.gather_into_params(&mut self.params, &mut *self.collective)
+                let keep = self.collective.rank() == 0;
+                s.gather_into_params(&mut self.params, kind, keep, &mut *self.collective)
                     .map_err(|source| StepError::Collective {
                         during: "all-gathering the updated weights",
                         source,
