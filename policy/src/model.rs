@@ -579,62 +579,66 @@ impl Recompute {
     /// the output is exactly that gradient); what reaches its input goes on to the layer
     /// before, and finally into the embedding. Parameters' gradients accumulate in
     /// `.grad` as in the ordinary backward pass, which they equal up to rounding.
-    ///
-    /// Under a [`ParamGate`] each layer is gathered before it runs again, and its
-    /// gradients are taken from this backward alone (`run_backward`, nothing accumulates
-    /// in their `.grad`) and handed to the gate with the unit's parameters released;
-    /// last the embedding/head unit's `.grad`. Every unit is reduced even when the loss
-    /// did not reach the decoder (zeros), so every rank makes the same collective calls.
-    fn backward(self, decoder: &Decoder, mut gated: Option<&mut Gated>) {
+    fn backward(self, decoder: &Decoder) {
         let mut grad = self.last.grad();
         if !grad.defined() {
-            match gated {
-                None => return, // the loss did not reach the decoder
-                Some(_) => grad = self.last.zeros_like(),
-            }
+            return; // the loss did not reach the decoder
         }
-        for (i, (layer, input)) in decoder.layers.iter().zip(self.inputs).enumerate().rev() {
+        for (layer, input) in decoder.layers.iter().zip(self.inputs).rev() {
             let x = input.set_requires_grad(true);
-            match gated.as_deref_mut() {
-                None => {
-                    let y = decoder.layer_forward(layer, &x, &self.rope, &self.mask);
-                    (y * &grad).sum(Kind::Float).backward();
-                    grad = x.grad();
-                }
-                Some(g) => {
-                    let unit = i + 1;
-                    g.gate.gather(unit);
-                    let y = decoder.layer_forward(layer, &x, &self.rope, &self.mask);
-                    let out = (y * &grad).sum(Kind::Float);
-                    let mut inputs = vec![x.shallow_clone()];
-                    inputs.extend(g.units[unit].iter().map(Tensor::shallow_clone));
-                    let mut grads = Tensor::run_backward(&[out], &inputs, false, false);
-                    let rest = grads.split_off(1);
-                    grad = grads.pop().expect("the input's gradient");
-                    let rest: Vec<Tensor> = rest
-                        .into_iter()
-                        .zip(&g.units[unit])
-                        .map(|(d, p)| if d.defined() { d } else { p.zeros_like() })
-                        .collect();
-                    g.gate.reduce(unit, &rest);
-                }
-            }
+            let y = decoder.layer_forward(layer, &x, &self.rope, &self.mask);
+            (y * &grad).sum(Kind::Float).backward();
+            grad = x.grad();
         }
         (&self.embedded * &grad).sum(Kind::Float).backward();
-        if let Some(g) = gated {
-            let outer: Vec<Tensor> = g.units[0]
-                .iter()
-                .map(|p| {
-                    let d = p.grad();
-                    if d.defined() {
-                        d
-                    } else {
-                        p.zeros_like()
-                    }
-                })
+    }
+
+    /// [`Recompute::backward`] under a [`ParamGate`], from the loss itself: no
+    /// parameter's `.grad` is used (`run_backward` returns each unit's gradients). The
+    /// loss's backward gives the embedding/head unit's gradients and the last layer's
+    /// output's; each layer is gathered, run again, backpropagated and its gradients
+    /// handed to the gate (which releases it); last the embedding's gradient joins the
+    /// unit's and the unit is reduced. Every unit is reduced even when the loss did not
+    /// reach the decoder (zeros), so every rank makes the same collective calls.
+    fn backward_gated(self, decoder: &Decoder, g: &mut Gated, loss: &Tensor) {
+        let or_zeros = |d: Tensor, p: &Tensor| if d.defined() { d } else { p.zeros_like() };
+        let mut inputs = vec![self.last.shallow_clone()];
+        inputs.extend(g.units[0].iter().map(Tensor::shallow_clone));
+        let mut got = Tensor::run_backward(&[loss], &inputs, false, false);
+        let mut outer = got.split_off(1);
+        let grad = got.pop().expect("the last layer's output's gradient");
+        let mut grad = or_zeros(grad, &self.last);
+        for (i, (layer, input)) in decoder.layers.iter().zip(self.inputs).enumerate().rev() {
+            let unit = i + 1;
+            g.gate.gather(unit);
+            let x = input.set_requires_grad(true);
+            let y = decoder.layer_forward(layer, &x, &self.rope, &self.mask);
+            let out = (y * &grad).sum(Kind::Float);
+            let mut inputs = vec![x.shallow_clone()];
+            inputs.extend(g.units[unit].iter().map(Tensor::shallow_clone));
+            let mut grads = Tensor::run_backward(&[out], &inputs, false, false);
+            let rest = grads.split_off(1);
+            grad = or_zeros(grads.pop().expect("the input's gradient"), &x);
+            let rest: Vec<Tensor> = rest
+                .into_iter()
+                .zip(&g.units[unit])
+                .map(|(d, p)| or_zeros(d, p))
                 .collect();
-            g.gate.reduce(0, &outer);
+            g.gate.reduce(unit, &rest);
         }
+        let out = (&self.embedded * &grad).sum(Kind::Float);
+        let embedding = Tensor::run_backward(&[out], &inputs[1..], false, false);
+        for (sum, d) in outer.iter_mut().zip(embedding) {
+            if d.defined() {
+                *sum = if sum.defined() { &*sum + d } else { d };
+            }
+        }
+        let outer: Vec<Tensor> = outer
+            .into_iter()
+            .zip(&g.units[0])
+            .map(|(d, p)| or_zeros(d, p))
+            .collect();
+        g.gate.reduce(0, &outer);
     }
 }
 
@@ -1062,11 +1066,45 @@ impl Policy {
 
     /// Finishes the backward pass of every checkpointed forward since the last call
     /// (nothing without checkpointing): call it after the loss's `backward()`.
+    ///
+    /// Under a [`ParamGate`] use [`Policy::backward_loss`] instead (panics).
     pub fn backward_checkpointed(&self) {
+        assert!(
+            self.gate
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_none(),
+            "under a parameter gate the backward pass starts from the loss (backward_loss)"
+        );
         let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
-        let mut gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
         for recompute in pending.into_iter().rev() {
-            recompute.backward(&self.model, gate.as_mut());
+            recompute.backward(&self.model);
+        }
+    }
+
+    /// The backward pass of a training loss: `loss.backward()`, then the checkpointed
+    /// layers' part ([`Policy::backward_checkpointed`]). Under a [`ParamGate`] no
+    /// parameter's `.grad` is used: the pass's one checkpointed forward is backpropagated
+    /// unit by unit and each unit's gradients go to the gate.
+    pub fn backward_loss(&self, loss: &Tensor) {
+        let mut gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(g) = gate.as_mut() else {
+            drop(gate);
+            loss.backward();
+            self.backward_checkpointed();
+            return;
+        };
+        let mut pending =
+            std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        assert!(
+            pending.len() <= 1,
+            "under a parameter gate a pass has one training forward, not {}",
+            pending.len()
+        );
+        match pending.pop() {
+            Some(recompute) => recompute.backward_gated(&self.model, g, loss),
+            // A loss that used no training forward reaches no gated parameter.
+            None => loss.backward(),
         }
     }
 

@@ -544,6 +544,18 @@ fn sharded_learner_processes_train_the_same_weights_and_survive_rank_zeros_resta
     assert_eq!(stops, 1, "{log0}");
 }
 
+/// `[learner] shard = "gradients"` (ZeRO-2) over two learner processes, killed and
+/// restarted as above: the same weights as one unsharded learner.
+#[test]
+fn gradient_sharded_learner_processes_survive_restarts_with_the_weights_of_one() {
+    let dir = killed_ranks_train_the_weights_of_one_learner("gradients");
+    let log = std::fs::read_to_string(dir.path().join("two/logs/learner1.log")).unwrap();
+    assert!(
+        log.contains("sharded training state") && log.contains("gradients"),
+        "rank 1 kept a slice: {log}"
+    );
+}
+
 #[test]
 fn a_rank_without_rank_zero_fails_clearly_within_its_deadline() {
     let dir = tempfile::tempdir().unwrap();

@@ -13,7 +13,7 @@ pub use step::{micro_batch_ranges, micro_batches, rank_shard, NonFinite, StepErr
 
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use tch::{Device, Kind, Tensor};
@@ -138,6 +138,9 @@ impl Trainer {
         })?;
         if policy.device() != device {
             policy.var_store_mut().set_device(device);
+        }
+        if config.shard == Shard::Full && !config.checkpoint_activations {
+            bail!("{}", crate::config::ConfigError::FullShard);
         }
         policy.set_checkpoint_activations(config.checkpoint_activations);
         let mut named: Vec<(String, Tensor)> = policy.var_store().variables().into_iter().collect();

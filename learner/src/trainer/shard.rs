@@ -270,7 +270,8 @@ impl FlatLayout {
         collective: &mut dyn Collective,
     ) -> Result<Tensor, CollectiveError> {
         let mine = slice.narrow(0, unit.in_slice, unit.part).to_kind(kind);
-        let mut all = Tensor::zeros([unit.padded], (kind, slice.device()));
+        // Every element is written by the gather.
+        let mut all = Tensor::empty([unit.padded], (kind, slice.device()));
         if unit.part > 0 {
             collective.all_gather(&mine, &mut all)?;
         }
@@ -613,8 +614,7 @@ impl FullGate {
         self.bytes = self.bytes.saturating_sub(unit.padded as u64 * elt);
     }
 
-    /// Unit `u`'s gradients (`None`: zeros) reduce-scattered into this rank's sums; the
-    /// `.grad` the embedding/head unit accumulates is cleared.
+    /// Unit `u`'s gradients (`None`: zeros) reduce-scattered into this rank's sums.
     fn reduce(&mut self, u: usize, grads: Option<&[Tensor]>) {
         let unit = &self.layout.units()[u];
         let device = self.weights.device();
@@ -632,12 +632,6 @@ impl FullGate {
                     let _ = self.sums.narrow(0, unit.in_slice, unit.part).g_add_(&mine);
                 }
                 Err(e) => self.failed = Some(("reduce-scattering a layer's gradients", e)),
-            }
-        }
-        for &j in &unit.params {
-            let mut g = self.params[j].grad();
-            if g.defined() {
-                let _ = g.zero_();
             }
         }
     }
@@ -708,6 +702,41 @@ mod tests {
                 assert!(a.equal(b));
             }
         }
+        // Units: each padded on its own, a rank's slice its part of each, in unit order;
+        // one all-gather per unit (rank-major parts) rebuilds the unit.
+        let units = vec![vec![1], vec![0]];
+        for world in 1..=4 {
+            let layouts: Vec<FlatLayout> = (0..world)
+                .map(|r| FlatLayout::with_units(&ps, &units, world, r))
+                .collect();
+            let flat = layouts[0].flatten(&ps, Kind::Float);
+            let slices: Vec<Tensor> = layouts.iter().map(|l| l.slice_of(&ps)).collect();
+            for (u, unit) in layouts[0].units().iter().enumerate() {
+                assert_eq!(unit.padded % world as i64, 0);
+                let parts: Vec<Tensor> = slices
+                    .iter()
+                    .map(|s| s.narrow(0, unit.in_slice, unit.part))
+                    .collect();
+                let gathered = Tensor::cat(&parts, 0);
+                assert!(
+                    gathered.equal(&flat.narrow(0, unit.start, unit.padded)),
+                    "world {world} unit {u}"
+                );
+            }
+            let back = layouts[0].split(&flat);
+            for (a, b) in back.iter().zip(&ps) {
+                assert!(a.equal(b), "world {world}");
+            }
+        }
+        // 5 + 6 elements over 4 ranks: parts of 2 each, padding inside the slice.
+        let l = FlatLayout::with_units(&ps, &units, 4, 3);
+        assert_eq!((l.share(), l.padded()), (4, 16));
+        let last: Vec<f32> = Vec::try_from(l.slice_of(&ps)).unwrap();
+        assert_eq!(last, vec![0.0, 0.0, 0.0, 0.0]);
+        let first: Vec<f32> =
+            Vec::try_from(FlatLayout::with_units(&ps, &units, 4, 0).slice_of(&ps)).unwrap();
+        assert_eq!(first, vec![100.0, 101.0, 0.0, 1.0]);
+
         // 11 elements over 4 ranks: slices of 3, one zero of padding at the end.
         let l = FlatLayout::new(&ps, 4, 3);
         assert_eq!((l.share(), l.padded()), (3, 12));

@@ -103,17 +103,28 @@ impl Trainer {
                     })?;
             }
         }
-        if let Some(g) = gate {
-            self.close_gate(g)?;
+        let closed = match gate {
+            Some(g) => self.close_gate(g),
+            None => Ok(()),
+        };
+        let report = closed.and_then(|()| {
+            let report = self.finish_step(start, local_sum, local_tokens, passes)?;
+            if self.is_fully_sharded() && (report.skipped.is_some() || report.label_tokens == 0) {
+                // Nothing was updated, so nothing was gathered: the parameters of rank 0
+                // come back as they were (every rank takes this path: the totals are
+                // summed over the ranks).
+                self.regather_full()?;
+            }
+            Ok(report)
+        });
+        if report.is_err() && self.is_fully_sharded() {
+            // The parameters are released and the other ranks' slices unreachable: this
+            // trainer cannot evaluate, publish or step again (resume from a checkpoint).
+            if let Some(s) = &mut self.sharded {
+                s.lost = true;
+            }
         }
-        let report = self.finish_step(start, local_sum, local_tokens, passes)?;
-        if self.is_fully_sharded() && (report.skipped.is_some() || report.label_tokens == 0) {
-            // Nothing was updated, so nothing was gathered: the parameters of rank 0
-            // come back as they were (every rank takes this path: the totals are
-            // summed over the ranks).
-            self.regather_full()?;
-        }
-        Ok(report)
+        report
     }
 
     /// Whether `[learner] shard = "full"`.
@@ -235,10 +246,10 @@ impl Trainer {
     /// for f32 parameters; for bf16 ones each pass's gradient is added to the fp32 sums
     /// and `.grad` cleared, so the sum over micro-batches is not rounded to bf16.
     pub(crate) fn backward(&mut self, loss: &Tensor) {
-        loss.backward();
         // With activation checkpointing the loss's backward stops at the last layer's
-        // output: the layers' part runs now, before the gradients are read.
-        self.policy.backward_checkpointed();
+        // output: the layers' part runs after it, before the gradients are read (under
+        // `shard = "full"` unit by unit, into the gate).
+        self.policy.backward_loss(loss);
         if let Some(m) = &mut self.master {
             tch::no_grad(|| {
                 for (p, sum) in self.params.iter().zip(m.grads.iter_mut()) {
