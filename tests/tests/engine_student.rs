@@ -354,8 +354,8 @@ async fn tutor_serve_takes_versions_as_tensors_over_the_collective() {
     let g = engine.generate(&prompt, &params, &v6).await.unwrap();
     assert_logprobs_of(&v6_policy, &prompt, &g, "version 6");
 
-    // Weights of another shape: refused, naming the engine and the version; version 6
-    // stays served and answers.
+    // Weights of another shape: refused from the announcement, before a byte moves,
+    // naming the engine, the version and the tensor; version 6 stays served and answers.
     let other = common::make_model(&dir.path().join("other"), &["512", "32"]);
     let other_bytes = std::sync::Arc::new(std::fs::read(other.join("model.safetensors")).unwrap());
     let err = engine
@@ -364,7 +364,10 @@ async fn tutor_serve_takes_versions_as_tensors_over_the_collective() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains(&url) && err.contains("policy version 7"),
+        err.contains(&url)
+            && err.contains("policy version 7")
+            && err.contains("announced with shape")
+            && err.contains("refused before receiving anything"),
         "{err}"
     );
     assert_eq!(engine.served_version().await.unwrap(), v6);

@@ -177,6 +177,12 @@ pub async fn serve(
         .map(|t| t.numel() * 4)
         .sum::<usize>()
         + (1 << 20);
+    let parameter_shapes = policy
+        .var_store()
+        .variables()
+        .into_iter()
+        .map(|(name, t)| (name, t.size().iter().map(|&d| d as usize).collect()))
+        .collect();
     if args.distributed_updates && api_key.is_none() {
         tracing::warn!(
             "--distributed-updates without an API key: any process that can reach this port \
@@ -218,6 +224,7 @@ pub async fn serve(
         reloads: AtomicU64::new(0),
         distributed_updates: args.distributed_updates,
         max_update_bytes,
+        parameter_shapes,
         update_groups: tokio::sync::Mutex::new(Default::default()),
         update_permit: tokio::sync::Semaphore::new(1),
     });

@@ -588,6 +588,20 @@ async fn update_weights_from_distributed(State(s): State<Arc<AppState>>, body: B
             ),
         );
     };
+    if let Some(why) = announced_mismatch(&s.parameter_shapes, &metas) {
+        // Closing the group fails rank 0's sends at once.
+        drop(collective);
+        s.update_groups.lock().await.lose(&req.group_name);
+        tracing::warn!(group = %req.group_name, version = ?req.weight_version, "a weight update was refused before receiving: {why}");
+        return failed(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "{why}: refused before receiving anything; the group {:?} is closed and the \
+                 old weights stay",
+                req.group_name
+            ),
+        );
+    }
     let max = s.max_update_bytes;
     let t = std::time::Instant::now();
     let received = tokio::task::spawn_blocking(move || {
@@ -629,6 +643,41 @@ async fn update_weights_from_distributed(State(s): State<Arc<AppState>>, body: B
         name: format!("weights received over group {:?}", req.group_name),
     };
     swap(&s, source, label, origin, n).await
+}
+
+/// Why announced tensors cannot load into a model with parameters `model` (name →
+/// shape), said before a byte of them moves: a parameter announced with another shape,
+/// or one not announced at all. Other names may come (a checkpoint may carry buffers the
+/// loader skips); their bytes count against the update's limit.
+fn announced_mismatch(
+    model: &std::collections::HashMap<String, Vec<usize>>,
+    metas: &[engine_update::TensorMeta],
+) -> Option<String> {
+    for m in metas {
+        if let Some(want) = model.get(&m.name) {
+            if *want != m.shape {
+                return Some(format!(
+                    "tensor {} is announced with shape {:?}; this model's is {want:?}",
+                    m.name, m.shape
+                ));
+            }
+        }
+    }
+    let announced: std::collections::HashSet<&str> =
+        metas.iter().map(|m| m.name.as_str()).collect();
+    let mut missing: Vec<&str> = model
+        .keys()
+        .map(String::as_str)
+        .filter(|n| !announced.contains(n))
+        .collect();
+    missing.sort_unstable();
+    missing.first().map(|first| {
+        format!(
+            "{} of this model's {} parameters are not announced ({first} first)",
+            missing.len(),
+            model.len()
+        )
+    })
 }
 
 #[derive(Deserialize)]
@@ -679,4 +728,45 @@ async fn get_model_info(State(s): State<Arc<AppState>>) -> Json<Value> {
         "max_model_len": s.engine.context(),
         "vocab_size": s.engine.vocab(),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(name: &str, shape: &[usize]) -> engine_update::TensorMeta {
+        engine_update::TensorMeta {
+            name: name.into(),
+            dtype: "float32".into(),
+            shape: shape.to_vec(),
+        }
+    }
+
+    /// An announcement must hold every parameter with the model's shape; extra tensors
+    /// may come.
+    #[test]
+    fn announcements_are_checked_against_the_model() {
+        let model: std::collections::HashMap<String, Vec<usize>> = [
+            ("a.weight".to_string(), vec![4, 2]),
+            ("b.weight".to_string(), vec![3]),
+        ]
+        .into();
+        let all = [meta("a.weight", &[4, 2]), meta("b.weight", &[3])];
+        assert_eq!(announced_mismatch(&model, &all), None);
+        let extra = [
+            meta("b.weight", &[3]),
+            meta("buf", &[1]),
+            meta("a.weight", &[4, 2]),
+        ];
+        assert_eq!(announced_mismatch(&model, &extra), None);
+        let shape = [meta("a.weight", &[2, 4]), meta("b.weight", &[3])];
+        let why = announced_mismatch(&model, &shape).unwrap();
+        assert!(why.contains("a.weight") && why.contains("[4, 2]"), "{why}");
+        let missing = [meta("a.weight", &[4, 2])];
+        let why = announced_mismatch(&model, &missing).unwrap();
+        assert!(
+            why.contains("1 of this model's 2") && why.contains("b.weight"),
+            "{why}"
+        );
+    }
 }

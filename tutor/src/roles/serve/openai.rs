@@ -46,6 +46,9 @@ pub(super) struct AppState {
     pub(super) distributed_updates: bool,
     /// The most bytes one update over the collective may announce.
     pub(super) max_update_bytes: usize,
+    /// The model's parameters and their shapes: an update over the collective must
+    /// announce each with its shape before anything is received.
+    pub(super) parameter_shapes: std::collections::HashMap<String, Vec<usize>>,
     /// Weight-update groups by name.
     pub(super) update_groups: tokio::sync::Mutex<super::update_groups::UpdateGroups>,
     /// One update over a collective at a time, from its first byte to its swap: what
