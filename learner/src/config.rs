@@ -86,7 +86,8 @@ pub struct LearnerConfig {
     /// that loses a rank loses that rank's slice: rank 0 then stops, and restarted it
     /// resumes from its last checkpoint. `"full"` (ZeRO-3) shards the parameters too:
     /// each pass gathers one layer at a time (it needs `checkpoint_activations = true`),
-    /// and after a step only rank 0 keeps the gathered weights (it publishes them).
+    /// and after a step only rank 0 keeps the gathered weights, in host memory (it
+    /// publishes them).
     pub shard: Shard,
     /// Memory of each rank's GPU in GiB (80 for an H100, 141 for an H200): `tutor plan`
     /// says whether the run fits, and a learner on a GPU refuses to start a run whose plan

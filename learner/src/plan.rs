@@ -71,10 +71,9 @@ pub struct PlanInput {
 #[derive(Debug, Clone, Serialize)]
 pub struct Memory {
     pub shard: Shard,
-    /// The parameters (bf16 under mixed precision). With `full` no rank holds them during
-    /// the passes; rank 0 gathers them after each step (it publishes and checkpoints
-    /// them), so its memory is the larger of `total` during the passes and
-    /// `between_steps`.
+    /// The parameters (bf16 under mixed precision). With `full` no rank holds them on
+    /// the GPU (`gathered` counts what a pass holds at once); rank 0 keeps them in host
+    /// memory (`host_weights`).
     pub weights: f64,
     /// The parameters' own `.grad` (bf16 under mixed precision).
     pub grads: f64,
@@ -86,11 +85,11 @@ pub struct Memory {
     /// parameters and `.grad`, one layer's parameters and gradients, and the fp32 buffer
     /// its gradients are reduce-scattered from.
     pub gathered: f64,
-    /// The training state during a pass: everything above (without `weights` for `full`).
+    /// The training state: everything above.
     pub state: f64,
-    /// `full`: rank 0 between steps (its slices and the gathered parameters, no
-    /// activations); 0 otherwise.
-    pub between_steps: f64,
+    /// `full`: the weights rank 0 keeps in host memory (it publishes and checkpoints
+    /// them); 0 otherwise. Not GPU memory: not in `total`.
+    pub host_weights: f64,
     /// One pass's activations (checkpointed or not, as the input says).
     pub activations: f64,
     pub logits: f64,
@@ -236,7 +235,7 @@ pub fn plan(input: &PlanInput) -> Plan {
                     0.0,
                 ),
                 Shard::Full => (
-                    w * n,
+                    0.0,
                     0.0,
                     slice_sums,
                     slice_masters,
@@ -247,20 +246,16 @@ pub fn plan(input: &PlanInput) -> Plan {
                     (w + g) * (outer_params + layer_params) + 4.0 * outer_params.max(layer_params),
                 ),
             };
-            let (state, between_steps) = if shard == Shard::Full {
-                let slices = grad_sums + mast + opt;
-                (slices + gathered, slices + weights)
-            } else {
-                (weights + grads + grad_sums + mast + opt + gathered, 0.0)
-            };
+            let state = weights + grads + grad_sums + mast + opt + gathered;
+            let host_weights = if shard == Shard::Full { w * n } else { 0.0 };
             let tokens = input.pass_tokens as f64;
             let activations = per_token * tokens;
             let logit_bytes = logits(tokens);
-            let total = (state + activations + logit_bytes).max(between_steps);
+            let total = state + activations + logit_bytes;
             let fits = usable.map(|u| total <= u);
             let max_pass_tokens = usable.and_then(|u| {
                 let room = u - state;
-                if room <= 0.0 || between_steps > u {
+                if room <= 0.0 {
                     return None;
                 }
                 // Largest t with per_token·t + logits(t) ≤ room (logits is monotone).
@@ -285,7 +280,7 @@ pub fn plan(input: &PlanInput) -> Plan {
                 optimizer: opt,
                 gathered,
                 state,
-                between_steps,
+                host_weights,
                 activations,
                 logits: logit_bytes,
                 total,
@@ -403,11 +398,11 @@ mod tests {
         let grads = p.mode(Shard::Gradients);
         assert!((grads.state - (4.0 * n + 16.0 * n / 8.0)).abs() < 1.0);
         // "full": the slices (16 bytes per parameter over 8 ranks) and the units a pass
-        // gathers; rank 0 also holds the bf16 parameters between steps.
+        // gathers; rank 0 keeps the bf16 parameters in host memory.
         let full = p.mode(Shard::Full);
         assert!(full.state > 16.0 * n / 8.0 && full.state < grads.state);
-        assert!((full.between_steps - (2.0 * n + 16.0 * n / 8.0)).abs() < 1.0);
-        assert!(full.total >= full.between_steps);
+        assert_eq!(full.weights, 0.0);
+        assert!((full.host_weights - 2.0 * n).abs() < 1.0);
         // Two sequences of 4,096 tokens: 6·N·T, plus causal attention 6·L·(heads·head_dim)·t²/2
         // for each.
         let six_nt = 6.0 * p.matmul_parameters as f64 * 8192.0;

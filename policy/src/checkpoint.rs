@@ -31,12 +31,26 @@ pub const HF_EXTRAS: [&str; 5] = [
 impl Policy {
     /// Writes all parameters to one safetensors file under their Hugging Face names.
     pub fn save_weights(&self, path: &Path) -> Result<(), PolicyError> {
-        let mut named: Vec<(String, Tensor)> = self
-            .vs
-            .variables()
-            .into_iter()
+        let vars = self.vs.variables();
+        self.save_weights_with(path, vars.iter().map(|(n, t)| (n.as_str(), t)))
+    }
+
+    /// [`Policy::save_weights`] with `weights` (every parameter, by name) written instead
+    /// of the model's own: for a trainer that keeps the current weights elsewhere (on the
+    /// host) while the model's are released (the learner's `shard = "full"`).
+    pub fn save_weights_with<'a>(
+        &self,
+        path: &Path,
+        weights: impl Iterator<Item = (&'a str, &'a Tensor)>,
+    ) -> Result<(), PolicyError> {
+        let mut named: Vec<(String, Tensor)> = weights
             // The safetensors writer copies raw bytes: make sure they are host-side and dense.
-            .map(|(name, t)| (name, t.detach().to_device(Device::Cpu).contiguous()))
+            .map(|(name, t)| {
+                (
+                    name.to_string(),
+                    t.detach().to_device(Device::Cpu).contiguous(),
+                )
+            })
             .collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -68,12 +82,23 @@ impl Policy {
 
     /// Writes `config.json` and `model.safetensors` into `dir` (created if needed).
     pub fn save_dir(&self, dir: &Path) -> Result<(), PolicyError> {
+        let vars = self.vs.variables();
+        self.save_dir_with(dir, vars.iter().map(|(n, t)| (n.as_str(), t)))
+    }
+
+    /// [`Policy::save_dir`] with `weights` written instead of the model's own (see
+    /// [`Policy::save_weights_with`]).
+    pub fn save_dir_with<'a>(
+        &self,
+        dir: &Path,
+        weights: impl Iterator<Item = (&'a str, &'a Tensor)>,
+    ) -> Result<(), PolicyError> {
         std::fs::create_dir_all(dir).map_err(|e| PolicyError::io(dir, e))?;
         // Record the dtype the weights are actually stored in, which Hugging Face reads.
         let mut config = self.config.clone();
         config.torch_dtype = dtype_name(self.model.compute_kind()).to_string();
         config.save(&dir.join(CONFIG_FILE))?;
-        self.save_weights(&dir.join(WEIGHTS_FILE))
+        self.save_weights_with(&dir.join(WEIGHTS_FILE), weights)
     }
 
     /// Loads a Hugging Face checkpoint directory: `config.json` plus `model.safetensors` or

@@ -243,10 +243,10 @@ pub fn render(plan: &Plan, model_source: &str, model: &ModelConfig) -> String {
         );
     }
     s += &format!(
-        "(< the run's [learner] shard = \"{}\"; full: no rank holds the weights during the \
-         passes, rank 0 gathers them after each step: {} then, counted in total)\n\n",
+        "(< the run's [learner] shard = \"{}\"; full: no GPU holds the weights, a pass \
+         gathers a layer at a time; rank 0 keeps them in host memory: {})\n\n",
         plan.shard.name(),
-        gib(plan.mode(Shard::Full).between_steps)
+        gib(plan.mode(Shard::Full).host_weights)
     );
     s += &format!(
         "FLOPs: {:.3} TFLOP per pass, {:.3} TFLOP per step and rank ({:.3} executed with the recomputation)\n",

@@ -1001,10 +1001,13 @@ fn check_sharded(ctx: &Ctx, c: &mut Check) -> Result<()> {
             );
             if mode == Shard::Full {
                 c.expect(
-                    ranks[1].1.parameters == 0 && bytes.parameters_in_passes < bytes.parameters,
+                    ranks[1].1.parameters == 0
+                        && bytes.parameters == 0
+                        && bytes.parameters_in_passes < bytes.host_parameters,
                     format!(
-                        "{precision:?} full: rank 1 keeps no parameters between steps, and a \
-                         pass held the embedding/head and one layer at a time, not all of them"
+                        "{precision:?} full: no rank keeps parameters on its device between \
+                         steps (rank 0 a host copy), and a pass held the embedding/head and \
+                         one layer at a time, not all of them"
                     ),
                 );
             } else {

@@ -56,6 +56,9 @@ pub struct StateBytes {
     /// `shard = "full"` the units gathered at a time (the embedding/head and one layer),
     /// else `parameters`.
     pub parameters_in_passes: u64,
+    /// Parameters kept in host memory: with `shard = "full"` rank 0's copy of the current
+    /// weights (it publishes and checkpoints them), else 0.
+    pub host_parameters: u64,
 }
 
 /// Mixed precision (`LearnerConfig::precision`): the fp32 weights AdamW updates (the
@@ -87,6 +90,10 @@ pub struct Trainer {
     /// `shard = "full"`: the most parameter bytes present at once during the last
     /// step's passes.
     pass_parameter_peak: Option<u64>,
+    /// `shard = "full"`, rank 0, once its parameters were first released: the current
+    /// weights (the parameters' kind) in host memory, where publishing, checkpoints and
+    /// leading a group read them; the device keeps none between steps.
+    host_params: Option<Vec<Tensor>>,
     /// The trainer's own random stream (seeded by `config.seed`), saved in checkpoints so
     /// a resumed run draws the same numbers. The cross-entropy step draws none.
     rng: ChaCha8Rng,
@@ -213,6 +220,7 @@ impl Trainer {
             skipped_steps: 0,
             collective,
             pass_parameter_peak: None,
+            host_params: None,
             rng,
         })
     }
@@ -289,6 +297,7 @@ impl Trainer {
             moments,
             grad_sums,
             parameters_in_passes: self.pass_parameter_peak.unwrap_or(parameters),
+            host_parameters: self.host_params.as_deref().map_or(0, sum),
         }
     }
 
@@ -303,23 +312,25 @@ impl Trainer {
         })
     }
 
-    /// The parameters in name order (for comparisons and checkpoints).
+    /// The current weights in name order (for comparisons and checkpoints): the
+    /// parameters, or with `shard = "full"` rank 0's host copy of them (the other ranks'
+    /// are released between steps: shape `[0]`).
     pub fn named_parameters(&self) -> impl Iterator<Item = (&str, &Tensor)> {
         self.param_names
             .iter()
             .map(String::as_str)
-            .zip(self.params.iter())
+            .zip(self.host_params.as_ref().unwrap_or(&self.params).iter())
     }
 
     pub fn save_weights(&self, path: &Path) -> Result<()> {
         self.policy
-            .save_weights(path)
+            .save_weights_with(path, self.named_parameters())
             .with_context(|| format!("saving weights to {}", path.display()))
     }
 
     pub fn save_dir(&self, dir: &Path) -> Result<()> {
         self.policy
-            .save_dir(dir)
+            .save_dir_with(dir, self.named_parameters())
             .with_context(|| format!("saving the checkpoint to {}", dir.display()))
     }
 }

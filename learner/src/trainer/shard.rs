@@ -420,14 +420,14 @@ impl Sharded {
 
     /// After AdamW updated this rank's slice: every rank's slice gathered into the
     /// parameters (in their kind: bf16 parameters are the masters' rounding). With
-    /// `"full"` one unit at a time, and only a rank that `keeps` them (rank 0, which
-    /// publishes and checkpoints the weights) keeps the result: the others' parameters
-    /// stay released until their next pass gathers them.
+    /// `"full"` the parameters stay released (the next passes gather what they use): the
+    /// units are gathered one at a time into `host` (rank 0's host copy, which publishing
+    /// and checkpoints read), or only sent (the other ranks).
     pub(crate) fn gather_into_params(
         &self,
         params: &mut [Tensor],
+        mut host: Option<&mut [Tensor]>,
         kind: Kind,
-        keep: bool,
         collective: &mut dyn Collective,
     ) -> Result<(), CollectiveError> {
         if self.mode == Shard::Full {
@@ -435,8 +435,12 @@ impl Sharded {
                 let all = self
                     .layout
                     .all_gather_unit(unit, &self.weights, kind, collective)?;
-                if keep {
-                    set_unit(&self.layout, unit, &all, params);
+                if let Some(host) = host.as_deref_mut() {
+                    let all = all.to_device(Device::Cpu);
+                    for &j in &unit.params {
+                        let (at, n, shape) = self.layout.param_in_unit(unit, j);
+                        host[j] = all.narrow(0, at, n).view(shape).copy();
+                    }
                 }
             }
             return Ok(());

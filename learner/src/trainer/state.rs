@@ -140,7 +140,7 @@ impl Trainer {
         }
         checkpoint::write_atomically(dir, |tmp| {
             self.policy
-                .save_dir(tmp)
+                .save_dir_with(tmp, self.named_parameters())
                 .with_context(|| format!("saving the model to {}", tmp.display()))?;
             let mut moments: Vec<(String, Tensor)> = Vec::with_capacity(3 * self.params.len());
             for (i, name) in self.param_names.iter().enumerate() {
@@ -215,7 +215,10 @@ impl Trainer {
         let mut weights: Vec<Tensor> = match &full.master {
             // Sharded, the gathered masters are in host memory.
             Some(m) => m.iter().map(|w| w.to_device(device)).collect(),
-            None => self.params.iter().map(Tensor::shallow_clone).collect(),
+            None => self
+                .named_parameters()
+                .map(|(_, p)| p.to_device(device))
+                .collect(),
         };
         collective
             .broadcast(&mut weights)

@@ -107,19 +107,11 @@ impl Trainer {
             Some(g) => self.close_gate(g),
             None => Ok(()),
         };
-        let report = closed.and_then(|()| {
-            let report = self.finish_step(start, local_sum, local_tokens, passes)?;
-            if self.is_fully_sharded() && (report.skipped.is_some() || report.label_tokens == 0) {
-                // Nothing was updated, so nothing was gathered: the parameters of rank 0
-                // come back as they were (every rank takes this path: the totals are
-                // summed over the ranks).
-                self.regather_full()?;
-            }
-            Ok(report)
-        });
+        // An idle or skipped step changed nothing: rank 0's host copy is still current.
+        let report = closed.and_then(|()| self.finish_step(start, local_sum, local_tokens, passes));
         if report.is_err() && self.is_fully_sharded() {
             // The parameters are released and the other ranks' slices unreachable: this
-            // trainer cannot evaluate, publish or step again (resume from a checkpoint).
+            // trainer cannot step or lead a group again (resume from a checkpoint).
             if let Some(s) = &mut self.sharded {
                 s.lost = true;
             }
@@ -135,10 +127,20 @@ impl Trainer {
     }
 
     /// `shard = "full"`: releases the parameters and lends the collective to a gate the
-    /// policy calls during the passes (`shard::FullGate`). `None` in other modes.
+    /// policy calls during the passes (`shard::FullGate`). `None` in other modes. Rank 0
+    /// first copies the weights to host memory if it holds none there yet (its first
+    /// step: they were whole on the device until now).
     fn open_gate(&mut self) -> Option<Arc<Mutex<FullGate>>> {
         if !self.is_fully_sharded() {
             return None;
+        }
+        if self.collective.rank() == 0 && self.host_params.is_none() {
+            self.host_params = Some(tch::no_grad(|| {
+                self.params
+                    .iter()
+                    .map(|p| p.to_device(tch::Device::Cpu).copy())
+                    .collect()
+            }));
         }
         let s = self.sharded.as_ref()?;
         let collective = std::mem::replace(&mut self.collective, Box::new(CpuCollective::solo()));
@@ -169,21 +171,6 @@ impl Trainer {
             Some((during, source)) => Err(StepError::Collective { during, source }),
             None => Ok(()),
         }
-    }
-
-    /// `shard = "full"`, after a step that gathered nothing: every rank's slices
-    /// gathered again, rank 0 keeping the parameters.
-    fn regather_full(&mut self) -> Result<(), StepError> {
-        let keep = self.collective.rank() == 0;
-        let kind = self.param_kind();
-        let Some(s) = &self.sharded else {
-            return Ok(());
-        };
-        s.gather_into_params(&mut self.params, kind, keep, &mut *self.collective)
-            .map_err(|source| StepError::Collective {
-                during: "all-gathering the weights",
-                source,
-            })
     }
 
     /// Rounds of passes of this step: this rank's batches, except under `shard =
@@ -382,8 +369,11 @@ impl Trainer {
             (Some(s), _) => {
                 self.optimizer
                     .step(std::slice::from_mut(&mut s.weights), &grads, lr);
-                let keep = self.collective.rank() == 0;
-                s.gather_into_params(&mut self.params, kind, keep, &mut *self.collective)
+                let host = match (&mut self.host_params, self.collective.rank()) {
+                    (Some(h), 0) => Some(h.as_mut_slice()),
+                    _ => None,
+                };
+                s.gather_into_params(&mut self.params, host, kind, &mut *self.collective)
                     .map_err(|source| StepError::Collective {
                         during: "all-gathering the updated weights",
                         source,
