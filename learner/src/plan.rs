@@ -121,6 +121,13 @@ pub struct Plan {
     pub activation_bytes_per_token: f64,
     pub checkpointed_bytes_per_token: f64,
     pub memory: Vec<Memory>,
+    /// What rank 0 of a group holds on its GPU while it starts alone, before the group
+    /// forms (`tutor learner` builds its trainer solo, then leads the group): the whole
+    /// training state of one unsharded rank, whatever `shard` (sharded, its solo slice
+    /// is everything), and the fp32 masters once more while it sends them. A sharded
+    /// run whose GPU cannot hold this fails at start: a start that keeps the state on
+    /// the host until the group forms is not built.
+    pub group_start: f64,
     /// Model FLOPs of one pass and of one optimizer step on one rank (forward and
     /// backward; checkpointing adds one more forward, counted in `step_flops_executed`).
     pub pass_flops: f64,
@@ -217,7 +224,7 @@ pub fn plan(input: &PlanInput) -> Plan {
         0.0
     };
     let usable = input.gpu_memory.map(|b| b as f64 * USABLE_FRACTION);
-    let memory = Shard::ALL
+    let memory: Vec<Memory> = Shard::ALL
         .iter()
         .map(|&shard| {
             // Sharded, each rank keeps an fp32 slice of the weights AdamW updates (in f32
@@ -297,7 +304,16 @@ pub fn plan(input: &PlanInput) -> Plan {
     } else {
         0.0
     };
+    let group_start = {
+        let none = memory
+            .iter()
+            .find(|x| x.shard == Shard::None)
+            .expect("every mode is planned");
+        // No `.grad` yet; the masters (fp32) go out once more in the broadcast.
+        none.state - none.grads + 4.0 * n
+    };
     Plan {
+        group_start,
         parameters: m.num_parameters() as u64,
         matmul_parameters: matmul_parameters(m),
         seq_len: input.seq_len,

@@ -123,6 +123,23 @@ pub fn memory_refusal(plan: &Plan) -> Option<String> {
         }
         Shard::Full => " or train on more GPUs (the state is sharded over them)",
     };
+    if let (Some(gpu), Shard::Optimizer | Shard::Gradients | Shard::Full) =
+        (plan.gpu_memory, plan.shard)
+    {
+        let usable = gpu as f64 * USABLE_FRACTION;
+        if plan.world_size > 1 && plan.group_start > usable {
+            return Some(format!(
+                "with shard = \"{}\" a rank needs {} once its group runs, but rank 0 starts \
+                 alone and holds the whole training state on its GPU until the group forms: {} \
+                 of the {} usable. Keeping that state on the host until then is not built yet \
+                 (issue 17): use GPUs with more memory or a smaller model",
+                plan.shard.name(),
+                gib(m.total),
+                gib(plan.group_start),
+                gib(usable)
+            ));
+        }
+    }
     if m.fits == Some(false) {
         let gpu = plan.gpu_memory.unwrap_or(0) as f64;
         let fix = match m.max_pass_tokens {
@@ -248,6 +265,13 @@ pub fn render(plan: &Plan, model_source: &str, model: &ModelConfig) -> String {
         plan.shard.name(),
         gib(plan.mode(Shard::Full).host_weights)
     );
+    if plan.world_size > 1 && plan.shard != Shard::None {
+        s += &format!(
+            "rank 0 starts alone (before its group forms) with the whole training state on its \
+             GPU: {}\n",
+            gib(plan.group_start)
+        );
+    }
     s += &format!(
         "FLOPs: {:.3} TFLOP per pass, {:.3} TFLOP per step and rank ({:.3} executed with the recomputation)\n",
         plan.pass_flops / 1e12,
@@ -329,16 +353,22 @@ mod tests {
             Some(true),
             "sharded it would fit"
         );
-        // With the optimizer state and gradient sums sharded over the 8 GPUs it fits.
+        // With the optimizer state and gradient sums sharded over the 8 GPUs a running
+        // rank fits, but rank 0 starts alone with the whole state on its GPU: refused,
+        // saying so.
         let mut sharded = cfg.clone();
         sharded.learner.shard = Shard::Gradients;
         let p = run_plan(&sharded, model.clone(), Some(80.0)).unwrap();
+        assert_eq!(p.configured().fits, Some(true));
+        let why = refusal(&sharded, &model, &p).expect("rank 0's solo start does not fit");
         assert!(
-            refusal(&sharded, &model, &p).is_none(),
-            "{}",
-            render(&p, &source, &model)
+            why.contains("starts alone") && why.contains("not built yet"),
+            "{why}"
         );
         assert!(render(&p, &source, &model).contains("gradients <"));
+        // On the H200s it names, the start fits too.
+        let p = run_plan(&sharded, model.clone(), Some(140.0)).unwrap();
+        assert!(refusal(&sharded, &model, &p).is_none());
 
         let mut plain = cfg.clone();
         plain.learner.checkpoint_activations = false;
