@@ -121,12 +121,11 @@ pub struct Plan {
     pub activation_bytes_per_token: f64,
     pub checkpointed_bytes_per_token: f64,
     pub memory: Vec<Memory>,
-    /// What rank 0 of a group holds on its GPU while it starts alone, before the group
-    /// forms (`tutor learner` builds its trainer solo, then leads the group): the whole
-    /// training state of one unsharded rank, whatever `shard` (sharded, its solo slice
-    /// is everything), and the fp32 masters once more while it sends them. A sharded
-    /// run whose GPU cannot hold this fails at start: a start that keeps the state on
-    /// the host until the group forms is not built.
+    /// What rank 0 of a group holds on its GPU while the group forms (`tutor learner`
+    /// builds its trainer alone, then leads the group): sharded, the state stays in host
+    /// memory until then (`Trainer::from_model_dir_for_group`), so its GPU gets the fp32
+    /// weights it sends the other ranks, then its slices and the model the mode keeps;
+    /// unsharded, the whole state.
     pub group_start: f64,
     /// Model FLOPs of one pass and of one optimizer step on one rank (forward and
     /// backward; checkpointing adds one more forward, counted in `step_flops_executed`).
@@ -305,12 +304,12 @@ pub fn plan(input: &PlanInput) -> Plan {
         0.0
     };
     let group_start = {
-        let none = memory
+        let m = memory
             .iter()
-            .find(|x| x.shard == Shard::None)
+            .find(|x| x.shard == input.shard)
             .expect("every mode is planned");
-        // No `.grad` yet; the masters (fp32) go out once more in the broadcast.
-        none.state - none.grads + 4.0 * n
+        // No `.grad` yet; the fp32 weights go out to the other ranks from the device.
+        m.state - m.grads + 4.0 * n
     };
     Plan {
         group_start,

@@ -274,8 +274,15 @@ impl LearnerHandle {
         let ckpt = out_dir.join(CHECKPOINT_DIR);
         let checkpoint_every = config.checkpoint_every_steps;
         let host = if checkpoint::exists(&ckpt) {
-            let (trainer, cursor) = Trainer::resume(&ckpt, Box::new(CpuCollective::solo()))
-                .with_context(|| format!("resuming from {}", ckpt.display()))?;
+            // Rank 0 of a group starts alone: sharded, its state waits in host memory
+            // until the group forms and it keeps its slice.
+            let resumed = if group.is_some() {
+                Trainer::resume_for_group(&ckpt)
+            } else {
+                Trainer::resume(&ckpt, Box::new(CpuCollective::solo()))
+            };
+            let (trainer, cursor) =
+                resumed.with_context(|| format!("resuming from {}", ckpt.display()))?;
             let cursor: TrainCursor = serde_json::from_value(cursor).with_context(|| {
                 format!(
                     "{}: data_cursor is not a learner train cursor (was the checkpoint written                      by `tutor learner`?)",
@@ -306,7 +313,11 @@ impl LearnerHandle {
                 published_at_steps: None,
             }
         } else {
-            let trainer = Trainer::from_model_dir(model_dir, config)?;
+            let trainer = if group.is_some() {
+                Trainer::from_model_dir_for_group(model_dir, config)?
+            } else {
+                Trainer::from_model_dir(model_dir, config)?
+            };
             write_version(&trainer, &store, 0)?;
             let v0 = store.register(0)?;
             tracing::info!(sha256 = %v0.sha256, bytes = v0.bytes, "published initial policy version 0");

@@ -537,6 +537,11 @@ fn sharded_learner_processes_train_the_same_weights_and_survive_rank_zeros_resta
     );
     // Rank 0 stopped once, when rank 1 was killed; the clean end of the run is no stop.
     let log0 = std::fs::read_to_string(root.join("two/logs/learner0.log")).unwrap();
+    // Built for its group, rank 0 kept its state in host memory until the group formed.
+    assert!(
+        log0.contains("the training state moved from host memory to its device"),
+        "{log0}"
+    );
     let stops = log0
         .lines()
         .filter(|l| l.contains("ERROR") && l.contains("the trainer thread panicked"))

@@ -129,12 +129,10 @@ pub fn memory_refusal(plan: &Plan) -> Option<String> {
         let usable = gpu as f64 * USABLE_FRACTION;
         if plan.world_size > 1 && plan.group_start > usable {
             return Some(format!(
-                "with shard = \"{}\" a rank needs {} once its group runs, but rank 0 starts \
-                 alone and holds the whole training state on its GPU until the group forms: {} \
-                 of the {} usable. Keeping that state on the host until then is not built yet \
-                 (issue 17): use GPUs with more memory or a smaller model",
+                "with shard = \"{}\" rank 0 needs {} on its GPU while its group forms (the \
+                 fp32 weights it sends the other ranks, its slices and the model the mode \
+                 keeps) but {} are usable: use GPUs with more memory or a smaller model",
                 plan.shard.name(),
-                gib(m.total),
                 gib(plan.group_start),
                 gib(usable)
             ));
@@ -267,8 +265,8 @@ pub fn render(plan: &Plan, model_source: &str, model: &ModelConfig) -> String {
     );
     if plan.world_size > 1 && plan.shard != Shard::None {
         s += &format!(
-            "rank 0 starts alone (before its group forms) with the whole training state on its \
-             GPU: {}\n",
+            "rank 0 while its group forms (its solo state waits in host memory; on the GPU the \
+             fp32 weights it sends, then its slices): {}\n",
             gib(plan.group_start)
         );
     }
@@ -353,22 +351,24 @@ mod tests {
             Some(true),
             "sharded it would fit"
         );
-        // With the optimizer state and gradient sums sharded over the 8 GPUs a running
-        // rank fits, but rank 0 starts alone with the whole state on its GPU: refused,
-        // saying so.
+        // With the optimizer state and gradient sums sharded over the 8 GPUs it fits,
+        // the group's start included (rank 0 keeps its solo state on the host until the
+        // group forms: 15 GiB of fp32 weights to send and its slices then).
         let mut sharded = cfg.clone();
         sharded.learner.shard = Shard::Gradients;
         let p = run_plan(&sharded, model.clone(), Some(80.0)).unwrap();
         assert_eq!(p.configured().fits, Some(true));
-        let why = refusal(&sharded, &model, &p).expect("rank 0's solo start does not fit");
+        assert!(p.group_start < 0.9 * 80.0 * (1u64 << 30) as f64);
         assert!(
-            why.contains("starts alone") && why.contains("not built yet"),
-            "{why}"
+            refusal(&sharded, &model, &p).is_none(),
+            "{}",
+            render(&p, &source, &model)
         );
         assert!(render(&p, &source, &model).contains("gradients <"));
-        // On the H200s it names, the start fits too.
-        let p = run_plan(&sharded, model.clone(), Some(140.0)).unwrap();
-        assert!(refusal(&sharded, &model, &p).is_none());
+        // On a 24 GB GPU the start alone does not: refused, naming it.
+        let p = run_plan(&sharded, model.clone(), Some(24.0)).unwrap();
+        let why = refusal(&sharded, &model, &p).expect("the start does not fit 24 GB");
+        assert!(why.contains("while its group forms"), "{why}");
 
         let mut plain = cfg.clone();
         plain.learner.checkpoint_activations = false;

@@ -90,6 +90,9 @@ pub struct Trainer {
     /// `shard = "full"`: the most parameter bytes present at once during the last
     /// step's passes.
     pass_parameter_peak: Option<u64>,
+    /// Built for a group that has not formed yet (`from_model_dir_for_group`,
+    /// `resume_for_group`): the device the training state moves to from host memory.
+    target_device: Option<Device>,
     /// `shard = "full"`, rank 0, once its parameters were first released: the current
     /// weights (the parameters' kind) in host memory, where publishing, checkpoints and
     /// leading a group read them; the device keeps none between steps.
@@ -103,6 +106,18 @@ impl Trainer {
     /// Starts from `model_dir/model.safetensors` when present, else from random weights
     /// seeded by `config.seed` with the architecture in `model_dir/config.json`.
     pub fn from_model_dir(model_dir: &Path, config: LearnerConfig) -> Result<Self> {
+        Self::from_model_dir_staged(model_dir, config, false)
+    }
+
+    /// `from_model_dir` for rank 0 of a group that has not formed yet: with a sharded
+    /// `[learner] shard`, the training state stays in host memory until `lead_group`
+    /// gives this rank its slice (alone, a sharded rank's slice is the whole state, which
+    /// need not fit its GPU). A step taken alone moves it to the device first.
+    pub fn from_model_dir_for_group(model_dir: &Path, config: LearnerConfig) -> Result<Self> {
+        Self::from_model_dir_staged(model_dir, config, true)
+    }
+
+    fn from_model_dir_staged(model_dir: &Path, config: LearnerConfig, stage: bool) -> Result<Self> {
         let device = Device::Cpu;
         let policy = if model_dir.join("model.safetensors").exists() {
             Policy::load_dir(model_dir, device).with_context(|| {
@@ -114,7 +129,7 @@ impl Trainer {
                 .with_context(|| format!("reading {}", cfg_path.display()))?;
             Policy::new(mc, device, config.seed as i64)
         };
-        Self::new(policy, config)
+        Self::build(policy, config, Box::new(CpuCollective::solo()), stage)
     }
 
     /// A single-rank trainer.
@@ -128,21 +143,36 @@ impl Trainer {
     /// Moves the policy to `config.device` and, for mixed precision, keeps fp32 master
     /// copies of its (f32) weights and casts the model to bf16.
     pub fn with_collective(
+        policy: Policy,
+        config: LearnerConfig,
+        collective: Box<dyn Collective>,
+    ) -> Result<Self> {
+        Self::build(policy, config, collective, false)
+    }
+
+    /// `with_collective`; with `stage` and a sharded `[learner] shard`, everything is
+    /// built in host memory and moves to the configured device at `lead_group` (or at a
+    /// step taken before any group: `unstage`).
+    pub(crate) fn build(
         mut policy: Policy,
         config: LearnerConfig,
         mut collective: Box<dyn Collective>,
+        stage: bool,
     ) -> Result<Self> {
         let default_gpu = match collective.device() {
             Device::Cuda(n) => n,
             _ => 0,
         };
-        let device = config.device(default_gpu)?;
-        tutor_policy::check_device(device).map_err(|e| {
+        let target = config.device(default_gpu)?;
+        tutor_policy::check_device(target).map_err(|e| {
             anyhow::anyhow!(
                 "learner.device = {:?}: {e}; use device = \"cpu\" on a machine without one",
                 config.device
             )
         })?;
+        // (On the CPU too: the move is then no move, and the same code runs.)
+        let staged = stage && config.shard != Shard::None;
+        let device = if staged { Device::Cpu } else { target };
         if policy.device() != device {
             policy.var_store_mut().set_device(device);
         }
@@ -158,7 +188,7 @@ impl Trainer {
                 .broadcast(&mut params)
                 .context("broadcasting rank 0's initial weights")?;
         }
-        let mixed = config.mixed_precision(device);
+        let mixed = config.mixed_precision(target);
         let sharded = (config.shard != Shard::None).then(|| {
             Sharded::new(
                 config.shard,
@@ -221,8 +251,52 @@ impl Trainer {
             collective,
             pass_parameter_peak: None,
             host_params: None,
+            target_device: staged.then_some(target),
             rng,
         })
+    }
+
+    /// Moves a trainer built for a group that has not formed yet (its state in host
+    /// memory) to its device: with `shard = "full"` rank 0 first keeps the weights in
+    /// host memory and releases the parameters, so the device gets only the slices.
+    /// Nothing for any other trainer.
+    pub(crate) fn unstage(&mut self) {
+        let Some(target) = self.target_device.take() else {
+            return;
+        };
+        if self.is_fully_sharded() {
+            if self.host_params.is_none() {
+                self.host_params = Some(tch::no_grad(|| {
+                    self.params
+                        .iter()
+                        .map(|p| p.to_device(Device::Cpu).copy())
+                        .collect()
+                }));
+            }
+            let empty = Tensor::zeros([0], (self.param_kind(), Device::Cpu));
+            for p in self.params.iter_mut() {
+                p.set_data(&empty);
+            }
+        }
+        self.policy.var_store_mut().set_device(target);
+        if let Some(s) = &mut self.sharded {
+            s.weights = s.weights.to_device(target);
+            if let Some(g) = &mut s.grad_sums {
+                *g = g.to_device(target);
+            }
+        }
+        let move_all = |ts: &[Tensor]| ts.iter().map(|t| t.to_device(target)).collect();
+        let (exp_avg, exp_avg_sq) = (
+            move_all(self.optimizer.exp_avg()),
+            move_all(self.optimizer.exp_avg_sq()),
+        );
+        self.optimizer = AdamW::from_state(
+            adamw_config(&self.config),
+            self.optimizer.steps_taken(),
+            exp_avg,
+            exp_avg_sq,
+        );
+        tracing::info!(device = ?target, "the training state moved from host memory to its device");
     }
 
     /// The parameters' number format (a released parameter keeps it).

@@ -57,6 +57,27 @@ impl Trainer {
         collective: Box<dyn Collective>,
         adjust: impl FnOnce(&mut LearnerConfig),
     ) -> Result<(Self, serde_json::Value)> {
+        Self::resume_staged(dir, collective, adjust, false)
+    }
+
+    /// `resume` for rank 0 of a group that has not formed yet (see
+    /// `Trainer::from_model_dir_for_group`): alone, with the state in host memory until
+    /// the group forms.
+    pub fn resume_for_group(dir: &Path) -> Result<(Self, serde_json::Value)> {
+        Self::resume_staged(
+            dir,
+            Box::new(tutor_collective::CpuCollective::solo()),
+            |_| {},
+            true,
+        )
+    }
+
+    fn resume_staged(
+        dir: &Path,
+        collective: Box<dyn Collective>,
+        adjust: impl FnOnce(&mut LearnerConfig),
+        stage: bool,
+    ) -> Result<(Self, serde_json::Value)> {
         let dir = checkpoint::resolve(dir)?;
         let state = checkpoint::read_state(&dir)?;
         let policy = Policy::load_dir(&dir, Device::Cpu)
@@ -64,7 +85,7 @@ impl Trainer {
         let mut config = state.config.clone();
         adjust(&mut config);
         config.validate()?;
-        let mut trainer = Self::with_collective(policy, config, collective)?;
+        let mut trainer = Self::build(policy, config, collective, stage)?;
         if trainer.param_names != state.parameters {
             bail!(
                 "{}: the parameters listed in {} do not match the model's",
@@ -210,8 +231,10 @@ impl Trainer {
         collective
             .broadcast_bytes(&mut header)
             .context("sending the training state to the other ranks")?;
-        // The fp32 weights: a joining rank casts them as `with_collective` does here.
-        let device = self.params[0].device();
+        // The fp32 weights: a joining rank casts them as `with_collective` does here. On
+        // the collective's device (a trainer built for the group still has its state in
+        // host memory).
+        let device = collective.device();
         let mut weights: Vec<Tensor> = match &full.master {
             // Sharded, the gathered masters are in host memory.
             Some(m) => m.iter().map(|w| w.to_device(device)).collect(),
@@ -234,12 +257,12 @@ impl Trainer {
                 .broadcast(&mut moments)
                 .context("sending the optimizer state to the other ranks")?;
             self.collective = collective;
+            self.unstage();
             return Ok(());
         }
         // Sharded: each rank gets its slice of the moments (one broadcast per rank, each
         // a slice long, so no rank ever holds the whole state on its device).
         let world = collective.world_size();
-        let device = self.params[0].device();
         for r in 1..world {
             let layout =
                 FlatLayout::for_mode(self.config.shard, &self.param_names, &weights, world, r);
@@ -254,6 +277,10 @@ impl Trainer {
         self.collective = collective;
         let mode = self.config.shard;
         let mixed = full.master.is_some();
+        // Where the slices live: the device this trainer trains on.
+        let home = self
+            .target_device
+            .unwrap_or_else(|| self.params[0].device());
         self.sharded = Some(Sharded::new(
             mode,
             &self.param_names,
@@ -261,10 +288,13 @@ impl Trainer {
             world,
             0,
             mixed,
-            device,
+            home,
         ));
+        drop(weights);
         let steps = self.optimizer.steps_taken();
         self.install_moments(steps, full.exp_avg, full.exp_avg_sq);
+        // Now only this rank's slices are on the device; the model follows.
+        self.unstage();
         Ok(())
     }
 

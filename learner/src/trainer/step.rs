@@ -80,6 +80,8 @@ impl Trainer {
             s.check_whole()
                 .map_err(|e| StepError::ShardLost(format!("{e:#}")))?;
         }
+        // A trainer built for a group that never formed trains alone, on its device.
+        self.unstage();
         let rounds = self.pass_rounds(batches.len())?;
         let gate = self.open_gate();
         let (mut local_sum, mut local_tokens, mut passes) = (0.0, 0u64, 0);
