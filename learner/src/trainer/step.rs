@@ -80,8 +80,6 @@ impl Trainer {
             s.check_whole()
                 .map_err(|e| StepError::ShardLost(format!("{e:#}")))?;
         }
-        // A trainer built for a group that never formed trains alone, on its device.
-        self.unstage();
         let rounds = self.pass_rounds(batches.len())?;
         let gate = self.open_gate();
         let (mut local_sum, mut local_tokens, mut passes) = (0.0, 0u64, 0);
@@ -216,6 +214,9 @@ impl Trainer {
         if self.collective.world_size() == 1 && no_examples {
             return None;
         }
+        // A trainer built for a group that never formed trains alone, on its device
+        // (before the step's batches are made for the policy's device).
+        self.unstage();
         self.policy.clear_checkpointed();
         for p in self.params.iter_mut() {
             p.zero_grad();
