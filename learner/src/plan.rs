@@ -303,16 +303,8 @@ pub fn plan(input: &PlanInput) -> Plan {
     } else {
         0.0
     };
-    let group_start = {
-        let m = memory
-            .iter()
-            .find(|x| x.shard == input.shard)
-            .expect("every mode is planned");
-        // No `.grad` yet; the fp32 weights go out to the other ranks from the device.
-        m.state - m.grads + 4.0 * n
-    };
-    Plan {
-        group_start,
+    let mut plan = Plan {
+        group_start: 0.0,
         parameters: m.num_parameters() as u64,
         matmul_parameters: matmul_parameters(m),
         seq_len: input.seq_len,
@@ -330,7 +322,11 @@ pub fn plan(input: &PlanInput) -> Plan {
         pass_flops,
         step_flops,
         step_flops_executed: step_flops + recompute,
-    }
+    };
+    // No `.grad` yet; the fp32 weights go out to the other ranks from the device.
+    let m = plan.configured();
+    plan.group_start = m.state - m.grads + 4.0 * n;
+    plan
 }
 
 #[cfg(test)]

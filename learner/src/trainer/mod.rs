@@ -265,18 +265,8 @@ impl Trainer {
             return;
         };
         if self.is_fully_sharded() {
-            if self.host_params.is_none() {
-                self.host_params = Some(tch::no_grad(|| {
-                    self.params
-                        .iter()
-                        .map(|p| p.to_device(Device::Cpu).copy())
-                        .collect()
-                }));
-            }
-            let empty = Tensor::zeros([0], (self.param_kind(), Device::Cpu));
-            for p in self.params.iter_mut() {
-                p.set_data(&empty);
-            }
+            self.keep_weights_on_host();
+            shard::release_all(&mut self.params, Device::Cpu);
         }
         self.policy.var_store_mut().set_device(target);
         if let Some(s) = &mut self.sharded {
@@ -297,6 +287,19 @@ impl Trainer {
             exp_avg_sq,
         );
         tracing::info!(device = ?target, "the training state moved from host memory to its device");
+    }
+
+    /// `shard = "full"`, rank 0: copies the parameters, still whole, to host memory if it
+    /// holds no copy there yet (before they are first released).
+    pub(crate) fn keep_weights_on_host(&mut self) {
+        if self.host_params.is_none() {
+            self.host_params = Some(tch::no_grad(|| {
+                self.params
+                    .iter()
+                    .map(|p| p.to_device(Device::Cpu).copy())
+                    .collect()
+            }));
+        }
     }
 
     /// The parameters' number format (a released parameter keeps it).

@@ -140,13 +140,20 @@ impl FlatLayout {
         self.share
     }
 
-    /// Where parameter `j` starts within its unit, its elements and its shape.
-    pub(crate) fn param_in_unit(&self, unit: &Unit, j: usize) -> (i64, i64, &[i64]) {
-        (
-            self.offsets[j] - unit.start,
-            self.numels[j],
-            &self.shapes[j],
-        )
+    /// Each parameter of `unit` (its index) with its elements of the gathered unit
+    /// `all`, shaped like it (views of `all`).
+    pub(crate) fn unit_views<'a>(
+        &'a self,
+        unit: &'a Unit,
+        all: &'a Tensor,
+    ) -> impl Iterator<Item = (usize, Tensor)> + 'a {
+        unit.params.iter().map(move |&j| {
+            let at = self.offsets[j] - unit.start;
+            let view = all
+                .narrow(0, at, self.numels[j])
+                .view(self.shapes[j].as_slice());
+            (j, view)
+        })
     }
 
     /// The flat vector of `tensors` (shaped like the parameters) in `kind`, padded: one
@@ -437,9 +444,8 @@ impl Sharded {
                     .all_gather_unit(unit, &self.weights, kind, collective)?;
                 if let Some(host) = host.as_deref_mut() {
                     let all = all.to_device(Device::Cpu);
-                    for &j in &unit.params {
-                        let (at, n, shape) = self.layout.param_in_unit(unit, j);
-                        host[j] = all.narrow(0, at, n).view(shape).copy();
+                    for (j, view) in self.layout.unit_views(unit, &all) {
+                        host[j] = view.copy();
                     }
                 }
             }
@@ -465,9 +471,8 @@ impl Sharded {
 /// Points each parameter of `unit` at its elements of the gathered unit `all` (views:
 /// the unit's one buffer lives as long as any of them does).
 fn set_unit(layout: &FlatLayout, unit: &Unit, all: &Tensor, params: &mut [Tensor]) {
-    for &j in &unit.params {
-        let (at, n, shape) = layout.param_in_unit(unit, j);
-        params[j].set_data(&all.narrow(0, at, n).view(shape));
+    for (j, view) in layout.unit_views(unit, all) {
+        params[j].set_data(&view);
     }
 }
 
@@ -475,6 +480,15 @@ fn set_unit(layout: &FlatLayout, unit: &Unit, all: &Tensor, params: &mut [Tensor
 fn release_unit(unit: &Unit, params: &mut [Tensor], empty: &Tensor) {
     for &j in &unit.params {
         params[j].set_data(empty);
+    }
+}
+
+/// Releases every parameter (see `release_unit`), each keeping its kind, on `device`.
+pub(crate) fn release_all(params: &mut [Tensor], device: Device) {
+    let kind = params.first().map_or(Kind::Float, Tensor::kind);
+    let empty = Tensor::zeros([0], (kind, device));
+    for p in params {
+        p.set_data(&empty);
     }
 }
 
@@ -533,9 +547,7 @@ impl FullGate {
         let device = sharded.weights.device();
         let empty = Tensor::zeros([0], (kind, device));
         let mut params: Vec<Tensor> = params.iter().map(Tensor::shallow_clone).collect();
-        for unit in sharded.layout.units() {
-            release_unit(unit, &mut params, &empty);
-        }
+        release_all(&mut params, device);
         Self {
             layout: sharded.layout.clone(),
             params,
@@ -624,9 +636,8 @@ impl FullGate {
         let device = self.weights.device();
         let flat = Tensor::zeros([unit.padded], (Kind::Float, device));
         if let Some(grads) = grads {
-            for (g, &j) in grads.iter().zip(&unit.params) {
-                let (at, n, _) = self.layout.param_in_unit(unit, j);
-                flat.narrow(0, at, n).copy_(&g.reshape([-1]));
+            for (g, (_, mut view)) in grads.iter().zip(self.layout.unit_views(unit, &flat)) {
+                view.copy_(g);
             }
         }
         if self.failed.is_none() && unit.part > 0 {

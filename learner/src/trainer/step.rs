@@ -134,13 +134,8 @@ impl Trainer {
         if !self.is_fully_sharded() {
             return None;
         }
-        if self.collective.rank() == 0 && self.host_params.is_none() {
-            self.host_params = Some(tch::no_grad(|| {
-                self.params
-                    .iter()
-                    .map(|p| p.to_device(tch::Device::Cpu).copy())
-                    .collect()
-            }));
+        if self.collective.rank() == 0 {
+            self.keep_weights_on_host();
         }
         let s = self.sharded.as_ref()?;
         let collective = std::mem::replace(&mut self.collective, Box::new(CpuCollective::solo()));
