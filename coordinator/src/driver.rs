@@ -20,7 +20,7 @@ use tutor_proto::{
 };
 
 use crate::config::{CoordinatorConfig, ScheduleMode};
-use crate::dataset::{make_batches, make_episode_batches, split_oversized};
+use crate::dataset::{make_batches, make_episode_batches, split_oversized, DatasetExample, Step};
 use crate::rollouts::submit_rate_and_mean_turns;
 use crate::run_events::EventLog;
 use crate::scheduler::{IterationRollouts, SchedulerHandle};
@@ -180,7 +180,7 @@ impl Driver {
                 let stale = self.scheduler.seal(iteration, base).await;
                 let examples = self
                     .scheduler
-                    .examples(iteration, self.config.aggregates())
+                    .dataset(iteration, self.config.aggregates())
                     .await;
                 (Vec::new(), stale, examples.len() as u64)
             } else {
@@ -191,12 +191,12 @@ impl Driver {
                 let stale = self.scheduler.seal(iteration, base).await;
                 let examples = self
                     .scheduler
-                    .examples(iteration, self.config.aggregates())
+                    .dataset(iteration, self.config.aggregates())
                     .await;
                 let batcher = if self.config.batch_by_episode {
-                    make_episode_batches
+                    make_episode_batches::<DatasetExample>
                 } else {
-                    make_batches
+                    make_batches::<DatasetExample>
                 };
                 let mut batches = batcher(
                     &examples,
@@ -213,7 +213,8 @@ impl Driver {
                 // every attempt: it goes as several smaller steps.
                 let batches = split_oversized(batches, tutor_proto::MAX_MESSAGE_BYTES)
                     .with_context(|| format!("building the batches of iteration {iteration}"))?;
-                // The batches hold copies: the examples are not kept while training.
+                // The steps hold handles (the examples in memory or in the examples'
+                // file): each step's examples are read as it is sent.
                 let train_examples = examples.len() as u64;
                 drop(examples);
                 let (losses, published) = self.train(&mut learner, iteration, batches).await?;
@@ -371,9 +372,10 @@ impl Driver {
         &self,
         learner: &mut Learner,
         iteration: u32,
-        batches: Vec<tutor_proto::TrainBatch>,
+        batches: Vec<Step<DatasetExample>>,
     ) -> Result<(Vec<f64>, (u64, String))> {
-        // Shared by the attempts; each batch is copied only as it is sent.
+        // Shared by the attempts; each batch is made (its examples copied or read from
+        // the examples' file) only as it is sent.
         let batches = Arc::new(batches);
         let mut losses = BTreeMap::new();
         let mut attempt = 0u32;
@@ -424,50 +426,75 @@ impl Driver {
         &self,
         learner: &mut Learner,
         iteration: u32,
-        batches: Arc<Vec<tutor_proto::TrainBatch>>,
+        batches: Arc<Vec<Step<DatasetExample>>>,
         losses: &mut BTreeMap<u32, f64>,
     ) -> Result<(u64, String)> {
         let total = batches.len() as u32;
         let (tx, rx) = mpsc::channel(2);
-        tokio::spawn(async move {
-            for b in batches.iter() {
-                if tx.send(b.clone()).await.is_err() {
-                    return;
+        // Memory holds the step being sent and the two the channel holds, however large
+        // the dataset. A step that cannot be read ends the stream; its error is the
+        // attempt's.
+        let sender = tokio::spawn(async move {
+            for i in 0..batches.len() {
+                let steps = batches.clone();
+                let batch = tokio::task::spawn_blocking(move || steps[i].load())
+                    .await
+                    .context("reading a step's examples")?
+                    .with_context(|| {
+                        format!(
+                            "reading the examples of step {} of iteration {iteration} from \
+                             the examples' file in the run directory",
+                            batches[i].step
+                        )
+                    })?;
+                if tx.send(batch).await.is_err() {
+                    break;
                 }
             }
+            anyhow::Ok(())
         });
         let mut req = Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
         req.set_timeout(Duration::from_secs_f64(self.config.train_timeout_s));
-        let mut progress = learner
-            .train(req)
-            .await
-            .context("starting the train stream")?
-            .into_inner();
-        let mut published = None;
-        while let Some(p) = progress
-            .message()
-            .await
-            .context("train stream from the learner")?
-        {
-            if p.label_tokens > 0 && !p.already_applied {
-                losses.insert(p.step, p.loss);
+        let streamed = async {
+            let mut progress = learner
+                .train(req)
+                .await
+                .context("starting the train stream")?
+                .into_inner();
+            let mut published = None;
+            while let Some(p) = progress
+                .message()
+                .await
+                .context("train stream from the learner")?
+            {
+                if p.label_tokens > 0 && !p.already_applied {
+                    losses.insert(p.step, p.loss);
+                }
+                self.events.publish(RunEvent {
+                    event: Some(run_event::Event::Training(TrainingProgress {
+                        iteration,
+                        step: p.step + 1,
+                        steps_total: total,
+                        loss: p.loss,
+                    })),
+                });
+                if !p.published_sha256.is_empty() {
+                    published = Some((p.published_version, p.published_sha256));
+                }
             }
-            self.events.publish(RunEvent {
-                event: Some(run_event::Event::Training(TrainingProgress {
-                    iteration,
-                    step: p.step + 1,
-                    steps_total: total,
-                    loss: p.loss,
-                })),
-            });
-            if !p.published_sha256.is_empty() {
-                published = Some((p.published_version, p.published_sha256));
+            match published {
+                Some(p) => Ok(p),
+                None => bail!("the learner ended the train stream without publishing a version"),
             }
         }
-        match published {
-            Some(p) => Ok(p),
-            None => bail!("the learner ended the train stream without publishing a version"),
+        .await;
+        if streamed.is_err() && sender.is_finished() {
+            // A step that could not be read ended the stream: that is the cause.
+            sender.await.context("sending the steps")??;
+        } else {
+            sender.abort();
         }
+        streamed
     }
 
     async fn wait_for_sync(&self, version: u64) {

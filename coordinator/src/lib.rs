@@ -170,6 +170,16 @@ pub async fn serve(
     // Closes when the store's writer thread ends early (a poisoned store): the
     // coordinator then stops with the store's error. Dropped before the writer is joined.
     let store_watch = store_tx.clone();
+    // DAgger's aggregated dataset grows with the run: its examples live in a file in
+    // the run directory (unnamed: it goes with the process), not in memory.
+    let examples_file = if opts.config.aggregates() {
+        Some(
+            dataset::ExampleSpill::create_in(&opts.run_dir)
+                .context("the aggregated dataset's examples are kept in the run directory")?,
+        )
+    } else {
+        None
+    };
     let scheduler = scheduler::SchedulerHandle::spawn_with_store(
         opts.config.clone(),
         opts.train_tasks,
@@ -181,6 +191,7 @@ pub async fn serve(
             ..recovery
         },
         Some(&store_tx),
+        examples_file,
     );
     // A restarted coordinator's watchers still get the earlier iterations' summaries.
     let events = run_events::EventLog::with_history(if resumed {

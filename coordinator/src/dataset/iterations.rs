@@ -4,12 +4,15 @@
 //! (`CoordinatorConfig::aggregates`) only the newest iteration is trained on: opening
 //! iteration i drops the examples of the iterations before i − 1 (i − 1 may still be
 //! training in async mode), keeping their label counts, so memory holds at most two
-//! iterations' examples however long the run.
+//! iterations' examples however long the run. With aggregation and an examples' file
+//! (`ExampleSpill`, in the run directory) every example goes to the file as its episode
+//! ends, and memory holds only what batching needs of each (`DatasetExample`).
 
 use std::collections::BTreeMap;
 
 use tutor_proto::TrainExample;
 
+use super::spill::{DatasetExample, ExampleSpill};
 use crate::algorithms::{dapo_examples, group_stats, GroupedEpisode};
 use crate::config::{Algorithm, CoordinatorConfig, ScheduleMode};
 use crate::rollouts::GroupStats;
@@ -26,11 +29,22 @@ pub struct EpisodeData {
     pub reward: f64,
 }
 
+/// A pushed episode as the datasets keep it: its examples in memory or in the file.
+struct StoredEpisode {
+    slot: usize,
+    policy_version: u64,
+    examples: Vec<DatasetExample>,
+    group: u32,
+    reward: f64,
+}
+
 /// Counted training episodes by iteration, and per iteration whose training started:
 /// the learner version it started from and how many of its episodes were too stale.
 pub struct IterationDatasets {
     config: CoordinatorConfig,
-    episodes: BTreeMap<u32, Vec<EpisodeData>>,
+    /// Where examples go when aggregating (None: they stay in memory).
+    spill: Option<ExampleSpill>,
+    episodes: BTreeMap<u32, Vec<StoredEpisode>>,
     /// Iterations whose examples were dropped (not aggregating): their label counts.
     dropped: BTreeMap<u32, u64>,
     train_bases: BTreeMap<u32, u64>,
@@ -38,8 +52,16 @@ pub struct IterationDatasets {
 }
 
 impl IterationDatasets {
+    /// Datasets keeping every example in memory.
     pub fn new(config: CoordinatorConfig) -> Self {
+        Self::with_spill(config, None)
+    }
+
+    /// Datasets writing the examples to `spill` when the run aggregates (its examples
+    /// then grow with the run); without aggregation `spill` is not used.
+    pub fn with_spill(config: CoordinatorConfig, spill: Option<ExampleSpill>) -> Self {
         Self {
+            spill: spill.filter(|_| config.aggregates()),
             config,
             episodes: BTreeMap::new(),
             dropped: BTreeMap::new(),
@@ -63,18 +85,53 @@ impl IterationDatasets {
         }
     }
 
-    /// Training examples held in memory, over every iteration.
+    /// Training examples held in memory (not in the examples' file), over every
+    /// iteration.
     pub fn examples_in_memory(&self) -> usize {
         self.episodes
             .values()
             .flatten()
-            .map(|e| e.examples.len())
-            .sum()
+            .flat_map(|e| &e.examples)
+            .filter(|x| !x.is_spilled())
+            .count()
+    }
+
+    /// Bytes written to the examples' file (0 without one).
+    pub fn spilled_bytes(&self) -> u64 {
+        self.spill.as_ref().map_or(0, ExampleSpill::len)
     }
 
     /// Adds a finished episode, in slot order: the examples (and so the seeded batch
     /// order) of an iteration are the same whichever order its episodes finished in.
+    /// With an examples' file they are written there; one that cannot be written (a
+    /// full disk) is kept in memory instead, with a warning: nothing is lost.
     pub fn push(&mut self, iteration: u32, episode: EpisodeData) {
+        let examples = episode
+            .examples
+            .into_iter()
+            .map(|x| match self.spill.as_mut().map(|f| f.append(&x)) {
+                Some(Ok(stored)) => stored,
+                Some(Err(e)) => {
+                    tracing::warn!(
+                        iteration,
+                        episode = %x.episode_id,
+                        turn = x.turn_index,
+                        error = %e,
+                        "could not write a training example to the examples' file in the \
+                         run directory: it is kept in memory"
+                    );
+                    DatasetExample::in_memory(x)
+                }
+                None => DatasetExample::in_memory(x),
+            })
+            .collect();
+        let episode = StoredEpisode {
+            slot: episode.slot,
+            policy_version: episode.policy_version,
+            examples,
+            group: episode.group,
+            reward: episode.reward,
+        };
         let eps = self.episodes.entry(iteration).or_default();
         let at = eps.partition_point(|e| e.slot <= episode.slot);
         eps.insert(at, episode);
@@ -125,7 +182,7 @@ impl IterationDatasets {
     /// Whether an episode of `iteration` lags the version its training started from by
     /// more than `max_staleness`. Only async mode filters: in sync mode an iteration's
     /// episodes are sampled with the version its training starts from.
-    fn is_stale(&self, iteration: u32, e: &EpisodeData) -> bool {
+    fn is_stale(&self, iteration: u32, e: &StoredEpisode) -> bool {
         self.config.mode == ScheduleMode::Async
             && self.train_bases.get(&iteration).is_some_and(|base| {
                 base.saturating_sub(e.policy_version) > self.config.max_staleness
@@ -133,27 +190,45 @@ impl IterationDatasets {
     }
 
     /// The training examples of `iteration` (with `aggregate`, of every iteration up to
-    /// it), less the episodes the staleness filter left out. `aggregate` is
-    /// `config.aggregates()`: without it, iterations before `iteration - 1` are gone.
-    pub fn examples(&self, iteration: u32, aggregate: bool) -> Vec<TrainExample> {
+    /// it), less the episodes the staleness filter left out, in memory or in the
+    /// examples' file. `aggregate` is `config.aggregates()`: without it, iterations
+    /// before `iteration - 1` are gone.
+    pub fn examples(&self, iteration: u32, aggregate: bool) -> Vec<DatasetExample> {
         let first = if aggregate { 0 } else { iteration };
         if self.config.algorithm == Algorithm::Dapo {
-            // Advantages are normalised within each iteration's groups.
+            // Advantages are normalised within each iteration's groups. DAPO does not
+            // aggregate, so its examples are in memory.
             return self
                 .episodes
                 .range(first..=iteration)
                 .flat_map(|(&k, eps)| {
-                    let grouped: Vec<GroupedEpisode> = eps
+                    let kept: Vec<(&StoredEpisode, Vec<TrainExample>)> = eps
                         .iter()
                         .filter(|e| !self.is_stale(k, e))
-                        .map(|e| GroupedEpisode {
+                        .filter_map(|e| match load_all(&e.examples) {
+                            Ok(examples) => Some((e, examples)),
+                            Err(err) => {
+                                tracing::error!(
+                                    iteration = k,
+                                    slot = e.slot,
+                                    error = %err,
+                                    "a DAPO episode's examples could not be read: left out"
+                                );
+                                None
+                            }
+                        })
+                        .collect();
+                    let grouped: Vec<GroupedEpisode> = kept
+                        .iter()
+                        .map(|(e, examples)| GroupedEpisode {
                             group: e.group,
                             reward: e.reward,
-                            examples: &e.examples,
+                            examples,
                         })
                         .collect();
                     dapo_examples(&grouped, self.config.advantage_eps).0
                 })
+                .map(DatasetExample::in_memory)
                 .collect();
         }
         self.episodes
@@ -186,11 +261,17 @@ impl IterationDatasets {
     }
 }
 
+/// The examples themselves, read from the file where they are there.
+fn load_all(examples: &[DatasetExample]) -> std::io::Result<Vec<TrainExample>> {
+    examples.iter().map(DatasetExample::load).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use tutor_proto::{episode_event, EpisodeEvent, Task, TrainExample, TurnRecord};
 
     use super::{EpisodeData, IterationDatasets};
+    use crate::dataset::{BatchItem, ExampleSpill};
 
     use crate::config::{CoordinatorConfig, ScheduleMode};
     use crate::scheduler::tests::outcome;
@@ -263,8 +344,17 @@ mod tests {
     /// of `config`, training each on `examples(k, aggregates)` as the driver does;
     /// returns the datasets and the examples each iteration trained on.
     fn run(config: CoordinatorConfig, iterations: u32) -> (IterationDatasets, Vec<usize>) {
+        run_with(config, iterations, None)
+    }
+
+    /// `run` with an examples' file.
+    fn run_with(
+        config: CoordinatorConfig,
+        iterations: u32,
+        spill: Option<ExampleSpill>,
+    ) -> (IterationDatasets, Vec<usize>) {
         let aggregate = config.aggregates();
-        let mut datasets = IterationDatasets::new(config);
+        let mut datasets = IterationDatasets::with_spill(config, spill);
         let mut trained = Vec::new();
         for k in 0..iterations {
             datasets.open(k);
@@ -276,7 +366,8 @@ mod tests {
                         policy_version: u64::from(k),
                         examples: (0..3)
                             .map(|t| TrainExample {
-                                tokens: vec![1; 8],
+                                tokens: vec![k + 1; 8 + t as usize],
+                                loss_mask: vec![true; 8 + t as usize],
                                 episode_id: format!("it{k}-ep{ep}"),
                                 turn_index: t,
                                 ..Default::default()
@@ -316,6 +407,45 @@ mod tests {
         assert_eq!(datasets.teacher_labels_through(9), 60);
     }
 
+    /// With an examples' file an aggregating run keeps no example in memory, and trains
+    /// on the same examples; a run without aggregation does not use the file; an example
+    /// the file cannot take (a full disk) is kept in memory, not lost.
+    #[test]
+    fn with_an_examples_file_aggregated_examples_are_kept_there() {
+        let load = |d: &IterationDatasets, k: u32| {
+            d.examples(k, true)
+                .iter()
+                .map(|e| e.load().unwrap())
+                .collect::<Vec<_>>()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (memory, _) = run(CoordinatorConfig::default(), 4);
+        let spill = ExampleSpill::create_in(dir.path()).unwrap();
+        let (on_disk, trained) = run_with(CoordinatorConfig::default(), 4, Some(spill));
+        assert_eq!(trained, vec![6, 12, 18, 24]);
+        assert_eq!(on_disk.examples_in_memory(), 0);
+        assert!(on_disk.spilled_bytes() > 24 * 8);
+        assert_eq!(on_disk.teacher_labels_through(3), 24);
+        assert_eq!(load(&on_disk, 3), load(&memory, 3));
+        assert_eq!(load(&on_disk, 1), load(&memory, 1));
+
+        let config = CoordinatorConfig {
+            aggregate: false,
+            ..Default::default()
+        };
+        let spill = ExampleSpill::create_in(dir.path()).unwrap();
+        let (plain, _) = run_with(config, 4, Some(spill));
+        assert_eq!((plain.spilled_bytes(), plain.examples_in_memory()), (0, 12));
+
+        // A file that refuses every write (opened read-only).
+        let path = dir.path().join("read-only");
+        std::fs::write(&path, b"").unwrap();
+        let refusing = ExampleSpill::from_file(std::fs::File::open(&path).unwrap());
+        let (kept, _) = run_with(CoordinatorConfig::default(), 2, Some(refusing));
+        assert_eq!(kept.examples_in_memory(), 12);
+        assert_eq!(load(&kept, 1), load(&memory, 1));
+    }
+
     /// Two workers finish an iteration's episodes in whatever order their timing gives:
     /// the dataset, and so the seeded batches, are the same for every finishing order.
     #[test]
@@ -348,7 +478,7 @@ mod tests {
                 .map(|b| {
                     b.examples
                         .iter()
-                        .map(|e| (e.episode_id.clone(), e.turn_index))
+                        .map(|e| (e.episode().to_string(), e.turn()))
                         .collect::<Vec<_>>()
                 })
                 .collect::<Vec<_>>()

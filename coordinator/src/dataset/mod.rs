@@ -7,8 +7,10 @@
 //! `iterations`.
 
 mod iterations;
+mod spill;
 
 pub use iterations::{EpisodeData, IterationDatasets};
+pub use spill::{BatchItem, DatasetExample, ExampleSpill};
 
 use prost::Message;
 use rand::seq::SliceRandom;
@@ -311,20 +313,20 @@ pub fn with_advantage(mut example: TrainExample, advantage: f64) -> TrainExample
 /// the learner then computes once). Episodes are shuffled per epoch; a batch's budget
 /// counts each episode's longest example once (about its packed size) plus the label
 /// tokens of its other examples. An episode larger than the budget forms a batch alone.
-pub fn make_episode_batches(
-    examples: &[TrainExample],
+pub fn make_episode_batches<E: BatchItem>(
+    examples: &[E],
     iteration: u32,
     batch_tokens: usize,
     epochs: u32,
     max_steps: u32,
     seed: u64,
-) -> Vec<TrainBatch> {
+) -> Vec<Step<E>> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ ((iteration as u64) << 32));
     // Episodes in first-appearance order, each with its examples and packed-size estimate.
     let mut index: std::collections::HashMap<&str, usize> = Default::default();
     let mut episodes: Vec<(Vec<usize>, usize)> = Vec::new();
     for (i, e) in examples.iter().enumerate() {
-        let k = *index.entry(e.episode_id.as_str()).or_insert_with(|| {
+        let k = *index.entry(e.episode()).or_insert_with(|| {
             episodes.push((Vec::new(), 0));
             episodes.len() - 1
         });
@@ -333,22 +335,19 @@ pub fn make_episode_batches(
     for (members, size) in &mut episodes {
         let longest = members
             .iter()
-            .map(|&i| examples[i].tokens.len())
+            .map(|&i| examples[i].token_count())
             .max()
             .unwrap_or(0);
-        let labels: usize = members
-            .iter()
-            .map(|&i| examples[i].loss_mask.iter().filter(|m| **m).count())
-            .sum();
+        let labels: usize = members.iter().map(|&i| examples[i].label_count()).sum();
         *size = longest + labels;
     }
-    let mut batches: Vec<Vec<TrainExample>> = Vec::new();
+    let mut batches: Vec<Vec<E>> = Vec::new();
     'epochs: for _ in 0..epochs.max(1) {
         let mut order: Vec<usize> = (0..episodes.len()).collect();
         order.shuffle(&mut rng);
-        let mut cur: Vec<TrainExample> = Vec::new();
+        let mut cur: Vec<E> = Vec::new();
         let mut cur_size = 0usize;
-        let mut epoch_batches: Vec<Vec<TrainExample>> = Vec::new();
+        let mut epoch_batches: Vec<Vec<E>> = Vec::new();
         for k in order {
             let (members, size) = &episodes[k];
             if !cur.is_empty() && cur_size + size > batch_tokens {
@@ -375,26 +374,26 @@ pub fn make_episode_batches(
 /// `batch_tokens`, for `epochs` passes in a seeded order, at most `max_steps` batches.
 /// The last batch is marked `publish`. Always returns at least one batch, so a phase
 /// with no data still publishes a version.
-pub fn make_batches(
-    examples: &[TrainExample],
+pub fn make_batches<E: BatchItem>(
+    examples: &[E],
     iteration: u32,
     batch_tokens: usize,
     epochs: u32,
     max_steps: u32,
     seed: u64,
-) -> Vec<TrainBatch> {
+) -> Vec<Step<E>> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ ((iteration as u64) << 32));
-    let mut batches: Vec<Vec<TrainExample>> = Vec::new();
+    let mut batches: Vec<Vec<E>> = Vec::new();
     'epochs: for _ in 0..epochs.max(1) {
         // Similar lengths together wastes less padding; the batch order is shuffled.
         let mut order: Vec<usize> = (0..examples.len()).collect();
         order.shuffle(&mut rng);
-        order.sort_by_key(|&i| examples[i].tokens.len());
-        let mut epoch_batches: Vec<Vec<TrainExample>> = Vec::new();
-        let mut cur: Vec<TrainExample> = Vec::new();
+        order.sort_by_key(|&i| examples[i].token_count());
+        let mut epoch_batches: Vec<Vec<E>> = Vec::new();
+        let mut cur: Vec<E> = Vec::new();
         let mut cur_max = 0usize;
         for i in order {
-            let len = examples[i].tokens.len();
+            let len = examples[i].token_count();
             let new_max = cur_max.max(len);
             if !cur.is_empty() && new_max * (cur.len() + 1) > batch_tokens {
                 epoch_batches.push(std::mem::take(&mut cur));
@@ -417,9 +416,75 @@ pub fn make_batches(
     numbered(batches, iteration)
 }
 
-/// The batches of an iteration as `TrainBatch`es numbered in order, the last one marked
+/// One optimizer step as the coordinator plans it: a `TrainBatch` whose examples may
+/// still be in the examples' file (`DatasetExample`); it becomes the message as it is
+/// sent (`Step::load`, or `Step::into_batch` for examples in memory).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Step<E> {
+    pub iteration: u32,
+    pub step: u32,
+    pub publish: bool,
+    pub run_id: String,
+    pub examples: Vec<E>,
+}
+
+impl<E> Step<E> {
+    /// The message with every field but the examples.
+    fn header(&self) -> TrainBatch {
+        TrainBatch {
+            iteration: self.iteration,
+            step: self.step,
+            examples: Vec::new(),
+            publish: self.publish,
+            run_id: self.run_id.clone(),
+        }
+    }
+}
+
+impl<E: BatchItem> Step<E> {
+    /// Bytes of the `TrainBatch` message this step becomes.
+    pub fn encoded_len(&self) -> usize {
+        self.header().encoded_len()
+            + self
+                .examples
+                .iter()
+                .map(|e| example_field_len(e.encoded_bytes()))
+                .sum::<usize>()
+    }
+}
+
+impl Step<TrainExample> {
+    pub fn into_batch(self) -> TrainBatch {
+        let header = self.header();
+        TrainBatch {
+            examples: self.examples,
+            ..header
+        }
+    }
+}
+
+impl Step<DatasetExample> {
+    /// The message, its examples read from the examples' file (blocking).
+    pub fn load(&self) -> std::io::Result<TrainBatch> {
+        Ok(TrainBatch {
+            examples: self
+                .examples
+                .iter()
+                .map(DatasetExample::load)
+                .collect::<std::io::Result<_>>()?,
+            ..self.header()
+        })
+    }
+}
+
+/// What an example of `n` encoded bytes adds to a `TrainBatch`: tag, length, bytes.
+fn example_field_len(n: usize) -> usize {
+    1 + prost::length_delimiter_len(n) + n
+}
+
+/// The batches of an iteration as steps numbered in order, the last one marked
 /// `publish`; at least one (empty) batch, so a phase with no data still publishes.
-fn numbered(mut batches: Vec<Vec<TrainExample>>, iteration: u32) -> Vec<TrainBatch> {
+fn numbered<E>(mut batches: Vec<Vec<E>>, iteration: u32) -> Vec<Step<E>> {
     if batches.is_empty() {
         batches.push(Vec::new());
     }
@@ -427,7 +492,7 @@ fn numbered(mut batches: Vec<Vec<TrainExample>>, iteration: u32) -> Vec<TrainBat
     batches
         .into_iter()
         .enumerate()
-        .map(|(i, examples)| TrainBatch {
+        .map(|(i, examples)| Step {
             iteration,
             step: i as u32,
             examples,
@@ -461,10 +526,10 @@ pub struct ExampleTooLarge {
 /// numbered again in order, the last one marked `publish`. The split is a function of
 /// the batches only, so an iteration's batches built again (a resend after a broken
 /// stream or a restart) get the same steps. Set `run_id` before: it counts in the size.
-pub fn split_oversized(
-    batches: Vec<TrainBatch>,
+pub fn split_oversized<E: BatchItem>(
+    batches: Vec<Step<E>>,
     max_bytes: usize,
-) -> Result<Vec<TrainBatch>, ExampleTooLarge> {
+) -> Result<Vec<Step<E>>, ExampleTooLarge> {
     if batches.iter().all(|b| b.encoded_len() <= max_bytes) {
         return Ok(batches);
     }
@@ -481,30 +546,27 @@ pub fn split_oversized(
         let header = TrainBatch {
             step: u32::MAX,
             publish: true,
-            ..batch.clone()
+            ..batch.header()
         }
         .encoded_len();
         let room = max_bytes.saturating_sub(header);
         // What each example adds to the message: tag, length, bytes.
         let sizes: Vec<usize> = examples
             .iter()
-            .map(|e| {
-                let n = e.encoded_len();
-                1 + prost::length_delimiter_len(n) + n
-            })
+            .map(|e| example_field_len(e.encoded_bytes()))
             .collect();
         if let Some(i) = sizes.iter().position(|&n| n > room) {
             let e = &examples[i];
             return Err(ExampleTooLarge {
-                episode_id: e.episode_id.clone(),
-                turn_index: e.turn_index,
-                bytes: e.encoded_len(),
+                episode_id: e.episode().to_string(),
+                turn_index: e.turn(),
+                bytes: e.encoded_bytes(),
                 max: max_bytes,
             });
         }
         let total: usize = sizes.iter().sum();
         let target = total.div_ceil(total.div_ceil(room));
-        let mut parts: Vec<Vec<TrainExample>> = vec![Vec::new()];
+        let mut parts: Vec<Vec<E>> = vec![Vec::new()];
         let mut part_size = 0usize;
         for (e, n) in examples.into_iter().zip(sizes) {
             if part_size > 0 && (part_size + n > room || part_size >= target) {
@@ -523,9 +585,12 @@ pub fn split_oversized(
             "a batch over the learner's message limit is split into several steps (lower \
              coordinator.batch_tokens to avoid it)"
         );
-        out.extend(parts.into_iter().map(|examples| TrainBatch {
+        out.extend(parts.into_iter().map(|examples| Step {
+            iteration: batch.iteration,
+            step: batch.step,
+            publish: batch.publish,
+            run_id: batch.run_id.clone(),
             examples,
-            ..batch.clone()
         }));
     }
     let n = out.len();
@@ -852,7 +917,7 @@ mod tests {
         assert_eq!(batches.iter().filter(|b| b.publish).count(), 1);
         let capped = make_batches(&examples, 0, 200, 2, 3, 1);
         assert_eq!(capped.len(), 3);
-        let empty = make_batches(&[], 0, 200, 2, 3, 1);
+        let empty = make_batches::<TrainExample>(&[], 0, 200, 2, 3, 1);
         assert_eq!(empty.len(), 1);
         assert!(empty[0].publish);
     }
@@ -891,6 +956,11 @@ mod tests {
         let split = split_oversized(batches.clone(), limit).unwrap();
         assert!(split.len() > 6, "{} steps", split.len());
         for (i, b) in split.iter().enumerate() {
+            assert_eq!(
+                b.encoded_len(),
+                b.clone().into_batch().encoded_len(),
+                "a step's size is its message's"
+            );
             assert!(
                 b.encoded_len() <= limit,
                 "step {i}: {} bytes",

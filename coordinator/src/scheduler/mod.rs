@@ -27,7 +27,7 @@ use self::plan::Plan;
 use self::recovery::{Backlog, Grants};
 use self::workers::Workers;
 use crate::config::{Algorithm, CoordinatorConfig};
-use crate::dataset::{EpisodeData, IterationDatasets};
+use crate::dataset::{DatasetExample, EpisodeData, ExampleSpill, IterationDatasets};
 use crate::episode_id::{EpisodeId, Purpose};
 use crate::rollouts::is_ungraded;
 pub use crate::rollouts::IterationRollouts;
@@ -89,7 +89,7 @@ enum Cmd {
     Examples {
         iteration: u32,
         aggregate: bool,
-        reply: oneshot::Sender<Vec<TrainExample>>,
+        reply: oneshot::Sender<Vec<DatasetExample>>,
     },
     WorkerVersions {
         reply: oneshot::Sender<BTreeMap<String, u64>>,
@@ -168,22 +168,26 @@ impl SchedulerHandle {
         heldout: Vec<Task>,
         recovery: Recovery,
     ) -> Self {
-        Self::spawn_with_store(config, train, heldout, recovery, None)
+        Self::spawn_with_store(config, train, heldout, recovery, None, None)
     }
 
     /// `spawn_recovered` with the trajectory store's writer: a slot whose attempts run
     /// out is recorded there as its outcome (`fail_slot`), so a restarted coordinator
     /// replays it as done instead of giving it fresh attempts. The scheduler holds the
     /// writer weakly: it never keeps the store open past the coordinator's own sender.
+    /// With `examples_file`, an aggregating run's examples are kept there rather than
+    /// in memory (`IterationDatasets::with_spill`).
     pub fn spawn_with_store(
         config: CoordinatorConfig,
         train: Vec<Task>,
         heldout: Vec<Task>,
         recovery: Recovery,
         store: Option<&mpsc::Sender<StoreRequest>>,
+        examples_file: Option<ExampleSpill>,
     ) -> Self {
         let (tx, rx) = mpsc::channel(1024);
         let mut state = Scheduler::new(config, train, heldout, recovery);
+        state.datasets = IterationDatasets::with_spill(state.config.clone(), examples_file);
         state.store = store.map(mpsc::Sender::downgrade);
         tokio::spawn(state.run(rx));
         let handle = Self { tx };
@@ -305,8 +309,9 @@ impl SchedulerHandle {
         let _ = self.tx.send(Cmd::SetPolicy { policy }).await;
     }
     /// The training examples of `iteration` (with `aggregate`, of every iteration up to
-    /// it), less the episodes the staleness filter left out.
-    pub async fn examples(&self, iteration: u32, aggregate: bool) -> Vec<TrainExample> {
+    /// it), less the episodes the staleness filter left out: in memory or in the
+    /// examples' file, with what batching needs of each.
+    pub async fn dataset(&self, iteration: u32, aggregate: bool) -> Vec<DatasetExample> {
         self.ask(|reply| Cmd::Examples {
             iteration,
             aggregate,
@@ -314,6 +319,20 @@ impl SchedulerHandle {
         })
         .await
         .unwrap_or_default()
+    }
+    /// `dataset`'s examples themselves, read from the examples' file where they are
+    /// there (an example that cannot be read is an error naming it).
+    pub async fn examples(&self, iteration: u32, aggregate: bool) -> Vec<TrainExample> {
+        let dataset = self.dataset(iteration, aggregate).await;
+        tokio::task::spawn_blocking(move || {
+            dataset
+                .iter()
+                .map(|e| e.load())
+                .collect::<std::io::Result<Vec<_>>>()
+        })
+        .await
+        .expect("reading the examples")
+        .expect("reading the examples' file")
     }
     /// Records that training on `iteration` starts from learner version `base_version`
     /// and returns how many of its episodes are too stale to train on (async mode).

@@ -573,6 +573,7 @@ impl OnStore {
             Vec::new(),
             recovery,
             Some(&store_tx),
+            Some(crate::dataset::ExampleSpill::create_in(dir).unwrap()),
         );
         Self {
             sched,
