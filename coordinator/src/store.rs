@@ -233,11 +233,7 @@ impl TrajectoryStore {
         mut each: impl FnMut(u64, EpisodeEvent),
         wrap: impl FnOnce(File) -> Box<dyn StoreFile>,
     ) -> Result<Self, StoreError> {
-        let new_dir = !dir.exists();
-        std::fs::create_dir_all(dir).map_err(StoreError::open(dir))?;
-        if new_dir {
-            sync_parent(dir)?;
-        }
+        create_dir_durably(dir)?;
         let path = log_path(dir);
         // Each key once, the first time it was stored (older versions could store a
         // replay twice).
@@ -432,8 +428,34 @@ pub fn log_path(dir: &Path) -> PathBuf {
     dir.join("events.log")
 }
 
+/// Creates `dir` and any missing parents, each one's entry made durable (its parent
+/// fsynced) before the store writes into it: a crash cannot lose a directory, and the log
+/// and batches acknowledged in it with it.
+fn create_dir_durably(dir: &Path) -> Result<(), StoreError> {
+    // The missing levels, deepest first.
+    let mut missing = Vec::new();
+    let mut at = Some(dir);
+    while let Some(d) = at.filter(|d| !d.as_os_str().is_empty() && !d.exists()) {
+        missing.push(d);
+        at = d.parent();
+    }
+    std::fs::create_dir_all(dir).map_err(StoreError::open(dir))?;
+    for d in missing.into_iter().rev() {
+        sync_parent(d)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The directories this thread fsynced (tests check that new entries are made durable).
+    static SYNCED_DIRS: std::cell::RefCell<Vec<PathBuf>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// fsyncs directory `dir`, so that an entry just created in it survives a crash.
 fn sync_dir(dir: &Path) -> Result<(), StoreError> {
+    #[cfg(test)]
+    SYNCED_DIRS.with(|d| d.borrow_mut().push(dir.to_path_buf()));
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(StoreError::open(dir))
@@ -779,6 +801,30 @@ mod tests {
     use super::*;
     use std::sync::Mutex;
     use tutor_proto::{episode_event, EpisodeOutcome, TurnRecord};
+
+    /// A store opened in a directory that does not exist yet makes every entry it
+    /// creates durable: each new directory level (its parent fsynced) and the log (its
+    /// directory fsynced). Reopening creates nothing and syncs no directory. (That a
+    /// lost entry loses data needs a power cut to show; this checks the fsyncs are made.)
+    #[test]
+    fn new_directories_and_the_log_are_made_durable() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("a").join("b").join("run");
+        super::SYNCED_DIRS.with(|d| d.borrow_mut().clear());
+        let store = TrajectoryStore::open(&dir).unwrap();
+        drop(store);
+        let synced = super::SYNCED_DIRS.with(|d| d.borrow_mut().split_off(0));
+        let want = [
+            root.path().to_path_buf(),
+            root.path().join("a"),
+            root.path().join("a").join("b"),
+            dir.clone(),
+        ];
+        assert_eq!(synced, want, "a new entry whose directory was not fsynced");
+        TrajectoryStore::open(&dir).unwrap();
+        let synced = super::SYNCED_DIRS.with(|d| d.borrow_mut().split_off(0));
+        assert!(synced.is_empty(), "{synced:?}");
+    }
 
     /// What the next operations on a [`FaultyFile`] do.
     #[derive(Default)]
