@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use tutor_policy::{ChatTokenizer, GenParams, ModelConfig, Policy};
 use tutor_rollout_worker::student_engine::{
-    stage_version, version_label, EngineError, ReloadKind, RemoteEngine, StudentConfig, StudentKind,
+    stage_version, version_label, EngineApi, EngineError, ReloadKind, RemoteEngine, StudentConfig,
+    StudentKind,
 };
 
 /// ℓ(token j | tokens < j) of `tokens[from..]` by one forward pass over the sequence.
@@ -401,4 +402,296 @@ async fn tutor_serve_takes_versions_as_tensors_over_the_collective() {
         .to_string();
     assert!(err.contains("--distributed-updates"), "{err}");
     assert_eq!(closed_engine.served_version().await.unwrap(), "default");
+}
+
+/// Waits up to 60 s for `what` to hold.
+async fn until<F: std::future::Future<Output = bool>>(what: &str, f: impl Fn() -> F) {
+    let t = std::time::Instant::now();
+    while !f().await {
+        assert!(t.elapsed() < Duration::from_secs(60), "never: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `[worker.student] api = "vllm"` against `tutor serve`: turns on `/v1/completions` with
+/// vLLM's token-in/token-out fields, their version checked on `/weight_info` around each
+/// turn; versions loaded through vLLM's weight-transfer control plane (pause, start,
+/// update, finish, resume), from disk and as tensors over the collective; a turn sent
+/// while paused waits for the resume; a reload waits for another client's update; refused
+/// weights leave the engine serving and not paused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tutor_serve_is_a_student_engine_through_vllms_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::make_model(&dir.path().join("model"), &["512", "64"]);
+    let staging = dir.path().join("engine-weights");
+    std::fs::create_dir_all(&staging).unwrap();
+    let served = common::serve(
+        &model,
+        "student",
+        dir.path(),
+        &[
+            "--weights-root",
+            staging.to_str().unwrap(),
+            "--distributed-updates",
+        ],
+    );
+    let url = format!("http://{}", served.addr);
+    let config = StudentConfig {
+        kind: StudentKind::Engine,
+        api: EngineApi::Vllm,
+        base_url: url.clone(),
+        timeout_s: 60.0,
+        reload_timeout_s: 60.0,
+        max_retries: 1,
+        down_s: 2.0,
+        ..Default::default()
+    };
+    let vocab = ModelConfig::load(&model.join("config.json"))
+        .unwrap()
+        .vocab_size;
+    let engine = std::sync::Arc::new(RemoteEngine::new(&config, vocab).unwrap());
+    let tensors = RemoteEngine::new(
+        &StudentConfig {
+            reload: ReloadKind::Distributed,
+            ..config.clone()
+        },
+        vocab,
+    )
+    .unwrap();
+    assert_eq!(engine.served_version().await.unwrap(), "default");
+    let http = reqwest::Client::new();
+    let post = |path: &str, body: serde_json::Value| {
+        let req = http.post(format!("{url}{path}")).json(&body);
+        async move {
+            let r = req.send().await.unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    };
+    // Whether the server is paused, and how many requests it holds.
+    let paused = || {
+        let req = http.get(format!("{url}/is_paused"));
+        async move {
+            let v: serde_json::Value = req.send().await.unwrap().json().await.unwrap();
+            (
+                v["is_paused"].as_bool().unwrap(),
+                v["waiting"].as_u64().unwrap(),
+            )
+        }
+    };
+    let is_paused = || async { paused().await.0 };
+    let serve_log = dir.path().join("serve.log");
+
+    // Version 5 from disk.
+    let policy = scaled(&model, 1.5);
+    let file = dir.path().join("v5.safetensors");
+    policy.save_weights(&file).unwrap();
+    let v5 = version_label(5, "5555555555555555");
+    let name = stage_version(&staging, &model, &file, &v5, true).unwrap().0;
+    engine
+        .load_from_disk(&staging.join(&name), 5, &v5)
+        .await
+        .unwrap();
+    assert_eq!(engine.served_version().await.unwrap(), v5);
+    assert!(!is_paused().await);
+    let tok = ChatTokenizer::from_dir(&model).unwrap();
+    let prompt = tok
+        .render_prompt("You fix bugs.", "the test fails")
+        .unwrap();
+    let params = GenParams {
+        temperature: 1.0,
+        top_p: 1.0,
+        max_new_tokens: 12,
+        seed: 1,
+        stop_token_ids: tok.stop_ids().to_vec(),
+    };
+    let g = engine.generate(&prompt, &params, &v5).await.unwrap();
+    assert!(!g.tokens.is_empty() && g.tokens.len() <= 12, "{g:?}");
+    assert_logprobs_of(&policy, &prompt, &g, "version 5");
+    let again = engine.generate(&prompt, &params, &v5).await.unwrap();
+    assert_eq!(again.tokens, g.tokens, "the turn's seed goes with it");
+    // The answer in vLLM's shape, as a vLLM client reads it.
+    let (status, text) = post(
+        "/v1/completions",
+        serde_json::json!({
+            "prompt": prompt, "max_tokens": 12, "seed": 1, "logprobs": 0,
+            "return_token_ids": true, "return_tokens_as_token_ids": true,
+            "stop_token_ids": params.stop_token_ids, "top_k": -1,
+        }),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    let a: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let choice = &a["choices"][0];
+    let ids: Vec<u32> = serde_json::from_value(choice["token_ids"].clone()).unwrap();
+    assert_eq!(ids, g.tokens);
+    assert_eq!(choice["prompt_token_ids"], serde_json::json!(prompt));
+    assert_eq!(
+        choice["logprobs"]["tokens"][0],
+        serde_json::json!(format!("token_id:{}", ids[0]))
+    );
+    assert_eq!(
+        choice["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .len(),
+        ids.len()
+    );
+    // Truncated sampling would bias the log-probs: refused.
+    let (status, text) = post(
+        "/v1/completions",
+        serde_json::json!({"prompt": prompt, "max_tokens": 4, "top_k": 5}),
+    )
+    .await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("neutral values"), "{text}");
+
+    // Version 6 as tensors over the collective: no directory.
+    let v6_policy = scaled(&model, 0.5);
+    let file6 = dir.path().join("v6.safetensors");
+    v6_policy.save_weights(&file6).unwrap();
+    let v6 = version_label(6, "6666666666666666");
+    tensors
+        .load_distributed(std::sync::Arc::new(std::fs::read(&file6).unwrap()), 6, &v6)
+        .await
+        .unwrap();
+    assert_eq!(engine.served_version().await.unwrap(), v6);
+    let g = engine.generate(&prompt, &params, &v6).await.unwrap();
+    assert_logprobs_of(&v6_policy, &prompt, &g, "version 6");
+    let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap();
+    assert!(
+        log.contains("received weights over the collective"),
+        "{log}"
+    );
+    // An episode of version 5 never gets this engine's turn now.
+    match engine.generate(&prompt, &params, &v5).await {
+        Err(EngineError::WrongVersion {
+            served, expected, ..
+        }) => assert_eq!((served, expected), (v6.clone(), v5.clone())),
+        other => panic!("expected a wrong-version error, got {other:?}"),
+    }
+
+    // Paused: a turn waits for the resume, then runs. vLLM's abort mode is refused.
+    let (status, text) = post("/pause?mode=abort", serde_json::json!({})).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(!is_paused().await);
+    assert_eq!(post("/pause?mode=wait", serde_json::json!({})).await.0, 200);
+    assert!(is_paused().await);
+    let waiting = {
+        let (engine, prompt, params, v6) =
+            (engine.clone(), prompt.clone(), params.clone(), v6.clone());
+        tokio::spawn(async move { engine.generate(&prompt, &params, &v6).await })
+    };
+    until("the turn is held by the pause", || async {
+        paused().await.1 == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "a turn ran while paused");
+    assert_eq!(post("/resume", serde_json::json!({})).await.0, 200);
+    let g = waiting.await.unwrap().unwrap();
+    assert_logprobs_of(&v6_policy, &prompt, &g, "version 6 after the resume");
+
+    // Another client's update under way: a reload waits for it, then loads.
+    let v7_policy = scaled(&model, 0.75);
+    let file7 = dir.path().join("v7.safetensors");
+    v7_policy.save_weights(&file7).unwrap();
+    let v7 = version_label(7, "7777777777777777");
+    let name7 = stage_version(&staging, &model, &file7, &v7, true)
+        .unwrap()
+        .0;
+    assert_eq!(
+        post("/start_weight_update", serde_json::json!({})).await.0,
+        200
+    );
+    let reload = {
+        let (engine, path, v7) = (engine.clone(), staging.join(&name7), v7.clone());
+        tokio::spawn(async move { engine.load_from_disk(&path, 7, &v7).await })
+    };
+    until(
+        "the reload is refused while the other update is under way",
+        || async {
+            std::fs::read_to_string(&serve_log)
+                .unwrap_or_default()
+                .contains("refused another client's weight update")
+        },
+    )
+    .await;
+    assert!(
+        !reload.is_finished(),
+        "a reload ran during another's update"
+    );
+    // That client finishes without weights: its update ends, the old weights stay.
+    let (status, text) = post("/finish_weight_update", serde_json::json!({})).await;
+    assert_eq!(status, 400, "{text}");
+    reload.await.unwrap().unwrap();
+    assert_eq!(engine.served_version().await.unwrap(), v7);
+    let g = engine.generate(&prompt, &params, &v7).await.unwrap();
+    assert_logprobs_of(&v7_policy, &prompt, &g, "version 7");
+
+    // Weights of another shape: refused before a byte moves, naming the engine and the
+    // version; version 7 stays, the engine is not left paused, turns run.
+    let other = common::make_model(&dir.path().join("other"), &["512", "32"]);
+    let other_bytes = std::sync::Arc::new(std::fs::read(other.join("model.safetensors")).unwrap());
+    let err = tensors
+        .load_distributed(other_bytes, 8, "tutor-v8")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&url)
+            && err.contains("policy version 8")
+            && err.contains("announced with shape"),
+        "{err}"
+    );
+    // A checkpoint outside --weights-root: refused, naming the field.
+    let err = engine
+        .load_from_disk(&model, 9, "tutor-v9")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("update_info.path") && err.contains("--weights-root"),
+        "{err}"
+    );
+    assert_eq!(engine.served_version().await.unwrap(), v7);
+    assert!(!is_paused().await);
+    assert!(engine.generate(&prompt, &params, &v7).await.is_ok());
+
+    // Workers sharing the engine reload at once: each waits its turn or finds the version
+    // loaded; all end with it served, the engine resumed, and /weight_info counting
+    // every swap.
+    let weight_info = || {
+        let req = http.get(format!("{url}/weight_info"));
+        async move {
+            let v: serde_json::Value = req.send().await.unwrap().json().await.unwrap();
+            v["weight_generation"].as_u64().unwrap()
+        }
+    };
+    let swaps_before = weight_info().await;
+    let v10 = version_label(10, "1010101010101010");
+    let bytes6 = std::sync::Arc::new(std::fs::read(&file6).unwrap());
+    let clients: Vec<_> = (0..3)
+        .map(|_| {
+            let client = RemoteEngine::new(
+                &StudentConfig {
+                    reload: ReloadKind::Distributed,
+                    ..config.clone()
+                },
+                vocab,
+            )
+            .unwrap();
+            let (bytes, v10) = (bytes6.clone(), v10.clone());
+            tokio::spawn(async move { client.load_distributed(bytes, 10, &v10).await })
+        })
+        .collect();
+    for c in clients {
+        c.await.unwrap().unwrap();
+    }
+    assert_eq!(engine.served_version().await.unwrap(), v10);
+    assert!(!is_paused().await);
+    let swaps = weight_info().await - swaps_before;
+    assert!((1..=3).contains(&swaps), "{swaps} swaps");
+    let g = engine.generate(&prompt, &params, &v10).await.unwrap();
+    assert_logprobs_of(&v6_policy, &prompt, &g, "version 10 (version 6's weights)");
+    drop(served);
 }

@@ -105,9 +105,12 @@ fn load_api_key(file: Option<&std::path::Path>, env: Option<&str>) -> Result<Opt
 
 mod native;
 mod openai;
+mod state;
 mod update_groups;
+mod vllm;
 
-use openai::{now, router, AppState, Weights};
+use openai::{now, router};
+use state::{AppState, Weights};
 
 pub async fn serve(
     args: ServeArgs,
@@ -227,8 +230,12 @@ pub async fn serve(
         parameter_shapes,
         update_groups: tokio::sync::Mutex::new(Default::default()),
         update_permit: tokio::sync::Semaphore::new(1),
+        paused: tokio::sync::watch::Sender::new(None),
+        waiting: std::sync::atomic::AtomicUsize::new(0),
+        swaps: AtomicU64::new(0),
+        transfer: std::sync::Mutex::new(Default::default()),
     });
-    let app = router(state.clone(), native::routes());
+    let app = router(state.clone(), native::routes().merge(vllm::routes()));
     let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;

@@ -17,7 +17,8 @@
 //!
 //! The weight version a `/generate` answer reports is the one its request was queued
 //! under: submitting holds the version's read lock, a reload holds its write lock while it
-//! queues the swap, and the engine runs requests and swaps in queue order.
+//! queues the swap, and the engine runs requests and swaps in queue order. While a client
+//! of vLLM's control plane has paused the server (`vllm.rs`), `/generate` waits too.
 
 use std::sync::Arc;
 
@@ -31,11 +32,10 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tutor_collective::{engine_update, CollectiveSecret, CpuCollective, CpuCollectiveTimeouts};
 use tutor_policy::{
-    EngineHandle, EngineRequest, FinishReason, GenParams, LoadError, PolicyError, RequestError,
-    WeightsSource,
+    EngineHandle, EngineRequest, FinishReason, LoadError, PolicyError, RequestError, WeightsSource,
 };
 
-use super::openai::{AppState, Weights};
+use super::state::{sampling, unpaused, AppState, Neutral, Weights};
 
 /// The control plane's routes, for [`super::openai::router`] to put behind the API key.
 pub(super) fn routes() -> axum::Router<Arc<AppState>> {
@@ -61,7 +61,7 @@ pub(super) fn routes() -> axum::Router<Arc<AppState>> {
 }
 
 /// An error as SGLang answers one: `{"error": {"message", "code"}}` with the status.
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
+pub(super) fn error(status: StatusCode, message: impl Into<String>) -> Response {
     let message = message.into();
     (
         status,
@@ -155,48 +155,27 @@ async fn generate(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
             "logprob_start_len: only -1 (log-probabilities of the output) is served",
         );
     }
-    let vocab = s.engine.vocab() as i64;
-    if !(p.top_k == -1 || p.top_k == 0 || p.top_k >= vocab)
-        || p.min_p != 0.0
-        || p.repetition_penalty != 1.0
-        || p.frequency_penalty != 0.0
-        || p.presence_penalty != 0.0
-        || p.min_new_tokens != 0
-    {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "sampling_params: top_k, min_p, penalties and min_new_tokens are served at their \
-             neutral values only (the log-probabilities returned are those of the distribution \
-             sampled from)",
-        );
-    }
-    if !(0.0..=2.0).contains(&p.temperature) {
-        return error(
-            StatusCode::BAD_REQUEST,
-            format!(
-                "sampling_params.temperature {} is outside [0, 2]",
-                p.temperature
-            ),
-        );
-    }
-    if !(p.top_p > 0.0 && p.top_p <= 1.0) {
-        return error(
-            StatusCode::BAD_REQUEST,
-            format!("sampling_params.top_p {} is outside (0, 1]", p.top_p),
-        );
-    }
-    let mut stops = p.stop_token_ids.clone();
-    if !p.ignore_eos {
-        stops.extend(s.tokenizer.stop_ids());
-    }
-    stops.sort_unstable();
-    stops.dedup();
-    let params = GenParams {
-        temperature: p.temperature,
-        top_p: p.top_p,
-        max_new_tokens: p.max_new_tokens,
-        seed: p.sampling_seed.unwrap_or_else(rand::random::<u64>),
-        stop_token_ids: stops,
+    let neutral = Neutral {
+        top_k: p.top_k,
+        min_p: p.min_p,
+        repetition_penalty: p.repetition_penalty,
+        frequency_penalty: p.frequency_penalty,
+        presence_penalty: p.presence_penalty,
+        min_new_tokens: p.min_new_tokens,
+    };
+    let params = match sampling(
+        &s,
+        "sampling_params.",
+        neutral,
+        p.temperature,
+        p.top_p,
+        p.max_new_tokens,
+        p.sampling_seed,
+        &p.stop_token_ids,
+        p.ignore_eos,
+    ) {
+        Ok(params) => params,
+        Err(why) => return error(StatusCode::BAD_REQUEST, why),
     };
     let prompt_tokens = req.input_ids.len();
     let (tx, rx) = mpsc::unbounded_channel();
@@ -209,6 +188,7 @@ async fn generate(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
         text: false,
         events: tx,
     };
+    unpaused(&s).await;
     // Queued under the version's read lock: a reload queues its swap under the write
     // lock, so this request runs on the weights of the version it reports.
     let version = {
@@ -276,27 +256,9 @@ async fn update_weights_from_disk(State(s): State<Arc<AppState>>, body: Bytes) -
             )
         }
     };
-    let Some(root) = s.weights_root.clone() else {
-        return error(
-            StatusCode::FORBIDDEN,
-            "weight reloads are off: start tutor serve with --weights-root DIR, the directory \
-             whose checkpoints clients may load",
-        );
-    };
-    // Canonical, so that neither `..` nor a symbolic link leads out of the root. The same
-    // answer whether the path is missing or outside: nothing to learn about other paths.
-    let path = match std::fs::canonicalize(&req.model_path) {
-        Ok(p) if p.starts_with(&root) && p != root => p,
-        _ => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!(
-                    "model_path {:?} is not a checkpoint inside --weights-root {}",
-                    req.model_path,
-                    root.display()
-                ),
-            )
-        }
+    let path = match checkpoint_in_root(&s, "model_path", &req.model_path) {
+        Ok(p) => p,
+        Err(refused) => return *refused,
     };
     let n = s.reloads.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
     let label = req.weight_version.unwrap_or_else(|| format!("reload-{n}"));
@@ -310,6 +272,34 @@ async fn update_weights_from_disk(State(s): State<Arc<AppState>>, body: Bytes) -
     .await
 }
 
+/// The checkpoint at `path` (the request's field `field`), if clients may load it: only
+/// with `--weights-root`, and only inside it. Canonical, so that neither `..` nor a
+/// symbolic link leads out of the root; the same answer whether the path is missing or
+/// outside: nothing to learn about other paths.
+pub(super) fn checkpoint_in_root(
+    s: &AppState,
+    field: &str,
+    path: &str,
+) -> Result<std::path::PathBuf, Box<Response>> {
+    let Some(root) = s.weights_root.clone() else {
+        return Err(Box::new(error(
+            StatusCode::FORBIDDEN,
+            "weight reloads are off: start tutor serve with --weights-root DIR, the directory \
+             whose checkpoints clients may load",
+        )));
+    };
+    match std::fs::canonicalize(path) {
+        Ok(p) if p.starts_with(&root) && p != root => Ok(p),
+        _ => Err(Box::new(error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "{field} {path:?} is not a checkpoint inside --weights-root {}",
+                root.display()
+            ),
+        ))),
+    }
+}
+
 /// Swaps `source` in as weight version `label` (`origin` says where it came from, for
 /// `/model_info` and the logs) and answers as SGLang does (`success`, `message`; 400 with
 /// the old weights kept when it does not load).
@@ -317,7 +307,7 @@ async fn update_weights_from_disk(State(s): State<Arc<AppState>>, body: Bytes) -
 /// The load runs in a task of its own that holds the version's write lock until the swap
 /// is done and the version set: a client that goes away mid-reload cannot leave new
 /// weights served under the old version's name.
-async fn swap(
+pub(super) async fn swap(
     s: &Arc<AppState>,
     source: WeightsSource,
     label: String,
@@ -339,6 +329,9 @@ async fn swap(
                 );
                 w.version = label;
                 w.path = origin;
+                state
+                    .swaps
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             }
             // Checked tensors are copied one by one: a copy that fails leaves a mix.
             Err(LoadError::Weights {
@@ -346,6 +339,9 @@ async fn swap(
                 ..
             }) => {
                 w.version = format!("{}+failed-reload-{n}", w.version);
+                state
+                    .swaps
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 tracing::error!(from = %origin, version = %w.version, "a reload failed while copying tensors: the weights are a mix, served as a version of their own");
             }
             Err(e) => {
@@ -409,15 +405,15 @@ fn default_group() -> String {
 }
 
 #[derive(Deserialize)]
-struct InitGroup {
-    master_address: String,
-    master_port: u16,
-    rank_offset: usize,
-    world_size: usize,
+pub(super) struct InitGroup {
+    pub(super) master_address: String,
+    pub(super) master_port: u16,
+    pub(super) rank_offset: usize,
+    pub(super) world_size: usize,
     #[serde(default = "default_group")]
-    group_name: String,
+    pub(super) group_name: String,
     #[serde(default)]
-    backend: Option<String>,
+    pub(super) backend: Option<String>,
 }
 
 /// A weight-update route's request: its body parsed, or the answer refusing it (a body
@@ -452,9 +448,24 @@ async fn init_weights_update_group(State(s): State<Arc<AppState>>, body: Bytes) 
         Ok(r) => r,
         Err(refused) => return *refused,
     };
+    match join_group(&s, req).await {
+        Ok(()) => Json(
+            json!({"success": true, "message": "Succeeded to initialize custom process group."}),
+        )
+        .into_response(),
+        Err(refused) => *refused,
+    }
+}
+
+/// Joins the client's group `req` names and keeps it among the update groups; the
+/// answer refusing it otherwise (a backend other than Tutor's CPU collective, ranks that
+/// do not make this engine one rank after rank 0, a group of that name, too many groups,
+/// no rank 0 to join).
+pub(super) async fn join_group(s: &AppState, req: InitGroup) -> Result<(), Box<Response>> {
+    let refuse = |status, message: String| Err(Box::new(failed(status, message)));
     let backend = req.backend.as_deref().unwrap_or("nccl");
     if backend != engine_update::BACKEND {
-        return failed(
+        return refuse(
             StatusCode::BAD_REQUEST,
             format!(
                 "backend {backend:?} is not served: this engine's data plane is Tutor's CPU \
@@ -464,7 +475,7 @@ async fn init_weights_update_group(State(s): State<Arc<AppState>>, body: Bytes) 
         );
     }
     if req.world_size < 2 || req.rank_offset == 0 || req.rank_offset >= req.world_size {
-        return failed(
+        return refuse(
             StatusCode::BAD_REQUEST,
             format!(
                 "rank_offset {} of world_size {}: this engine is one rank, 1..world_size \
@@ -476,13 +487,13 @@ async fn init_weights_update_group(State(s): State<Arc<AppState>>, body: Bytes) 
     {
         let mut groups = s.update_groups.lock().await;
         if groups.contains(&req.group_name) {
-            return failed(
+            return refuse(
                 StatusCode::CONFLICT,
                 format!("group {:?} exists: destroy it first", req.group_name),
             );
         }
         if let Err(why) = groups.make_room() {
-            return failed(StatusCode::TOO_MANY_REQUESTS, why);
+            return refuse(StatusCode::TOO_MANY_REQUESTS, why);
         }
     }
     let secret = s.api_key.as_ref().map(|k| group_secret(k, &req.group_name));
@@ -509,27 +520,26 @@ async fn init_weights_update_group(State(s): State<Arc<AppState>>, body: Bytes) 
     let collective = match joined {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => {
-            return failed(
+            return refuse(
                 StatusCode::BAD_REQUEST,
                 format!("could not join group {:?}: {e}", req.group_name),
             )
         }
-        Err(e) => return failed(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        Err(e) => return refuse(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     };
     let mut groups = s.update_groups.lock().await;
     if groups.contains(&req.group_name) {
-        return failed(
+        return refuse(
             StatusCode::CONFLICT,
             format!("group {:?} was formed meanwhile", req.group_name),
         );
     }
     if let Err(why) = groups.make_room() {
-        return failed(StatusCode::TOO_MANY_REQUESTS, why);
+        return refuse(StatusCode::TOO_MANY_REQUESTS, why);
     }
     tracing::info!(group = %req.group_name, %master, "joined a weight-update group");
     groups.insert(req.group_name, collective);
-    Json(json!({"success": true, "message": "Succeeded to initialize custom process group."}))
-        .into_response()
+    Ok(())
 }
 
 #[derive(Deserialize)]
@@ -553,52 +563,108 @@ async fn update_weights_from_distributed(State(s): State<Arc<AppState>>, body: B
         Ok(r) => r,
         Err(refused) => return *refused,
     };
-    if req.names.len() != req.dtypes.len() || req.names.len() != req.shapes.len() {
-        return failed(
+    let n = s.reloads.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+    let label = req.weight_version.unwrap_or_else(|| format!("reload-{n}"));
+    // One update at a time, from its first byte to its swap.
+    let Ok(_permit) = s.update_permit.acquire().await else {
+        return failed(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping");
+    };
+    let source = match receive_update(
+        &s,
+        &req.group_name,
+        req.names,
+        req.dtypes,
+        req.shapes,
+        &label,
+    )
+    .await
+    {
+        Ok(source) => source,
+        Err(refused) => return *refused,
+    };
+    let origin = format!("group {}", req.group_name);
+    swap(&s, source, label, origin, n).await
+}
+
+/// Receives the announced tensors (`names`, `dtypes`, `shapes`) from rank 0 of group
+/// `group`, for weight version `label`: the announcement is checked first (one dtype and
+/// shape per name, every parameter of the model with its shape), then the bytes (up to
+/// what this model can take). Hold `update_permit` around it. A group whose update
+/// failed is closed (rank 0's sends fail); the answer refusing it says so.
+pub(super) async fn receive_update(
+    s: &Arc<AppState>,
+    group: &str,
+    names: Vec<String>,
+    dtypes: Vec<String>,
+    shapes: Vec<Vec<usize>>,
+    label: &str,
+) -> Result<WeightsSource, Box<Response>> {
+    // In a task of its own: a client that goes away mid-update does not leave the group
+    // marked busy (the task ends, closing or giving it back, however the request ends).
+    let (s, group, label) = (s.clone(), group.to_string(), label.to_string());
+    tokio::spawn(
+        async move { receive_update_task(&s, &group, names, dtypes, shapes, &label).await },
+    )
+    .await
+    .unwrap_or_else(|e| {
+        Err(Box::new(failed(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            e.to_string(),
+        )))
+    })
+}
+
+async fn receive_update_task(
+    s: &AppState,
+    group: &str,
+    names: Vec<String>,
+    dtypes: Vec<String>,
+    shapes: Vec<Vec<usize>>,
+    label: &str,
+) -> Result<WeightsSource, Box<Response>> {
+    let refuse = |status, message: String| Err(Box::new(failed(status, message)));
+    if names.len() != dtypes.len() || names.len() != shapes.len() {
+        s.update_groups.lock().await.destroy(group);
+        return refuse(
             StatusCode::BAD_REQUEST,
             format!(
                 "{} names, {} dtypes and {} shapes: one of each per tensor",
-                req.names.len(),
-                req.dtypes.len(),
-                req.shapes.len()
+                names.len(),
+                dtypes.len(),
+                shapes.len()
             ),
         );
     }
-    let metas: Vec<engine_update::TensorMeta> = req
-        .names
+    let metas: Vec<engine_update::TensorMeta> = names
         .into_iter()
-        .zip(req.dtypes)
-        .zip(req.shapes)
+        .zip(dtypes)
+        .zip(shapes)
         .map(|((name, dtype), shape)| engine_update::TensorMeta {
             name,
             dtype: dtype.trim_start_matches("torch.").to_string(),
             shape,
         })
         .collect();
-    // One update at a time, from its first byte to its swap.
-    let Ok(_permit) = s.update_permit.acquire().await else {
-        return failed(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping");
-    };
-    let Some(mut collective) = s.update_groups.lock().await.take(&req.group_name) else {
-        return failed(
+    let Some(mut collective) = s.update_groups.lock().await.take(group) else {
+        return refuse(
             StatusCode::BAD_REQUEST,
-            format!(
-                "no weight-update group {:?}: POST /init_weights_update_group first",
-                req.group_name
-            ),
+            format!("no weight-update group {group:?}: form one first"),
         );
     };
     if let Some(why) = announced_mismatch(&s.parameter_shapes, &metas) {
         // Closing the group fails rank 0's sends at once.
         drop(collective);
-        s.update_groups.lock().await.lose(&req.group_name);
-        tracing::warn!(group = %req.group_name, version = ?req.weight_version, "a weight update was refused before receiving: {why}");
-        return failed(
+        s.update_groups.lock().await.lose(group);
+        tracing::warn!(
+            group,
+            version = label,
+            "a weight update was refused before receiving: {why}"
+        );
+        return refuse(
             StatusCode::BAD_REQUEST,
             format!(
-                "{why}: refused before receiving anything; the group {:?} is closed and the \
-                 old weights stay",
-                req.group_name
+                "{why}: refused before receiving anything; the group {group:?} is closed and the \
+                 old weights stay"
             ),
         );
     }
@@ -611,38 +677,35 @@ async fn update_weights_from_distributed(State(s): State<Arc<AppState>>, body: B
     .await;
     let file = match received {
         Ok((Ok(file), collective)) => {
-            s.update_groups
-                .lock()
-                .await
-                .give_back(&req.group_name, collective);
+            s.update_groups.lock().await.give_back(group, collective);
             file
         }
         Ok((Err(e), _closed)) => {
-            s.update_groups.lock().await.lose(&req.group_name);
-            tracing::warn!(group = %req.group_name, version = ?req.weight_version, error = %e, "a weight update failed: the group is closed");
-            return failed(
+            s.update_groups.lock().await.lose(group);
+            tracing::warn!(group, version = label, error = %e, "a weight update failed: the group is closed");
+            return refuse(
                 StatusCode::BAD_REQUEST,
                 format!(
-                    "Failed to receive the weights over group {:?}: {e}; the group is closed \
-                     and the old weights stay",
-                    req.group_name
+                    "Failed to receive the weights over group {group:?}: {e}; the group is \
+                     closed and the old weights stay"
                 ),
             );
         }
         Err(e) => {
-            s.update_groups.lock().await.lose(&req.group_name);
-            return failed(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
+            s.update_groups.lock().await.lose(group);
+            return refuse(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
         }
     };
-    tracing::info!(group = %req.group_name, bytes = file.len(), seconds = t.elapsed().as_secs_f64(), "received weights over the collective");
-    let n = s.reloads.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-    let label = req.weight_version.unwrap_or_else(|| format!("reload-{n}"));
-    let origin = format!("group {}", req.group_name);
-    let source = WeightsSource::Bytes {
+    tracing::info!(
+        group,
+        bytes = file.len(),
+        seconds = t.elapsed().as_secs_f64(),
+        "received weights over the collective"
+    );
+    Ok(WeightsSource::Bytes {
         bytes: Arc::new(file),
-        name: format!("weights received over group {:?}", req.group_name),
-    };
-    swap(&s, source, label, origin, n).await
+        name: format!("weights received over group {group:?}"),
+    })
 }
 
 /// Why announced tensors cannot load into a model with parameters `model` (name →

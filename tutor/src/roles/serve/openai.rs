@@ -3,7 +3,7 @@
 //! events) answers, and errors in OpenAI's shape.
 
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -23,46 +23,7 @@ use tutor_policy::{
     RequestError, TokenEvent,
 };
 
-/// What every request handler shares.
-pub(super) struct AppState {
-    pub(super) engine: EngineHandle,
-    /// Clients must send `Authorization: Bearer <key>` when set.
-    pub(super) api_key: Option<String>,
-    pub(super) tokenizer: ChatTokenizer,
-    pub(super) model: String,
-    pub(super) created: u64,
-    pub(super) next_id: AtomicU64,
-    /// The weight version served (`/generate` answers name it) and where it came from.
-    /// `/generate` queues under its read lock, a reload swaps under its write lock: the
-    /// version a `/generate` answer names is that of the weights it ran on.
-    pub(super) weights: Arc<tokio::sync::RwLock<Weights>>,
-    /// The same, for reads that must not wait for a reload (model info).
-    pub(super) served: std::sync::Mutex<Weights>,
-    /// Checkpoints clients may load (`--weights-root`, canonical); reloads are off without.
-    pub(super) weights_root: Option<std::path::PathBuf>,
-    /// Reloads so far (names a reload that names no version).
-    pub(super) reloads: AtomicU64,
-    /// Whether clients may send weights over the CPU collective (`--distributed-updates`).
-    pub(super) distributed_updates: bool,
-    /// The most bytes one update over the collective may announce.
-    pub(super) max_update_bytes: usize,
-    /// The model's parameters and their shapes: an update over the collective must
-    /// announce each with its shape before anything is received.
-    pub(super) parameter_shapes: std::collections::HashMap<String, Vec<usize>>,
-    /// Weight-update groups by name.
-    pub(super) update_groups: tokio::sync::Mutex<super::update_groups::UpdateGroups>,
-    /// One update over a collective at a time, from its first byte to its swap: what
-    /// updates hold in memory is one model's worth, however many clients send.
-    pub(super) update_permit: tokio::sync::Semaphore,
-}
-
-/// What the served weights are: the version clients named when they loaded them
-/// (`/update_weights_from_disk`), and where they came from.
-#[derive(Clone)]
-pub(super) struct Weights {
-    pub(super) version: String,
-    pub(super) path: String,
-}
+use super::state::{sampling, unpaused, AppState, Neutral};
 
 /// The routes, `more` among them, behind the API key check (all but `/health`).
 pub(super) fn router(state: Arc<AppState>, more: Router<Arc<AppState>>) -> Router {
@@ -75,10 +36,13 @@ pub(super) fn router(state: Arc<AppState>, more: Router<Arc<AppState>>) -> Route
             ApiError::new(
                 StatusCode::NOT_FOUND,
                 "no such route; this server has GET /v1/models, POST /v1/chat/completions, \
-                 POST /v1/completions, and the engine control plane: POST /generate, POST \
+                 POST /v1/completions, SGLang's engine control plane (POST /generate, POST \
                  /update_weights_from_disk, POST /init_weights_update_group, POST \
                  /update_weights_from_distributed, POST /destroy_weights_update_group, GET \
-                 /model_info, GET /get_model_info, GET /get_weight_version",
+                 /model_info, GET /get_model_info, GET /get_weight_version) and vLLM's (GET \
+                 /weight_info, POST /pause, POST /resume, GET /is_paused, POST \
+                 /init_weight_transfer_engine, POST /start_weight_update, POST \
+                 /update_weights, POST /finish_weight_update, GET /get_world_size)",
             )
         })
         .route_layer(axum::middleware::from_fn_with_state(
@@ -466,6 +430,7 @@ async fn chat_completions(State(s): State<Arc<AppState>>, body: Bytes) -> Respon
 
 async fn run_chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let p = prepare(&s, body)?;
+    unpaused(&s).await;
     // Used once, by whichever of the two paths below runs: the prompt is moved, not copied.
     let request = move |events| EngineRequest {
         prompt: p.prompt,
@@ -519,15 +484,46 @@ async fn run_chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
 
 #[derive(Deserialize)]
 struct CompletionRequest {
-    model: String,
+    /// Optional, as vLLM takes it; when given, this server's model.
+    model: Option<String>,
     prompt: Prompt,
     max_tokens: Option<u64>,
     temperature: Option<f64>,
+    top_p: Option<f64>,
+    /// The sampling seed (0 when none is given).
     seed: Option<i64>,
     /// vLLM's extension: the log-probability of every prompt token (the first has none),
     /// as `choices[0].prompt_logprobs`, each entry `{token_id: {logprob, decoded_token}}`.
     prompt_logprobs: Option<u64>,
     stream: Option<bool>,
+    /// The sampled tokens' log-probabilities and up to this many alternatives each
+    /// (`choices[0].logprobs`; at most 20).
+    logprobs: Option<u64>,
+    /// vLLM's token-in/token-out fields: the sampled ids (`choices[0].token_ids`) and the
+    /// prompt's (`prompt_token_ids`); tokens named `"token_id:N"` in `logprobs.tokens`.
+    #[serde(default)]
+    return_token_ids: bool,
+    #[serde(default)]
+    return_tokens_as_token_ids: bool,
+    /// Stop ids besides the tokenizer's (which `ignore_eos` leaves out).
+    #[serde(default)]
+    stop_token_ids: Vec<u32>,
+    #[serde(default)]
+    ignore_eos: bool,
+    /// Accepted as vLLM takes them: the stop token always stays in `token_ids`.
+    #[allow(dead_code)]
+    include_stop_str_in_output: Option<bool>,
+    #[allow(dead_code)]
+    skip_special_tokens: Option<bool>,
+    /// Served at their neutral values only (the log-probabilities returned are those of
+    /// the distribution sampled from).
+    top_k: Option<i64>,
+    min_p: Option<f32>,
+    repetition_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    presence_penalty: Option<f32>,
+    min_tokens: Option<usize>,
+    n: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -545,19 +541,23 @@ async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
 }
 
 /// The legacy completions API over the same engine, without streaming: a prompt as text
-/// or as token ids, and with `prompt_logprobs` the model's log-probability of each prompt
-/// token (how a teacher scores a student's tokens for on-policy distillation).
+/// or as token ids; with `prompt_logprobs` the model's log-probability of each prompt
+/// token (how a teacher scores a student's tokens for on-policy distillation); with
+/// vLLM's `logprobs`, `return_token_ids` and `return_tokens_as_token_ids`, the sampled
+/// ids and their log-probabilities (how a worker's turn runs on this server as on vLLM,
+/// `[worker.student] api = "vllm"`). Queued under the weight version's read lock, after
+/// any pause, as `/generate` is.
 async fn run_completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let req: CompletionRequest = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad("body", format!("invalid request body: {e}")))?;
-    if req.model != s.model {
+    if let Some(model) = req.model.as_ref().filter(|m| **m != s.model) {
         return Err(ApiError {
             code: Some("model_not_found"),
             ..ApiError::new(
                 StatusCode::NOT_FOUND,
                 format!(
-                    "the model {:?} does not exist; this server serves {:?}",
-                    req.model, s.model
+                    "the model {model:?} does not exist; this server serves {:?}",
+                    s.model
                 ),
             )
         });
@@ -568,38 +568,62 @@ async fn run_completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiEr
             "/v1/completions does not stream here; use /v1/chat/completions",
         ));
     }
+    if req.n.unwrap_or(1) != 1 {
+        return Err(ApiError::bad("n", "only n = 1 is supported"));
+    }
+    let top_logprobs = req.logprobs.unwrap_or(0);
+    if top_logprobs > 20 {
+        return Err(ApiError::bad(
+            "logprobs",
+            format!("logprobs {top_logprobs} is above 20"),
+        ));
+    }
     let prompt = match req.prompt {
         Prompt::Text(t) => s.tokenizer.encode(&t),
         Prompt::Ids(ids) => ids,
     };
-    let temperature = req.temperature.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::bad(
-            "temperature",
-            "temperature must be in [0, 2]",
-        ));
-    }
-    let params = GenParams {
-        temperature: temperature as f32,
-        max_new_tokens: req.max_tokens.unwrap_or(16) as usize,
-        seed: req.seed.unwrap_or(0) as u64,
-        stop_token_ids: s.tokenizer.stop_ids().to_vec(),
-        ..GenParams::default()
+    let neutral = Neutral {
+        top_k: req.top_k.unwrap_or(-1),
+        min_p: req.min_p.unwrap_or(0.0),
+        repetition_penalty: req.repetition_penalty.unwrap_or(1.0),
+        frequency_penalty: req.frequency_penalty.unwrap_or(0.0),
+        presence_penalty: req.presence_penalty.unwrap_or(0.0),
+        min_new_tokens: req.min_tokens.unwrap_or(0),
     };
+    let params = sampling(
+        &s,
+        "",
+        neutral,
+        req.temperature.unwrap_or(1.0) as f32,
+        req.top_p.unwrap_or(1.0) as f32,
+        req.max_tokens.unwrap_or(16) as usize,
+        Some(req.seed.unwrap_or(0) as u64),
+        &req.stop_token_ids,
+        req.ignore_eos,
+    )
+    .map_err(|why| ApiError::bad("body", why))?;
+    let stops = params.stop_token_ids.clone();
     s.engine.check(&prompt, params.max_new_tokens)?;
     let want_prompt = req.prompt_logprobs.is_some();
-    let done = s
-        .engine
-        .generate(|events| EngineRequest {
-            prompt: prompt.clone(),
-            params,
-            stop: vec![],
-            top_logprobs: 0,
-            prompt_logprobs: want_prompt,
-            text: true,
-            events,
-        })
-        .await?;
+    unpaused(&s).await;
+    let (tx, rx) = mpsc::unbounded_channel();
+    {
+        // A reload queues its swap under the write lock: this request runs on the weights
+        // `/weight_info` reports until the next swap.
+        let _version = s.weights.read().await;
+        s.engine
+            .submit(EngineRequest {
+                prompt: prompt.clone(),
+                params,
+                stop: vec![],
+                top_logprobs: top_logprobs as usize,
+                prompt_logprobs: want_prompt,
+                text: true,
+                events: tx,
+            })
+            .await?;
+    }
+    let done = EngineHandle::collect(rx).await?;
     let id = format!(
         "cmpl-{:x}{:04x}",
         now(),
@@ -620,7 +644,41 @@ async fn run_completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiEr
         }
         None => Value::Null,
     };
+    let ids: Vec<u32> = done.tokens.iter().map(|t| t.id).collect();
+    let name = |id: u32| {
+        if req.return_tokens_as_token_ids {
+            format!("token_id:{id}")
+        } else {
+            s.tokenizer.token_text(id)
+        }
+    };
+    let logprobs = if req.logprobs.is_some() {
+        json!({
+            "text_offset": Vec::<u64>::new(),
+            "token_logprobs": done.tokens.iter().map(|t| finite(t.logprob)).collect::<Vec<_>>(),
+            "tokens": ids.iter().map(|&id| name(id)).collect::<Vec<_>>(),
+            "top_logprobs": done.tokens.iter().map(|t| {
+                let mut top = serde_json::Map::new();
+                top.insert(name(t.id), json!(finite(t.logprob)));
+                for &(id, lp) in &t.top {
+                    top.insert(name(id), json!(finite(lp)));
+                }
+                Value::Object(top)
+            }).collect::<Vec<_>>(),
+        })
+    } else {
+        Value::Null
+    };
     let d = done.done;
+    let stop_reason = match (d.finish, ids.last()) {
+        (FinishReason::Stop, Some(last)) if stops.contains(last) => json!(last),
+        _ => Value::Null,
+    };
+    let (token_ids, prompt_token_ids) = if req.return_token_ids {
+        (json!(ids), json!(prompt))
+    } else {
+        (Value::Null, Value::Null)
+    };
     Ok(Json(json!({
         "id": id,
         "object": "text_completion",
@@ -629,8 +687,12 @@ async fn run_completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiEr
         "choices": [{
             "index": 0,
             "text": done.text,
+            "logprobs": logprobs,
             "prompt_logprobs": scored,
             "finish_reason": finish_reason(d.finish),
+            "stop_reason": stop_reason,
+            "token_ids": token_ids,
+            "prompt_token_ids": prompt_token_ids,
         }],
         "usage": usage(&d),
     }))

@@ -1,5 +1,6 @@
 //! The student on an external inference engine (`[worker.student] kind = "engine"`):
-//! SGLang's native HTTP API, which `tutor serve` also serves.
+//! SGLang's native HTTP API (`api = "sglang"`, below) or vLLM's (`api = "vllm"`, in
+//! `vllm.rs`), both of which `tutor serve` also serves.
 //!
 //! - Rollouts stay token-in/token-out: `POST /generate` with the prompt's token ids; the
 //!   sampled ids and the log-probability of each come back (`output_ids`,
@@ -29,16 +30,23 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tutor_policy::{FinishReason, GenParams, Generation};
 
+use tutor_collective::{engine_update, CollectiveSecret, CpuCollectiveTimeouts, CpuRendezvous};
+
 use crate::teacher::endpoint::excerpt;
+
+mod vllm;
 
 /// `[worker.student]`: where the student generates.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StudentConfig {
     /// `local`: Tutor's in-process engine (the `student_*` settings of `[worker]`), or
-    /// `engine`: an external engine with SGLang's native API at `base_url` (SGLang itself,
-    /// or `tutor serve`).
+    /// `engine`: an external engine at `base_url` speaking `api`.
     pub kind: StudentKind,
+    /// The engine's API: `sglang` (SGLang's native routes: SGLang itself or `tutor
+    /// serve`) or `vllm` (vLLM's OpenAI-compatible server with its weight-transfer control
+    /// plane, `VLLM_SERVER_DEV_MODE=1`: vLLM itself or `tutor serve`).
+    pub api: EngineApi,
     /// The engine's address, without a path: e.g. `http://127.0.0.1:30000`.
     pub base_url: String,
     /// Environment variable holding the engine's API key (sent as a bearer token).
@@ -75,6 +83,15 @@ pub struct StudentConfig {
     pub group_address: Option<String>,
 }
 
+/// `[worker.student] api`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineApi {
+    #[default]
+    Sglang,
+    Vllm,
+}
+
 /// `[worker.student] reload`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -96,6 +113,7 @@ impl Default for StudentConfig {
     fn default() -> Self {
         Self {
             kind: StudentKind::Local,
+            api: EngineApi::Sglang,
             base_url: String::new(),
             api_key_env: "TUTOR_STUDENT_API_KEY".into(),
             api_key_file: None,
@@ -122,6 +140,21 @@ pub fn version_label(version: u64, sha256: &str) -> String {
     } else {
         format!("tutor-v{version}-{head}")
     }
+}
+
+/// A weight-update group being formed (`RemoteEngine::update_group`).
+struct UpdateGroup {
+    /// Its name (the label and a random suffix).
+    group: String,
+    /// Where the engine dials: host and port.
+    host: String,
+    port: u16,
+    /// This worker's end, once the engine joined.
+    joined: tokio::task::JoinHandle<
+        Result<tutor_collective::CpuCollective, tutor_collective::CollectiveError>,
+    >,
+    /// Set when the reload is over.
+    abandon: Abandon,
 }
 
 /// Set on drop: a rendezvous waiting for the engine gives up (see
@@ -207,7 +240,7 @@ impl RemoteEngine {
         if base.ends_with("/v1") {
             anyhow::bail!(
                 "worker.student.base_url = {base:?}: give the server's root, not its OpenAI \
-                 /v1 path (the student uses the native /generate API)"
+                 /v1 path (the student adds the routes it uses)"
             );
         }
         for (name, v) in [
@@ -327,8 +360,11 @@ impl RemoteEngine {
     }
 
     /// The weight version the engine serves (`/model_info`, else SGLang's older
-    /// `/get_model_info`).
+    /// `/get_model_info`; vLLM's `/weight_info`).
     pub async fn served_version(&self) -> Result<String, EngineError> {
+        if self.config.api == EngineApi::Vllm {
+            return Ok(self.vllm_weight_info().await?.0);
+        }
         let t = Duration::from_secs(10);
         let mut last = String::new();
         for path in ["/model_info", "/get_model_info"] {
@@ -370,6 +406,9 @@ impl RemoteEngine {
         version: u64,
         label: &str,
     ) -> Result<(), EngineError> {
+        if self.config.api == EngineApi::Vllm {
+            return self.vllm_load_from_disk(engine_path, version, label).await;
+        }
         let body = json!({
             "model_path": engine_path.display().to_string(),
             "weight_version": label,
@@ -442,46 +481,24 @@ impl RemoteEngine {
         version: u64,
         label: &str,
     ) -> Result<(), EngineError> {
-        use tutor_collective::{
-            engine_update, CollectiveSecret, CpuCollectiveTimeouts, CpuRendezvous,
-        };
         let metas = engine_update::tensors_of(&file)
             .map_err(|e| self.refused(format!("policy version {version} cannot be sent: {e}")))?;
         let t = Duration::from_secs_f64(self.config.reload_timeout_s);
-        let group = format!("{label}-{:016x}", rand::random::<u64>());
-        let secret = (!self.key.is_empty()).then(|| {
-            CollectiveSecret::from_token(
-                self.key.as_bytes(),
-                &format!("{}{group}", engine_update::SECRET_CONTEXT),
-            )
-        });
-        let rdv = CpuRendezvous::bind(self.config.group_listen.as_str())
-            .map_err(|e| {
-                self.refused(format!(
-                    "policy version {version}: worker.student.group_listen = {:?}: {e}",
-                    self.config.group_listen
-                ))
-            })?
-            .with_secret(secret);
-        let at = rdv.local_addr();
-        let host = self
-            .config
-            .group_address
-            .clone()
-            .unwrap_or_else(|| at.ip().to_string());
-        let timeouts = CpuCollectiveTimeouts {
-            connect: t.min(Duration::from_secs(60)),
-            io: t,
-        };
-        // Set when this reload is over, however it ends (an error, or the caller giving
-        // up on it): the rendezvous thread stops waiting for the engine at once instead of
-        // after the connect timeout, and does not hold up a worker that stops.
-        let abandon = Abandon(std::sync::Arc::new(AtomicBool::new(false)));
-        let rdv = rdv.abandoned_by(abandon.0.clone());
-        let joined = tokio::task::spawn_blocking(move || rdv.accept(2, timeouts));
+        if self.config.api == EngineApi::Vllm {
+            return self
+                .vllm_load_distributed(file, metas, version, label)
+                .await;
+        }
+        let UpdateGroup {
+            group,
+            host,
+            port,
+            joined,
+            abandon,
+        } = self.update_group(version, label)?;
         let init = json!({
             "master_address": host,
-            "master_port": at.port(),
+            "master_port": port,
             "rank_offset": 1,
             "world_size": 2,
             "group_name": group,
@@ -498,9 +515,8 @@ impl RemoteEngine {
             }
             if let Err(m) = answer? {
                 return Err(self.refused(format!(
-                    "refused to form a weight-update group with this worker at {host}:{} for \
-                     policy version {version}: {m}",
-                    at.port()
+                    "refused to form a weight-update group with this worker at {host}:{port} for \
+                     policy version {version}: {m}"
                 )));
             }
             let mut collective = match joined.await {
@@ -571,6 +587,51 @@ impl RemoteEngine {
         self.check_served(version, label).await
     }
 
+    /// A weight-update group for policy version `version` (served as `label`), this
+    /// worker its rank 0: listening at `group_listen`, its hello keyed by the engine's
+    /// API key when there is one, waiting (in a blocking task) for the engine to join.
+    fn update_group(&self, version: u64, label: &str) -> Result<UpdateGroup, EngineError> {
+        let t = Duration::from_secs_f64(self.config.reload_timeout_s);
+        let group = format!("{label}-{:016x}", rand::random::<u64>());
+        let secret = (!self.key.is_empty()).then(|| {
+            CollectiveSecret::from_token(
+                self.key.as_bytes(),
+                &format!("{}{group}", engine_update::SECRET_CONTEXT),
+            )
+        });
+        let rdv = CpuRendezvous::bind(self.config.group_listen.as_str())
+            .map_err(|e| {
+                self.refused(format!(
+                    "policy version {version}: worker.student.group_listen = {:?}: {e}",
+                    self.config.group_listen
+                ))
+            })?
+            .with_secret(secret);
+        let at = rdv.local_addr();
+        let host = self
+            .config
+            .group_address
+            .clone()
+            .unwrap_or_else(|| at.ip().to_string());
+        let timeouts = CpuCollectiveTimeouts {
+            connect: t.min(Duration::from_secs(60)),
+            io: t,
+        };
+        // Set when this reload is over, however it ends (an error, or the caller giving
+        // up on it): the rendezvous thread stops waiting for the engine at once instead of
+        // after the connect timeout, and does not hold up a worker that stops.
+        let abandon = Abandon(std::sync::Arc::new(AtomicBool::new(false)));
+        let rdv = rdv.abandoned_by(abandon.0.clone());
+        let joined = tokio::task::spawn_blocking(move || rdv.accept(2, timeouts));
+        Ok(UpdateGroup {
+            group,
+            host,
+            port: at.port(),
+            joined,
+            abandon,
+        })
+    }
+
     /// Best effort: asks the engine to close weight-update group `group` (an engine that
     /// has none of that name, or is down, changes nothing).
     async fn destroy_group(&self, group: &str) {
@@ -598,6 +659,9 @@ impl RemoteEngine {
         params: &GenParams,
         label: &str,
     ) -> Result<Generation, EngineError> {
+        if self.config.api == EngineApi::Vllm {
+            return self.vllm_generate(prompt, params, label).await;
+        }
         let body = json!({
             "input_ids": prompt,
             "sampling_params": {
@@ -623,16 +687,24 @@ impl RemoteEngine {
             "return_logprob": true,
             "stream": false,
         });
+        let text = self.post_turn("/generate", &body).await?;
+        self.parse_generation(&text, params.max_new_tokens, label)
+    }
+
+    /// One turn's request to `path`: connection errors, timeouts, 429 and 5xx answers
+    /// retried `max_retries` times with backoff, within one deadline of `timeout_s` for
+    /// the whole turn. The text of a successful answer; any other answer is refused.
+    async fn post_turn(&self, path: &str, body: &Value) -> Result<String, EngineError> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(self.config.timeout_s);
         let mut attempt = 0;
         let (status, text) = loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             let err = match self
-                .send(reqwest::Method::POST, "/generate", Some(&body), left)
+                .send(reqwest::Method::POST, path, Some(body), left)
                 .await
             {
                 Ok((status, _)) if status.is_server_error() || status.as_u16() == 429 => {
-                    self.down(format!("/generate: HTTP {status}"))
+                    self.down(format!("{path}: HTTP {status}"))
                 }
                 Ok(answer) => break answer,
                 Err(e) => e,
@@ -647,12 +719,9 @@ impl RemoteEngine {
             attempt += 1;
         };
         if !status.is_success() {
-            return Err(self.refused(format!(
-                "/generate answered HTTP {status}: {}",
-                excerpt(&text)
-            )));
+            return Err(self.refused(format!("{path} answered HTTP {status}: {}", excerpt(&text))));
         }
-        self.parse_generation(&text, params.max_new_tokens, label)
+        Ok(text)
     }
 
     /// [`RemoteEngine::generate`], abandoned (`Cancelled`) as soon as `cancel` is set:
@@ -711,46 +780,13 @@ impl RemoteEngine {
             });
         }
         let ids = a.output_ids.ok_or_else(|| bad("no output_ids".into()))?;
-        let lps = meta
+        let lps: Vec<(Option<f64>, Option<i64>)> = meta
             .output_token_logprobs
-            .ok_or_else(|| bad("no meta_info.output_token_logprobs".into()))?;
-        if lps.len() != ids.len() {
-            return Err(bad(format!(
-                "{} log-probabilities for {} sampled tokens",
-                lps.len(),
-                ids.len()
-            )));
-        }
-        if ids.len() > max_new {
-            return Err(bad(format!(
-                "{} tokens where at most {max_new} were asked for",
-                ids.len()
-            )));
-        }
-        let mut tokens = Vec::with_capacity(ids.len());
-        let mut logprobs = Vec::with_capacity(ids.len());
-        for (i, (&id, (lp, lp_id, _))) in ids.iter().zip(&lps).enumerate() {
-            if id < 0 || id as usize >= self.vocab {
-                return Err(bad(format!(
-                    "token id {id} at position {i}, outside the vocabulary of {} tokens",
-                    self.vocab
-                )));
-            }
-            if *lp_id != id {
-                return Err(bad(format!(
-                    "the log-probability at position {i} for token {lp_id}, but token {id} was sampled"
-                )));
-            }
-            match lp {
-                Some(lp) if lp.is_finite() && *lp <= 1e-3 => logprobs.push(*lp as f32),
-                other => {
-                    return Err(bad(format!(
-                        "log-probability {other:?} at position {i}: not a finite log-probability"
-                    )))
-                }
-            }
-            tokens.push(id as u32);
-        }
+            .ok_or_else(|| bad("no meta_info.output_token_logprobs".into()))?
+            .into_iter()
+            .map(|(lp, id, _)| (lp, Some(id)))
+            .collect();
+        let (tokens, logprobs) = self.checked_tokens("/generate", &ids, &lps, max_new)?;
         let finish = meta.finish_reason.unwrap_or(Value::Null);
         let finish = match finish.get("type").and_then(Value::as_str) {
             Some("stop") => FinishReason::Stop,
@@ -766,6 +802,57 @@ impl RemoteEngine {
             logprobs,
             finish,
         })
+    }
+
+    /// The sampled ids of an answer from `path` and their log-probabilities (each with the
+    /// id it is for, where the answer says), checked: one finite log-probability per id,
+    /// for that id; ids inside the vocabulary; at most `max_new` of them.
+    fn checked_tokens(
+        &self,
+        path: &str,
+        ids: &[i64],
+        lps: &[(Option<f64>, Option<i64>)],
+        max_new: usize,
+    ) -> Result<(Vec<u32>, Vec<f32>), EngineError> {
+        let bad = |m: String| self.refused(format!("{path} answered {m}"));
+        if lps.len() != ids.len() {
+            return Err(bad(format!(
+                "{} log-probabilities for {} sampled tokens",
+                lps.len(),
+                ids.len()
+            )));
+        }
+        if ids.len() > max_new {
+            return Err(bad(format!(
+                "{} tokens where at most {max_new} were asked for",
+                ids.len()
+            )));
+        }
+        let mut tokens = Vec::with_capacity(ids.len());
+        let mut logprobs = Vec::with_capacity(ids.len());
+        for (i, (&id, (lp, lp_id))) in ids.iter().zip(lps).enumerate() {
+            if id < 0 || id as usize >= self.vocab {
+                return Err(bad(format!(
+                    "token id {id} at position {i}, outside the vocabulary of {} tokens",
+                    self.vocab
+                )));
+            }
+            if let Some(lp_id) = lp_id.filter(|&l| l != id) {
+                return Err(bad(format!(
+                    "the log-probability at position {i} for token {lp_id}, but token {id} was sampled"
+                )));
+            }
+            match lp {
+                Some(lp) if lp.is_finite() && *lp <= 1e-3 => logprobs.push(*lp as f32),
+                other => {
+                    return Err(bad(format!(
+                        "log-probability {other:?} at position {i}: not a finite log-probability"
+                    )))
+                }
+            }
+            tokens.push(id as u32);
+        }
+        Ok((tokens, logprobs))
     }
 
     /// Waits until the engine answers, up to `down_s`; the error names the engine.
