@@ -157,6 +157,21 @@ struct UpdateGroup {
     abandon: Abandon,
 }
 
+impl UpdateGroup {
+    /// What asks the engine to join: rank 1 of 2 at this worker's address, over Tutor's
+    /// CPU collective.
+    fn init_fields(&self) -> Value {
+        json!({
+            "master_address": self.host,
+            "master_port": self.port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": self.group,
+            "backend": engine_update::BACKEND,
+        })
+    }
+}
+
 /// Set on drop: a rendezvous waiting for the engine gives up (see
 /// `RemoteEngine::load_distributed`).
 struct Abandon(std::sync::Arc<AtomicBool>);
@@ -489,21 +504,15 @@ impl RemoteEngine {
                 .vllm_load_distributed(file, metas, version, label)
                 .await;
         }
+        let update_group = self.update_group(version, label)?;
+        let init = update_group.init_fields();
         let UpdateGroup {
             group,
             host,
             port,
             joined,
             abandon,
-        } = self.update_group(version, label)?;
-        let init = json!({
-            "master_address": host,
-            "master_port": port,
-            "rank_offset": 1,
-            "world_size": 2,
-            "group_name": group,
-            "backend": engine_update::BACKEND,
-        });
+        } = update_group;
         // From here on the engine may hold the group (even if its answer is lost): it is
         // destroyed whatever happens next.
         let result = async {
@@ -519,20 +528,7 @@ impl RemoteEngine {
                      policy version {version}: {m}"
                 )));
             }
-            let mut collective = match joined.await {
-                Ok(Ok(c)) => c,
-                Ok(Err(e)) => {
-                    return Err(self.refused(format!(
-                        "said it joined weight-update group {group:?} for policy version \
-                         {version} but never did: {e}"
-                    )))
-                }
-                Err(e) => {
-                    return Err(self.refused(format!(
-                        "forming the weight-update group for policy version {version}: {e}"
-                    )))
-                }
-            };
+            let mut collective = self.joined(joined, &group, version).await?;
             let body = json!({
                 "names": metas.iter().map(|m| &m.name).collect::<Vec<_>>(),
                 "dtypes": metas.iter().map(|m| &m.dtype).collect::<Vec<_>>(),
@@ -630,6 +626,28 @@ impl RemoteEngine {
             joined,
             abandon,
         })
+    }
+
+    /// This worker's end of group `group` once the engine joined it (after the engine
+    /// answered its init).
+    async fn joined(
+        &self,
+        joined: tokio::task::JoinHandle<
+            Result<tutor_collective::CpuCollective, tutor_collective::CollectiveError>,
+        >,
+        group: &str,
+        version: u64,
+    ) -> Result<tutor_collective::CpuCollective, EngineError> {
+        match joined.await {
+            Ok(Ok(c)) => Ok(c),
+            Ok(Err(e)) => Err(self.refused(format!(
+                "said it joined weight-update group {group:?} for policy version {version} but \
+                 never did: {e}"
+            ))),
+            Err(e) => Err(self.refused(format!(
+                "forming the weight-update group for policy version {version}: {e}"
+            ))),
+        }
     }
 
     /// Best effort: asks the engine to close weight-update group `group` (an engine that

@@ -199,21 +199,15 @@ impl RemoteEngine {
         version: u64,
         label: &str,
     ) -> Result<(), Attempt> {
+        let update_group = self.update_group(version, label)?;
+        let init = json!({"init_info": update_group.init_fields()});
         let UpdateGroup {
             group,
             host,
             port,
             joined,
             abandon,
-        } = self.update_group(version, label)?;
-        let init = json!({"init_info": {
-            "master_address": host,
-            "master_port": port,
-            "rank_offset": 1,
-            "world_size": 2,
-            "backend": engine_update::BACKEND,
-            "group_name": group,
-        }});
+        } = update_group;
         // The engine answers once it joined (or gave up).
         let answer = self
             .vllm_step(
@@ -227,24 +221,7 @@ impl RemoteEngine {
             abandon.set();
         }
         answer?;
-        let collective = match joined.await {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => {
-                return Err(self
-                    .refused(format!(
-                        "said it joined weight-update group {group:?} for policy version \
-                         {version} but never did: {e}"
-                    ))
-                    .into())
-            }
-            Err(e) => {
-                return Err(self
-                    .refused(format!(
-                        "forming the weight-update group for policy version {version}: {e}"
-                    ))
-                    .into())
-            }
-        };
+        let collective = self.joined(joined, &group, version).await?;
         abandon.set();
         let update = json!({
             "names": metas.iter().map(|m| &m.name).collect::<Vec<_>>(),
