@@ -108,6 +108,21 @@ fn dapo_run_across_processes_reports_groups_and_a_finite_loss() {
 /// disk is tested against the same server in engine_student.rs.
 #[test]
 fn dapo_run_with_tutor_serve_as_the_student_engine() {
+    run_on_tutor_serve("sglang");
+}
+
+/// The same run with the workers speaking vLLM's API to `tutor serve` (`api = "vllm"`):
+/// turns on `/v1/completions`, each version through vLLM's weight-transfer control plane.
+/// Both workers reload each version at once; the engine takes one update at a time, so
+/// one of them waits (409) and then finds the version served.
+#[test]
+fn dapo_run_with_tutor_serve_speaking_vllms_api() {
+    run_on_tutor_serve("vllm");
+}
+
+/// `dapo_run` with both workers' student on one `tutor serve`, speaking `api`, each
+/// version sent as tensors over the CPU collective; checks what such a run must show.
+fn run_on_tutor_serve(api: &str) {
     let dir = tempfile::tempdir().unwrap();
     let model = common::make_model(&dir.path().join("student"), &["4096"]);
     let served = common::serve(
@@ -120,7 +135,7 @@ fn dapo_run_with_tutor_serve_as_the_student_engine() {
         dir.path(),
         &format!("[model]\ninit_from = \"{}\"\n", model.display()),
         &format!(
-            "[worker.student]\nkind = \"engine\"\nbase_url = \"http://{}\"\nreload = \"distributed\"\n",
+            "[worker.student]\nkind = \"engine\"\napi = \"{api}\"\nbase_url = \"http://{}\"\nreload = \"distributed\"\n",
             served.addr
         ),
     );
@@ -166,6 +181,13 @@ fn dapo_run_with_tutor_serve_as_the_student_engine() {
         serve_log.contains("received weights over the collective"),
         "{serve_log}"
     );
+    if api == "vllm" {
+        // Through vLLM's control plane, which pauses the engine around each update.
+        assert!(
+            serve_log.contains("paused: new generation requests wait"),
+            "{serve_log}"
+        );
+    }
 }
 
 /// Runs DAPO on coin-flip toy tasks under `dir` and checks what every such run must show;
