@@ -400,6 +400,10 @@ impl Driver {
                         )
                     })
                 }
+                // The examples' file cannot be read: sending again will not change that.
+                Err(e) if e.chain().any(|c| c.is::<StepUnreadable>()) => {
+                    return Err(e).with_context(|| format!("training iteration {iteration}"))
+                }
                 Err(e) if attempt < TRAIN_ATTEMPTS => {
                     tracing::warn!(
                         iteration,
@@ -440,12 +444,10 @@ impl Driver {
                 let batch = tokio::task::spawn_blocking(move || steps[i].load())
                     .await
                     .context("reading a step's examples")?
-                    .with_context(|| {
-                        format!(
-                            "reading the examples of step {} of iteration {iteration} from \
-                             the examples' file in the run directory",
-                            batches[i].step
-                        )
+                    .map_err(|e| StepUnreadable {
+                        step: batches[i].step,
+                        iteration,
+                        error: e,
                     })?;
                 if tx.send(batch).await.is_err() {
                     break;
@@ -488,11 +490,13 @@ impl Driver {
             }
         }
         .await;
-        if streamed.is_err() && sender.is_finished() {
-            // A step that could not be read ended the stream: that is the cause.
-            sender.await.context("sending the steps")??;
-        } else {
-            sender.abort();
+        sender.abort();
+        if streamed.is_err() {
+            // A step that could not be read ended the stream: that is the cause. (An
+            // aborted task that had finished keeps its result.)
+            if let Ok(Err(e)) = sender.await {
+                return Err(e);
+            }
         }
         streamed
     }
@@ -515,6 +519,18 @@ impl Driver {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+}
+
+/// A step's examples could not be read from the examples' file in the run directory.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "reading the examples of step {step} of iteration {iteration} from the examples' file in \
+     the run directory: {error}"
+)]
+struct StepUnreadable {
+    step: u32,
+    iteration: u32,
+    error: std::io::Error,
 }
 
 /// Share of `outcomes` resolved (0 for none).

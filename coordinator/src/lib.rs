@@ -99,7 +99,8 @@ pub async fn serve(
     learner_auth
         .endpoint(&opts.learner_endpoint)
         .context("the --learner endpoint")?;
-    std::fs::create_dir_all(&opts.run_dir)
+    // Durably: a crash must not lose the run directory, and the events acknowledged in it.
+    store::create_dir_durably(&opts.run_dir)
         .with_context(|| format!("creating {}", opts.run_dir.display()))?;
     let state_path = state::state_path(&opts.run_dir);
     let (run_state, resumed) = match state::RunState::load(&state_path)? {

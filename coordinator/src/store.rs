@@ -431,7 +431,7 @@ pub fn log_path(dir: &Path) -> PathBuf {
 /// Creates `dir` and any missing parents, each one's entry made durable (its parent
 /// fsynced) before the store writes into it: a crash cannot lose a directory, and the log
 /// and batches acknowledged in it with it.
-fn create_dir_durably(dir: &Path) -> Result<(), StoreError> {
+pub fn create_dir_durably(dir: &Path) -> Result<(), StoreError> {
     // The missing levels, deepest first.
     let mut missing = Vec::new();
     let mut at = Some(dir);
@@ -464,8 +464,10 @@ fn sync_dir(dir: &Path) -> Result<(), StoreError> {
 /// fsyncs the directory holding `path` (just created), if it has one.
 fn sync_parent(path: &Path) -> Result<(), StoreError> {
     match path.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => sync_dir(parent),
-        _ => Ok(()),
+        // A relative path's top level: its parent is the working directory.
+        Some(parent) if parent.as_os_str().is_empty() => sync_dir(Path::new(".")),
+        Some(parent) => sync_dir(parent),
+        None => Ok(()),
     }
 }
 
@@ -804,7 +806,8 @@ mod tests {
 
     /// A store opened in a directory that does not exist yet makes every entry it
     /// creates durable: each new directory level (its parent fsynced) and the log (its
-    /// directory fsynced). Reopening creates nothing and syncs no directory. (That a
+    /// directory fsynced), relative paths included. Reopening creates nothing and syncs no
+    /// directory. (That a
     /// lost entry loses data needs a power cut to show; this checks the fsyncs are made.)
     #[test]
     fn new_directories_and_the_log_are_made_durable() {
@@ -824,6 +827,14 @@ mod tests {
         TrajectoryStore::open(&dir).unwrap();
         let synced = super::SYNCED_DIRS.with(|d| d.borrow_mut().split_off(0));
         assert!(synced.is_empty(), "{synced:?}");
+
+        // A relative path's first level: its parent is the working directory.
+        let cwd = std::env::current_dir().unwrap();
+        std::env::set_current_dir(root.path()).unwrap();
+        super::create_dir_durably(Path::new("rel/run")).unwrap();
+        std::env::set_current_dir(cwd).unwrap();
+        let synced = super::SYNCED_DIRS.with(|d| d.borrow_mut().split_off(0));
+        assert_eq!(synced, [PathBuf::from("."), PathBuf::from("rel")]);
     }
 
     /// What the next operations on a [`FaultyFile`] do.

@@ -175,6 +175,8 @@ fn an_aggregated_dataset_lives_on_disk_and_steps_are_read_as_they_are_sent() {
         most < 3 * step_bytes,
         "reading a step took {most} bytes at once (a step is about {step_bytes})"
     );
+    let left = allocated_now().saturating_sub(before);
+    assert!(left <= 4096, "{left} bytes of the steps read were kept");
     eprintln!(
         "{examples} examples ({dataset_bytes} bytes of tokens and masks), {kept_in_memory} bytes kept in memory without the file; with it: \
          {kept} bytes kept, {} bytes in the file, {} steps planned in {plan_peak} bytes, \
@@ -182,6 +184,4 @@ fn an_aggregated_dataset_lives_on_disk_and_steps_are_read_as_they_are_sent() {
         datasets.spilled_bytes(),
         steps.len()
     );
-    let left = allocated_now().saturating_sub(before);
-    assert!(left <= 4096, "{left} bytes of the steps read were kept");
 }

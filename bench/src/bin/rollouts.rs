@@ -29,7 +29,7 @@ use tutor_rollout_worker::episode::{
 use tutor_rollout_worker::grade::GradingMode;
 use tutor_rollout_worker::sandbox::SandboxFactory;
 use tutor_rollout_worker::student::StudentHost;
-use tutor_rollout_worker::student_engine::{StudentConfig, StudentKind};
+use tutor_rollout_worker::student_engine::{EngineApi, StudentConfig, StudentKind};
 use tutor_rollout_worker::worker::WorkerConfig;
 
 #[derive(Parser, Debug)]
@@ -60,7 +60,9 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     threads: u32,
     /// Which student engines to measure: `local` (in-process), `serve` (`tutor serve` as
-    /// the external engine) or `both`.
+    /// the external engine, SGLang's API), `vllm` (the same through vLLM's API: its
+    /// `/v1/completions` and a `/weight_info` check before and after each turn), `apis`
+    /// (serve and vllm) or `both` (local and serve).
     #[arg(long, default_value = "both")]
     engine: String,
     /// The tutor binary that serves (default: target/release/tutor of this checkout).
@@ -179,8 +181,10 @@ fn main() -> Result<()> {
     let engines: &[&'static str] = match args.engine.as_str() {
         "local" => &["in-process"],
         "serve" => &["tutor serve"],
+        "vllm" => &["tutor serve, vLLM's API"],
+        "apis" => &["tutor serve", "tutor serve, vLLM's API"],
         "both" => &["in-process", "tutor serve"],
-        other => anyhow::bail!("--engine {other:?}: expected local, serve or both"),
+        other => anyhow::bail!("--engine {other:?}: expected local, serve, vllm, apis or both"),
     };
     println!(
         "student: {} parameters (hidden {}, {} layers, vocab {}); {} turns × ≤{} tokens per \
@@ -215,6 +219,11 @@ fn main() -> Result<()> {
                 let (served, addr) = serve(&args, dir.path())?;
                 let config = StudentConfig {
                     kind: StudentKind::Engine,
+                    api: if kind.contains("vLLM") {
+                        EngineApi::Vllm
+                    } else {
+                        EngineApi::Sglang
+                    },
                     base_url: format!("http://{addr}"),
                     ..Default::default()
                 };

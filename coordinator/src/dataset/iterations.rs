@@ -44,6 +44,8 @@ pub struct IterationDatasets {
     config: CoordinatorConfig,
     /// Where examples go when aggregating (None: they stay in memory).
     spill: Option<ExampleSpill>,
+    /// Whether the last write to `spill` failed.
+    spill_failing: bool,
     episodes: BTreeMap<u32, Vec<StoredEpisode>>,
     /// Iterations whose examples were dropped (not aggregating): their label counts.
     dropped: BTreeMap<u32, u64>,
@@ -62,6 +64,7 @@ impl IterationDatasets {
     pub fn with_spill(config: CoordinatorConfig, spill: Option<ExampleSpill>) -> Self {
         Self {
             spill: spill.filter(|_| config.aggregates()),
+            spill_failing: false,
             config,
             episodes: BTreeMap::new(),
             dropped: BTreeMap::new(),
@@ -106,25 +109,33 @@ impl IterationDatasets {
     /// With an examples' file they are written there; one that cannot be written (a
     /// full disk) is kept in memory instead, with a warning: nothing is lost.
     pub fn push(&mut self, iteration: u32, episode: EpisodeData) {
-        let examples = episode
-            .examples
-            .into_iter()
-            .map(|x| match self.spill.as_mut().map(|f| f.append(&x)) {
-                Some(Ok(stored)) => stored,
+        // Sized for the handles (not reusing the examples' larger allocation).
+        let mut examples = Vec::with_capacity(episode.examples.len());
+        for x in episode.examples {
+            examples.push(match self.spill.as_mut().map(|f| f.append(&x)) {
+                Some(Ok(stored)) => {
+                    if std::mem::take(&mut self.spill_failing) {
+                        tracing::info!("training examples go to the examples' file again");
+                    }
+                    stored
+                }
                 Some(Err(e)) => {
-                    tracing::warn!(
-                        iteration,
-                        episode = %x.episode_id,
-                        turn = x.turn_index,
-                        error = %e,
-                        "could not write a training example to the examples' file in the \
-                         run directory: it is kept in memory"
-                    );
+                    // Said once until a write succeeds again (a full disk fails them all).
+                    if !std::mem::replace(&mut self.spill_failing, true) {
+                        tracing::warn!(
+                            iteration,
+                            episode = %x.episode_id,
+                            turn = x.turn_index,
+                            error = %e,
+                            "could not write a training example to the examples' file in the \
+                             run directory: it and the next ones that fail are kept in memory"
+                        );
+                    }
                     DatasetExample::in_memory(x)
                 }
                 None => DatasetExample::in_memory(x),
-            })
-            .collect();
+            });
+        }
         let episode = StoredEpisode {
             slot: episode.slot,
             policy_version: episode.policy_version,
