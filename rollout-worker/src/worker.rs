@@ -73,8 +73,6 @@ pub struct WorkerConfig {
     pub read_only_root: bool,
     /// Docker: what the agent can write, in MiB (the working directory's tmpfs; with a
     /// writable root, the writable layer where the storage driver supports a quota).
-    /// Local sandboxes: `disk_mb + tmp_mb` is how much their files may grow (a watchdog
-    /// stops a command past it; `sandbox::disk`).
     pub disk_mb: u64,
     /// Docker: /tmp's tmpfs, in MiB (read-only root only).
     pub tmp_mb: u64,
@@ -354,13 +352,10 @@ impl WorkerConfig {
 impl WorkerConfig {
     /// How local sandboxes are to be confined (`allow_unconfined`).
     pub fn confine_settings(&self) -> crate::sandbox::ConfineSettings {
-        let mut settings = crate::sandbox::ConfineSettings {
+        crate::sandbox::ConfineSettings {
             allow_unconfined: self.allow_unconfined,
             ..Default::default()
-        };
-        // What a Docker sandbox's tmpfs mounts hold, as the local sandbox's quota.
-        settings.limits.disk_bytes = self.disk_mb.saturating_add(self.tmp_mb) << 20;
-        settings
+        }
     }
 
     /// The teacher this configuration describes (checks the endpoint settings).

@@ -58,9 +58,6 @@ pub struct Limits {
     pub file_size_bytes: u64,
     /// Open files of one process (`RLIMIT_NOFILE`).
     pub open_files: u64,
-    /// Bytes a sandbox's writable directories may grow by over its size at creation
-    /// (the sandbox's disk quota, `sandbox::disk`; 0: none).
-    pub disk_bytes: u64,
 }
 
 impl Default for Limits {
@@ -70,8 +67,6 @@ impl Default for Limits {
             address_space_bytes: 4 << 30,
             file_size_bytes: 1 << 30,
             open_files: 1024,
-            // `[worker] disk_mb` + `tmp_mb` at their defaults, as a Docker sandbox's.
-            disk_bytes: (1024 + 256) << 20,
         }
     }
 }

@@ -43,8 +43,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use crate::sandbox::confine::{Bind, Confinement, SYSTEM_PATH};
-use crate::sandbox::disk::{self, DiskWatch};
-use crate::sandbox::process::{kill_group, kill_tagged, run_in_own_group_until, Isolation};
+use crate::sandbox::process::{kill_group, kill_tagged, run_in_own_group, Isolation};
 use crate::sandbox::{
     safe_rel, shell_quote, CommandOutput, LeftOutReason, Sandbox, SandboxError, Submission,
     BOOKKEEPING_CONFIG, MAX_SUBMISSION_BYTES, MAX_UNTRACKED_FILE_BYTES, SUBMISSION_EXCLUDE,
@@ -250,9 +249,6 @@ pub struct LocalSandbox {
     python_path: String,
     /// What a confined command sees of the Python interpreter (read-only).
     python_view: Vec<PathBuf>,
-    /// Bytes the writable directories held once the sandbox was made: the disk quota
-    /// counts from here.
-    disk_baseline: u64,
 }
 
 impl LocalSandbox {
@@ -437,7 +433,6 @@ impl LocalSandbox {
             output_cap: DEFAULT_OUTPUT_CAP,
             confinement: confinement.clone(),
             python_view,
-            disk_baseline: 0,
         };
         sb.git_ok(&["init", "-q"])?;
         // Appended in one write rather than a `git config` per key (each a process: a
@@ -469,9 +464,6 @@ impl LocalSandbox {
                 chown_tree(d, uid, gid)
                     .map_err(io_err(format!("handing {} to uid {uid}", d.display())))?;
             }
-        }
-        if sb.confinement.limits().disk_bytes > 0 {
-            sb.disk_baseline = disk::usage(&[sb.home.clone(), sb.state.clone()]).bytes;
         }
         Ok(sb)
     }
@@ -1003,30 +995,7 @@ impl LocalSandbox {
         } else {
             Isolation::Here
         };
-        // The disk quota: over it, the command is stopped (and what it wrote removed).
-        let quota = self.confinement.limits().disk_bytes;
-        let watch = (quota > 0).then(|| {
-            DiskWatch::start(
-                vec![self.home.clone(), self.state.clone()],
-                self.disk_baseline.saturating_add(quota),
-            )
-        });
-        let mut out = run_in_own_group_until(
-            cmd,
-            timeout,
-            self.output_cap,
-            isolation,
-            watch.as_ref().map(|w| &w.stop),
-        )?;
-        if let Some(why) = watch.and_then(DiskWatch::finish) {
-            if !out.output.is_empty() && !out.output.ends_with('\n') {
-                out.output.push('\n');
-            }
-            out.output.push_str(&format!("{why}\n"));
-            if out.exit_code == 0 {
-                out.exit_code = 1;
-            }
-        }
+        let mut out = run_in_own_group(cmd, timeout, self.output_cap, isolation)?;
         // bash names the script it sources in its messages (`…/ctl/command.sh: line 1:
         // submit: command not found`): the agent sees `bash:` as in a terminal. Other paths
         // of the sandbox's temporary directory are spelled as commands can spell them.

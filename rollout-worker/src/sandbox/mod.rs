@@ -8,7 +8,6 @@
 //! on the runtime handle it was created from.
 
 pub mod confine;
-mod disk;
 pub mod docker;
 pub mod factory;
 pub mod local;

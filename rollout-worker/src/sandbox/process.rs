@@ -37,37 +37,11 @@ pub(crate) enum Isolation {
 /// leader exited and the output is drained (at most [`DRAIN_GRACE`] after, for stray
 /// writers), or, at `timeout`, kills the whole group and reports [`TIMEOUT_EXIT_CODE`].
 /// Background jobs die with the leader.
-/// Set by a watchdog to stop a running command (its processes are killed): the reason.
-#[derive(Clone, Default)]
-pub(crate) struct Stop(std::sync::Arc<std::sync::Mutex<Option<String>>>);
-
-impl Stop {
-    pub(crate) fn set(&self, why: String) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
-    }
-
-    pub(crate) fn reason(&self) -> Option<String> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-}
-
-/// `run_in_own_group`, its processes killed when `stop` is set.
 pub(crate) fn run_in_own_group(
-    cmd: Command,
-    timeout: Duration,
-    output_cap: usize,
-    isolation: Isolation,
-) -> std::io::Result<CommandOutput> {
-    run_in_own_group_until(cmd, timeout, output_cap, isolation, None)
-}
-
-/// `run_in_own_group`; its processes are killed as soon as `stop` is set.
-pub(crate) fn run_in_own_group_until(
     mut cmd: Command,
     timeout: Duration,
     output_cap: usize,
     isolation: Isolation,
-    stop: Option<&Stop>,
 ) -> std::io::Result<CommandOutput> {
     let (read_end, write_end) = make_pipe()?;
     let write_file = File::from(write_end);
@@ -102,7 +76,6 @@ pub(crate) fn run_in_own_group_until(
     let deadline = Instant::now() + timeout;
     let mut eof = false;
     let mut timed_out = false;
-    let mut stopped = false;
     let mut status: Option<std::process::ExitStatus> = None;
     let mut drain_until: Option<Instant> = None;
     loop {
@@ -141,9 +114,6 @@ pub(crate) fn run_in_own_group_until(
                 drain_until = Some(Instant::now() + DRAIN_GRACE);
             } else if Instant::now() >= deadline && !timed_out {
                 timed_out = true;
-                kill_group(pgid);
-            } else if !stopped && stop.is_some_and(|s| s.reason().is_some()) {
-                stopped = true;
                 kill_group(pgid);
             }
         }
