@@ -377,12 +377,20 @@ impl RemoteEngine {
     /// The weight version the engine serves (`/model_info`, else SGLang's older
     /// `/get_model_info`; vLLM's `/weight_info`).
     pub async fn served_version(&self) -> Result<String, EngineError> {
-        if self.config.api == EngineApi::Vllm {
-            return Ok(self.vllm_weight_info().await?.0);
-        }
+        Ok(self.weight_info().await?.0)
+    }
+
+    /// The weight version the engine serves and, where it reports one (`tutor serve`'s
+    /// `weight_generation`), how many swaps it made so far: from SGLang's `/model_info`
+    /// (else its older `/get_model_info`) or vLLM's `/weight_info`.
+    pub(super) async fn weight_info(&self) -> Result<(String, Option<u64>), EngineError> {
         let t = Duration::from_secs(10);
         let mut last = String::new();
-        for path in ["/model_info", "/get_model_info"] {
+        let paths: &[&str] = match self.config.api {
+            EngineApi::Sglang => &["/model_info", "/get_model_info"],
+            EngineApi::Vllm => &["/weight_info"],
+        };
+        for &path in paths {
             let (status, text) = self.send(reqwest::Method::GET, path, None, t).await?;
             if status.as_u16() == 404 {
                 last = format!("{path}: HTTP 404");
@@ -397,17 +405,20 @@ impl RemoteEngine {
             let v: Value = serde_json::from_str(&text).map_err(|e| {
                 self.refused(format!("{path} is not JSON ({e}): {}", excerpt(&text)))
             })?;
-            return v
+            let version = v
                 .get("weight_version")
                 .and_then(Value::as_str)
-                .map(str::to_string)
                 .ok_or_else(|| {
                     self.refused(format!(
                         "{path} names no weight_version, so the version it serves cannot be \
                          checked: {}",
                         excerpt(&text)
                     ))
-                });
+                })?;
+            return Ok((
+                version.to_string(),
+                v.get("weight_generation").and_then(Value::as_u64),
+            ));
         }
         Err(self.refused(format!("it has no model info route ({last})")))
     }

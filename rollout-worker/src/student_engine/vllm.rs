@@ -328,47 +328,10 @@ impl RemoteEngine {
         )))
     }
 
-    /// The version the engine serves (`/weight_info`) and, from `tutor serve`, how many
-    /// swaps it made so far.
-    pub(super) async fn vllm_weight_info(&self) -> Result<(String, Option<u64>), EngineError> {
-        let t = Duration::from_secs(10);
-        let (status, text) = self
-            .send(reqwest::Method::GET, "/weight_info", None, t)
-            .await?;
-        if !status.is_success() {
-            let m = format!("/weight_info: HTTP {status}: {}", excerpt(&text));
-            return Err(if status.is_server_error() {
-                self.down(m)
-            } else {
-                self.refused(m)
-            });
-        }
-        let v: Value = serde_json::from_str(&text).map_err(|e| {
-            self.refused(format!(
-                "/weight_info is not JSON ({e}): {}",
-                excerpt(&text)
-            ))
-        })?;
-        let version = v
-            .get("weight_version")
-            .and_then(Value::as_str)
-            .ok_or_else(|| {
-                self.refused(format!(
-                    "/weight_info names no weight_version, so the version it serves cannot be \
-                     checked: {}",
-                    excerpt(&text)
-                ))
-            })?;
-        Ok((
-            version.to_string(),
-            v.get("weight_generation").and_then(Value::as_u64),
-        ))
-    }
-
     /// The engine must serve `label` now (`/weight_info`); otherwise the turn is not
     /// for this episode. Returns the swap count when the engine reports one.
     async fn vllm_expect_version(&self, label: &str) -> Result<Option<u64>, EngineError> {
-        let (served, generation) = self.vllm_weight_info().await?;
+        let (served, generation) = self.weight_info().await?;
         if served != label {
             return Err(EngineError::WrongVersion {
                 url: self.base.clone(),
