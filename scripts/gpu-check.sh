@@ -83,8 +83,9 @@ run() {
     "$BIN" --out "$out" --work "${GPU_CHECK_WORK:-$(mktemp -d)}" --python "$py" --reference bench/reference/gpu_reference.py "$@"
 }
 
-# The engine benches' GPU rows (bench/README.md, `prefix_cache` and `weights_move`): a
-# 12-turn episode on a Qwen3-0.6B-sized engine with and without the prefix cache (twice:
+# The engine benches' GPU rows (bench/README.md, `prefix_cache` and `weights_move`):
+# decoding with cuDNN's attention off and on, a 12-turn episode on a Qwen3-0.6B-sized
+# engine with and without the prefix cache (twice:
 # libtorch's default threads, then 4), and a 0.5B version moved into an engine on the GPU
 # by each path. OUT/benches.md.
 benches() {
@@ -97,10 +98,20 @@ benches() {
         echo
         echo "- machine: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo 'no nvidia-smi')"
         echo
+        # Decoding with cuDNN's attention off (Tutor's default) and on. On, it builds a
+        # plan per new key length, ~50 ms per decoded token on an H100/H200 (2026-11-28,
+        # bench/README.md), which gpu_check's generate (best of repeats) cannot see.
+        for cudnn in 0 1; do
+            echo "## prefix_cache --without-only --policy-generate, 2 layers, TUTOR_CUDNN_ATTENTION=$cudnn"
+            echo '```'
+            { TUTOR_CUDNN_ATTENTION=$cudnn timeout 60 .gpu-check/prefix_cache --device cuda --hidden 1024 --layers 2 \
+                --vocab 1000 --turns 3 --first 200 --observation 50 --reply 32 --without-only --policy-generate 2>&1 \
+                || echo "prefix_cache failed or timed out ($?)"; } | { grep -v 'turn [0-9]' || true; }
+            echo '```'
+        done
         # 12 turns, with libtorch's default threads and with 4 (as gpu_check's generate
-        # check): on 2026-11-27 the default ran ~75 ms per decoded token on an H100,
-        # 4-5x gpu_check's engine; which difference causes that is still open.
-        # PREFIX_THREADS / PREFIX_TIMEOUT (seconds per run) shorten it on a tight budget.
+        # check). PREFIX_THREADS / PREFIX_TIMEOUT (seconds per run) shorten it on a tight
+        # budget.
         for threads in ${PREFIX_THREADS:-0 4}; do
             echo "## prefix_cache --device cuda --hidden 1024 --layers 28 --vocab 151936 --turns 12 --first 1000 --observation 200 --reply 32 --threads $threads"
             echo '```'

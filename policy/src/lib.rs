@@ -4,6 +4,7 @@
 //! per-token logprobs, and the continuous-batching engine behind `tutor serve`. Used by the learner (training forward)
 //! and the rollout workers (generation).
 
+mod attention_backend;
 mod chat_template;
 mod checkpoint;
 mod config;
@@ -21,6 +22,7 @@ use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
+pub use attention_backend::{avoid_cudnn_attention, cudnn_attention_enabled, CUDNN_ATTENTION_ENV};
 pub use chat_template::{
     ChatTemplate, CHAT_TEMPLATE_FILE, MAX_RENDER_BYTES, RENDER_FUEL, TOKENIZER_CONFIG_FILE,
 };

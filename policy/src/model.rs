@@ -457,6 +457,10 @@ impl Attention {
     /// Scaled dot-product attention of `q` `[B, heads, S, D]` over `k`, `v` `[B, kv_heads,
     /// L, D]`.
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttnMask) -> Tensor {
+        if q.device().is_cuda() {
+            // cuDNN's attention builds a plan per new shape (attention_backend.rs).
+            crate::attention_backend::avoid_cudnn_attention();
+        }
         let (attn_mask, is_causal) = match mask {
             AttnMask::Causal => (None, true),
             AttnMask::Explicit(m) => (Some(m), false),

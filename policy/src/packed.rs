@@ -99,7 +99,7 @@ fn mkl() -> Option<&'static Mkl> {
 }
 
 #[cfg(target_os = "linux")]
-fn symbol(name: &CStr) -> Option<*mut c_void> {
+pub(crate) fn symbol(name: &CStr) -> Option<*mut c_void> {
     // SAFETY: dlsym with RTLD_DEFAULT searches the libraries already loaded (libtorch is
     // one of the binary's own dependencies); it has no other effect.
     let ptr = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
@@ -107,7 +107,7 @@ fn symbol(name: &CStr) -> Option<*mut c_void> {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn symbol(_name: &CStr) -> Option<*mut c_void> {
+pub(crate) fn symbol(_name: &CStr) -> Option<*mut c_void> {
     None
 }
 

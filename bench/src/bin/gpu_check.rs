@@ -1153,6 +1153,16 @@ fn report(ctx: &Ctx, checks: &[Check], seconds: f64) -> Result<()> {
     writeln!(md, "- machine: {}", machine())?;
     writeln!(md, "- device: {}", device_name(ctx.device))?;
     writeln!(md, "- total time: {seconds:.0} s")?;
+    writeln!(
+        md,
+        "- cuDNN attention: {} (Tutor turns it off on the first CUDA attention; {}=1 keeps it)",
+        match tutor_policy::cudnn_attention_enabled() {
+            Some(true) => "on",
+            Some(false) => "off",
+            None => "unknown (this libtorch does not export the flag)",
+        },
+        tutor_policy::CUDNN_ATTENTION_ENV
+    )?;
     writeln!(md)?;
     writeln!(md, "| check | status | summary |")?;
     writeln!(md, "| --- | --- | --- |")?;

@@ -52,6 +52,29 @@ struct Args {
     /// engine).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Each attention head's dimension (Qwen3: 128); the heads stay hidden / 64 and the
+    /// key/value heads hidden / 128.
+    #[arg(long, default_value_t = 64)]
+    head_dim: usize,
+    /// Tie the output head to the embedding (as Qwen3-0.6B does).
+    #[arg(long)]
+    tied: bool,
+    /// The engine's `max_batch`.
+    #[arg(long, default_value_t = 1)]
+    max_batch: usize,
+    /// The engine's `max_cached_tokens` (0: the episode's length).
+    #[arg(long, default_value_t = 0)]
+    max_cached: usize,
+    /// Save the random model to a directory and load it from there (as `gpu_check` and a
+    /// worker do) instead of using the model drawn in memory.
+    #[arg(long)]
+    from_dir: bool,
+    /// Only the run without the cache (for looking at per-turn times).
+    #[arg(long)]
+    without_only: bool,
+    /// With --without-only: also time the same turns with `Policy::generate` (no engine).
+    #[arg(long)]
+    policy_generate: bool,
 }
 
 /// One turn's outcome.
@@ -59,6 +82,8 @@ struct Turn {
     tokens: Vec<u32>,
     logprobs: Vec<f32>,
     seconds: f64,
+    /// Seconds from the request to its first token (prefill and the first sample).
+    first: f64,
 }
 
 fn generate(engine: &EngineHandle, prompt: &[u32], n: usize) -> Result<Turn> {
@@ -80,9 +105,13 @@ fn generate(engine: &EngineHandle, prompt: &[u32], n: usize) -> Result<Turn> {
         })
         .map_err(|e| anyhow::anyhow!("the engine refused the turn: {e}"))?;
     let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
+    let mut first = 0.0;
     loop {
         match rx.blocking_recv() {
             Some(EngineEvent::Token(t)) => {
+                if tokens.is_empty() {
+                    first = start.elapsed().as_secs_f64();
+                }
                 tokens.push(t.id);
                 logprobs.push(t.logprob);
             }
@@ -95,6 +124,7 @@ fn generate(engine: &EngineHandle, prompt: &[u32], n: usize) -> Result<Turn> {
         tokens,
         logprobs,
         seconds: start.elapsed().as_secs_f64(),
+        first,
     })
 }
 
@@ -110,12 +140,21 @@ fn main() -> Result<()> {
     mc.num_hidden_layers = args.layers;
     mc.num_attention_heads = (args.hidden / 64).max(1);
     mc.num_key_value_heads = (args.hidden / 128).max(1);
-    mc.head_dim = 64.min(args.hidden);
+    mc.head_dim = args.head_dim.min(args.hidden);
     mc.max_position_embeddings = total;
+    mc.tie_word_embeddings = args.tied;
+    let saved = tempfile::tempdir()?;
+    if args.from_dir {
+        Policy::new(mc.clone(), tch::Device::Cpu, 7).save_dir(saved.path())?;
+    }
     let corpus: Vec<String> = (0..20).map(|i| format!("turn {i}: ls -la")).collect();
     let tokenizer = ChatTokenizer::train(&corpus, 300)?;
     let engine = |cache: usize| {
-        let mut policy = Policy::new(mc.clone(), device, 7);
+        let mut policy = if args.from_dir {
+            Policy::load_dir(saved.path(), device).expect("loading the saved model")
+        } else {
+            Policy::new(mc.clone(), device, 7)
+        };
         if device.is_cuda() {
             policy.var_store_mut().bfloat16();
         }
@@ -124,8 +163,12 @@ fn main() -> Result<()> {
             policy,
             tokenizer.clone(),
             EngineConfig {
-                max_batch: 1,
-                max_cached_tokens: total,
+                max_batch: args.max_batch,
+                max_cached_tokens: if args.max_cached > 0 {
+                    args.max_cached
+                } else {
+                    total
+                },
                 queue: 2,
                 torch_threads: args.threads,
                 prefix_cache_tokens: cache,
@@ -171,6 +214,45 @@ fn main() -> Result<()> {
     let off_stats = off.prefix_stats();
     drop(off);
     off_thread.join().ok();
+    if args.without_only {
+        let secs: f64 = plain.iter().map(|t| t.seconds).sum();
+        let tokens: usize = plain.iter().map(|t| t.tokens.len()).sum();
+        let prefill: f64 = plain.iter().map(|t| t.first).sum();
+        println!(
+            "without the cache: {secs:.2} s for {tokens} generated tokens: {prefill:.2} s to the turns' first tokens, \
+             {:.1} ms per later token",
+            1e3 * (secs - prefill) / tokens.saturating_sub(plain.len()).max(1) as f64
+        );
+        if args.policy_generate {
+            let mut policy = if args.from_dir {
+                Policy::load_dir(saved.path(), device)?
+            } else {
+                Policy::new(mc.clone(), device, 7)
+            };
+            if device.is_cuda() {
+                policy.var_store_mut().bfloat16();
+            }
+            let params = GenParams {
+                temperature: 0.0,
+                max_new_tokens: args.reply,
+                ..GenParams::default()
+            };
+            let start = Instant::now();
+            let mut n = 0;
+            for prompt in &prompts {
+                n += policy.generate(std::slice::from_ref(prompt), std::slice::from_ref(&params))
+                    [0]
+                .tokens
+                .len();
+            }
+            let secs = start.elapsed().as_secs_f64();
+            println!(
+                "Policy::generate, same prompts: {secs:.2} s for {n} tokens ({:.1} ms per token, prefill included)",
+                1e3 * secs / n.max(1) as f64
+            );
+        }
+        return Ok(());
+    }
 
     let (on, on_thread) = engine(total);
     let mut cached = Vec::with_capacity(args.turns);
