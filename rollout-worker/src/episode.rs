@@ -125,6 +125,8 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
     let mut steps: Vec<ExecutedStep> = Vec::new();
     let mut submitted = false;
     let mut turns = 0u32;
+    // Why the sandbox stopped running commands, if it did (`Sandbox::stopped`).
+    let mut stopped: Option<crate::sandbox::Stopped> = None;
 
     for t in 0..lease.max_turns {
         if env.cancel.load(Ordering::SeqCst) {
@@ -209,6 +211,11 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
         if submitted {
             break;
         }
+        if let Some(stop) = sandbox.stopped() {
+            tracing::warn!(episode = %lease.episode_id, "{}", stop.why);
+            stopped = Some(stop);
+            break;
+        }
         // A message cut at max_new_tokens, or ended by another stop id (the model's end
         // of sequence), is closed here with the turn end, as context, so the tokens the
         // student generated stay exactly as generated and the observation follows a
@@ -241,9 +248,31 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
 
     outcome.num_turns = turns;
     outcome.submitted = submitted;
-    let submission = sandbox.submission();
+    // The submission's bookkeeping (git add) writes too: not on a disk under the floor,
+    // and a disk it took there stops the sandbox.
+    if stopped.is_none() {
+        stopped = sandbox.stopped();
+    }
+    let mut submission = match stopped {
+        None => sandbox.submission(),
+        Some(_) => Default::default(),
+    };
+    if stopped.is_none() {
+        stopped = sandbox.stopped_after_submission();
+    }
     drop(sandbox);
-    if let Some(note) = submission.too_large_note() {
+    if let Some(stop) = stopped {
+        // No tests, no patch. The disk crossed the floor during this sandbox's own
+        // command: unresolved (filling the disk costs the reward, as any failure);
+        // already under it: ungraded (someone else's doing, as far as this episode
+        // knows).
+        submission = Default::default();
+        outcome.status = match stop.by_own_command {
+            true => OutcomeStatus::Unresolved,
+            false => OutcomeStatus::SandboxError,
+        } as i32;
+        add_error(&mut outcome, stop.why);
+    } else if let Some(note) = submission.too_large_note() {
         // Not graded: an unresolved outcome (reward as for any), with no patch to store.
         tracing::warn!(episode = %lease.episode_id, "{note}");
         if outcome.status != OutcomeStatus::SandboxError as i32 {

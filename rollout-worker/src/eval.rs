@@ -201,9 +201,30 @@ pub fn eval_task(
             reply,
             observation,
         });
+        if sandbox.stopped().is_some() {
+            break; // the disk floor: nothing more runs here (below)
+        }
     }
-    let submission = sandbox.submission();
+    // As an episode does (episode.rs): at the disk floor, no submission, no tests.
+    let mut stopped = sandbox.stopped();
+    let submission = match stopped {
+        None => sandbox.submission(),
+        Some(_) => Default::default(),
+    };
+    if stopped.is_none() {
+        stopped = sandbox.stopped_after_submission();
+    }
     drop(sandbox);
+    if let Some(stop) = stopped {
+        let status = match stop.by_own_command {
+            true => OutcomeStatus::Unresolved,
+            false => OutcomeStatus::SandboxError,
+        };
+        result.status = status_name(status).into();
+        result.error = stop.why;
+        result.duration_s = start.elapsed().as_secs_f64();
+        return result;
+    }
     if let Some(note) = submission.too_large_note() {
         result.status = status_name(OutcomeStatus::PatchTooLarge).into();
         result.error = note;

@@ -433,12 +433,24 @@ pub fn grade_with(
     mode: GradingMode,
     mut sandbox: impl FnMut() -> Result<Box<dyn Sandbox>, String>,
 ) -> GradeResult {
+    // A grading sandbox stopped at its disk floor: no verdict from any run.
+    let mut floor: Option<crate::sandbox::Stopped> = None;
     let mut run = |strict: bool| match sandbox() {
-        Ok(mut sb) => run_steps(task, patch, timeout, sb.as_mut(), strict),
+        Ok(mut sb) => {
+            let ran = run_steps(task, patch, timeout, sb.as_mut(), strict);
+            if let Some(stop) = sb.stopped() {
+                floor.get_or_insert(stop);
+            }
+            ran
+        }
         Err(e) => Ran::early(GradeResult::fail(OutcomeStatus::SandboxError, e.clone()).because(e)),
     };
     if mode == GradingMode::Harness {
-        return run(false).harness_verdict(task, patch);
+        let verdict = run(false).harness_verdict(task, patch);
+        return match floor {
+            Some(stop) => floor_verdict(verdict, stop),
+            None => verdict,
+        };
     }
     let ran = run(true);
     let reset = ran.reset.clone();
@@ -467,7 +479,24 @@ pub fn grade_with(
         );
         tracing::warn!("{}", strict.disagreement);
     }
-    strict
+    match floor {
+        Some(stop) => floor_verdict(strict, stop),
+        None => strict,
+    }
+}
+
+/// `result` replaced for a grading sandbox stopped at its disk floor, its log kept: the
+/// disk crossed the floor while the grading's own commands ran (the submission's code, or
+/// its patch): TESTS_ERROR, a failure the submission caused; already under it: no
+/// verdict (SANDBOX_ERROR).
+fn floor_verdict(result: GradeResult, stop: crate::sandbox::Stopped) -> GradeResult {
+    let mut log = result.log;
+    log.push_str(&format!("\n>>> {}\n", stop.why));
+    let status = match stop.by_own_command {
+        true => OutcomeStatus::TestsError,
+        false => OutcomeStatus::SandboxError,
+    };
+    GradeResult::fail(status, log).because(stop.why)
 }
 
 fn status_str(s: OutcomeStatus) -> &'static str {

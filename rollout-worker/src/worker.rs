@@ -52,6 +52,13 @@ pub struct WorkerConfig {
     /// (docs/security.md, "Local sandbox"). Off by default: such a worker refuses to start,
     /// naming what is missing.
     pub allow_unconfined: bool,
+    /// Local sandboxes: the free space (MiB) kept on the file system that holds them. A
+    /// command that brings the space available there under it is killed (checked every
+    /// 50 ms and when it ends), a command that would start under it is not run, and
+    /// either way the episode ends ungraded (SANDBOX_ERROR); grading under the floor is
+    /// a SANDBOX_ERROR too (docs/security.md, "Local sandbox"). 0 turns the floor off.
+    /// Docker sandboxes have `disk_mb` instead.
+    pub min_free_disk_mb: u64,
     /// Docker: the image of tasks whose record names none. An image name, `swebench`
     /// (the SWE-bench naming rule), or a template with `{instance_id}`, `{repo}`,
     /// `{repo_slug}`, `{version}`.
@@ -150,6 +157,18 @@ impl WorkerConfig {
             crate::sandbox::Confinement::new(&self.confine_settings())?;
             let python = crate::sandbox::local::python_interpreter();
             crate::sandbox::local::check_grading_python(&python).map_err(anyhow::Error::msg)?;
+            if self.min_free_disk_mb > 0 {
+                let root = self.sandbox_root.clone().unwrap_or_else(std::env::temp_dir);
+                let bytes = self.min_free_disk_mb.saturating_mul(1 << 20);
+                if let Some(what) = crate::sandbox::local::disk_under_floor(&root, bytes) {
+                    anyhow::bail!(
+                        "the file system of the local sandboxes ({}) has {what}: every episode \
+                         would stop at its first command. Free space there, point \
+                         [worker] sandbox_root at another disk, or lower min_free_disk_mb",
+                        root.display()
+                    );
+                }
+            }
         }
         Ok(())
     }
@@ -183,6 +202,7 @@ impl Default for WorkerConfig {
             sandbox: SandboxKind::Local,
             sandbox_root: None,
             allow_unconfined: false,
+            min_free_disk_mb: 1024,
             image: "tutor/python-task:latest".into(),
             memory_mb: 2048,
             cpus: 1.0,
@@ -354,6 +374,10 @@ impl WorkerConfig {
     pub fn confine_settings(&self) -> crate::sandbox::ConfineSettings {
         crate::sandbox::ConfineSettings {
             allow_unconfined: self.allow_unconfined,
+            limits: crate::sandbox::Limits {
+                min_free_disk_bytes: self.min_free_disk_mb.saturating_mul(1 << 20),
+                ..Default::default()
+            },
             ..Default::default()
         }
     }

@@ -170,3 +170,88 @@ fn a_reward_hacking_episode_is_unresolved_and_the_disagreement_recorded() {
     assert_eq!(outcome.grading, "strict");
     assert_eq!(outcome.harness_status, OutcomeStatus::Resolved as i32);
 }
+
+/// An agent that fills the disk (issue 16, item 1): its command is killed at the
+/// worker's disk floor (`[worker] min_free_disk_mb`, here 256 MiB under what is free when
+/// the test starts), and the episode ends there: unresolved without tests (the reward of
+/// a failure: filling the disk costs it), no patch, the error naming the floor, and the
+/// sandbox (with what it wrote) removed.
+#[test]
+fn an_agent_that_fills_the_disk_ends_its_episode_unresolved_at_the_floor() {
+    use tutor_rollout_worker::sandbox::{ConfineSettings, Confinement, Limits, SandboxFactory};
+    let (teacher, _rt) = scripted_teacher(vec![
+        "I will make some room for myself.\n```command\nfor i in 1 2 3; do head -c 1000M /dev/zero > fill$i; done\n```"
+            .to_string(),
+        "Again.\n```command\nhead -c 1000M /dev/zero > fill2\n```".to_string(),
+        "Done.\n```command\nsubmit\n```".to_string(),
+    ]);
+    let mut s = common::episode_setup(
+        tutor_rollout_worker::toy::generate(1, 11).remove(0),
+        teacher,
+    );
+    let SandboxFactory::Local { root, .. } = s.env.sandboxes.clone() else {
+        panic!("episode_setup makes local sandboxes");
+    };
+    let root = root.expect("episode_setup names a root");
+    let available = || {
+        let st = nix_statvfs(&root);
+        st.0 * st.1
+    };
+    // One disk-floor test at a time, across test processes (as the sandbox's own
+    // tests), and only with room to spare.
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(std::env::temp_dir().join("tutor-disk-floor-tests.lock"))
+        .unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&lock);
+    // SAFETY: flock on a descriptor we own.
+    assert_eq!(unsafe { libc::flock(fd, libc::LOCK_EX) }, 0);
+    if available() < 4 << 30 {
+        eprintln!("skipped: under 4 GiB free for the disk-floor test");
+        return;
+    }
+    let floor = available().saturating_sub(256 << 20);
+    s.env.sandboxes = SandboxFactory::LocalWith {
+        root: Some(root.clone()),
+        owner: None,
+        confinement: Confinement::new(&ConfineSettings {
+            allow_unconfined: true,
+            limits: Limits {
+                min_free_disk_bytes: floor,
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .unwrap(),
+    };
+    let outcome = run_episode(&s.env, &lease(&s.task));
+    let status = OutcomeStatus::try_from(outcome.status).unwrap();
+    assert_eq!(status, OutcomeStatus::Unresolved, "{}", outcome.error);
+    assert_eq!(outcome.num_turns, 1, "the episode went on after the floor");
+    assert!(!outcome.submitted);
+    assert_eq!(outcome.patch, "");
+    assert!(outcome.test_statuses.is_empty(), "it was graded");
+    assert!(
+        outcome.error.contains("min_free_disk_mb"),
+        "{}",
+        outcome.error
+    );
+    // The sandbox and what its command wrote are gone.
+    let left: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("tutor-sbx-"))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// (`f_bavail`, `f_frsize`) of the file system holding `path`.
+fn nix_statvfs(path: &std::path::Path) -> (u64, u64) {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a zeroed statvfs is a valid out-parameter; `c` is NUL-terminated.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut st) }, 0);
+    (st.f_bavail as u64, st.f_frsize as u64)
+}

@@ -526,6 +526,32 @@ fn allow_unconfined_is_a_worker_setting_off_by_default() {
     assert_eq!(v["allow_unconfined"], serde_json::Value::Bool(true));
 }
 
+/// `[worker] min_free_disk_mb` is on by default (1024), and a worker whose sandbox disk
+/// is already under it refuses to start, naming the directory and the setting, instead
+/// of starting episodes that would all stop at their first command.
+#[test]
+fn a_worker_refuses_to_start_on_a_disk_under_its_floor() {
+    let c: WorkerConfig = serde_json::from_str("{}").unwrap();
+    assert_eq!(c.min_free_disk_mb, 1024);
+    let root = tempfile::tempdir().unwrap();
+    let mut c = WorkerConfig {
+        sandbox_root: Some(root.path().join("sandboxes")),
+        allow_unconfined: true,
+        ..Default::default()
+    };
+    c.preflight()
+        .expect("this machine has 1 GiB free for the test");
+    // No disk has an exbibyte free.
+    c.min_free_disk_mb = 1 << 40;
+    let e = format!("{:#}", c.preflight().unwrap_err());
+    assert!(
+        e.contains("min_free_disk_mb") && e.contains("sandboxes") && e.contains("MiB free"),
+        "{e}"
+    );
+    c.min_free_disk_mb = 0;
+    c.preflight().unwrap();
+}
+
 fn find_dir(root: &Path, name: &str, depth: usize) -> Option<PathBuf> {
     for e in std::fs::read_dir(root).ok()?.flatten() {
         let p = e.path();

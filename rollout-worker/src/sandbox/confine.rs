@@ -58,7 +58,18 @@ pub struct Limits {
     pub file_size_bytes: u64,
     /// Open files of one process (`RLIMIT_NOFILE`).
     pub open_files: u64,
+    /// Not a process limit: a floor under the free space of the file system holding the
+    /// sandbox (`[worker] min_free_disk_mb`, 1 GiB for a worker; 0 here, for tests and
+    /// tools). A command that brings the space available there (or its free inodes,
+    /// below 65,536) under it is killed at the next check (every [`DISK_CHECK_EVERY`]
+    /// while it runs, and once when it ended); a command that would start under it is not
+    /// run. Either way the sandbox stops and its episode ends ungraded
+    /// (`Sandbox::stopped`). 0: no floor.
+    pub min_free_disk_bytes: u64,
 }
+
+/// How often a running command's disk floor ([`Limits::min_free_disk_bytes`]) is checked.
+pub const DISK_CHECK_EVERY: Duration = Duration::from_millis(50);
 
 impl Default for Limits {
     fn default() -> Self {
@@ -67,6 +78,7 @@ impl Default for Limits {
             address_space_bytes: 4 << 30,
             file_size_bytes: 1 << 30,
             open_files: 1024,
+            min_free_disk_bytes: 0,
         }
     }
 }
@@ -430,8 +442,15 @@ impl Bwrap {
                 Duration::from_secs(30),
             )
             .map_err(|e| e.to_string())?;
-        let out = run_in_own_group(cmd, Duration::from_secs(30), 8192, Isolation::ByCommand)
-            .map_err(|e| format!("bubblewrap could not be started: {e}"))?;
+        let out = run_in_own_group(
+            cmd,
+            Duration::from_secs(30),
+            8192,
+            Isolation::ByCommand,
+            None,
+        )
+        .map(|(out, _)| out)
+        .map_err(|e| format!("bubblewrap could not be started: {e}"))?;
         if out.exit_code != 0 || !out.output.contains("tutor-confined") {
             return Err(format!(
                 "bubblewrap ({shown}) could not build a sandbox (exit {}): {} (are user \

@@ -43,10 +43,11 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use crate::sandbox::confine::{Bind, Confinement, SYSTEM_PATH};
-use crate::sandbox::process::{kill_group, kill_tagged, run_in_own_group, Isolation};
+use crate::sandbox::process::{kill_group, kill_tagged, run_in_own_group, DiskFloor, Isolation};
 use crate::sandbox::{
-    safe_rel, shell_quote, CommandOutput, LeftOutReason, Sandbox, SandboxError, Submission,
-    BOOKKEEPING_CONFIG, MAX_SUBMISSION_BYTES, MAX_UNTRACKED_FILE_BYTES, SUBMISSION_EXCLUDE,
+    safe_rel, shell_quote, CommandOutput, LeftOutReason, Sandbox, SandboxError, Stopped,
+    Submission, BOOKKEEPING_CONFIG, MAX_SUBMISSION_BYTES, MAX_UNTRACKED_FILE_BYTES,
+    SUBMISSION_EXCLUDE,
 };
 use crate::tasks::TaskRecord;
 
@@ -249,6 +250,11 @@ pub struct LocalSandbox {
     python_path: String,
     /// What a confined command sees of the Python interpreter (read-only).
     python_view: Vec<PathBuf>,
+    /// The floor under the free space of the sandbox's file system
+    /// ([`crate::sandbox::Limits::min_free_disk_bytes`]; `None`: no floor).
+    disk_floor: Option<DiskFloor>,
+    /// Set at the disk floor: why no command runs any more.
+    stopped: Option<Stopped>,
 }
 
 impl LocalSandbox {
@@ -414,6 +420,14 @@ impl LocalSandbox {
         } else {
             Vec::new()
         };
+        let min_free = confinement.limits().min_free_disk_bytes;
+        let disk_floor = match min_free {
+            0 => None,
+            bytes => Some(
+                DiskFloor::open(&outer, bytes)
+                    .map_err(io_err("opening the sandbox directory for its disk floor"))?,
+            ),
+        };
         let mut sb = LocalSandbox {
             dir: Some(dir),
             outer,
@@ -433,6 +447,8 @@ impl LocalSandbox {
             output_cap: DEFAULT_OUTPUT_CAP,
             confinement: confinement.clone(),
             python_view,
+            disk_floor,
+            stopped: None,
         };
         sb.git_ok(&["init", "-q"])?;
         // Appended in one write rather than a `git config` per key (each a process: a
@@ -944,7 +960,39 @@ impl LocalSandbox {
         }
     }
 
+    /// Unconfined, a command's `setsid` daemons outlive it (confined, its pid namespace
+    /// ends with it): at the disk floor they are killed at once, not when the sandbox is
+    /// dropped.
+    fn stop_escaped_processes(&self) {
+        if !self.confinement.is_confined() {
+            kill_tagged(&format!("{SANDBOX_TAG}={}", self.outer.display()));
+        }
+    }
+
     fn run_inner(&mut self, command: &str, timeout: Duration) -> std::io::Result<CommandOutput> {
+        if let Some(stop) = &self.stopped {
+            return Ok(CommandOutput {
+                output: format!("{}\n", stop.why),
+                exit_code: 1,
+                timed_out: false,
+            });
+        }
+        if let Some(what) = self.disk_floor.as_ref().and_then(DiskFloor::crossed) {
+            // Whoever filled it, nothing runs here on a full disk: the episode ends
+            // ungraded (`Sandbox::stopped`), as the one that filled it does.
+            let why = stop_note(&what, "the command was not run");
+            tracing::warn!(sandbox = %self.outer.display(), "{why}");
+            self.stop_escaped_processes();
+            self.stopped = Some(Stopped {
+                why: why.clone(),
+                by_own_command: false,
+            });
+            return Ok(CommandOutput {
+                output: format!("{why}\n"),
+                exit_code: 1,
+                timed_out: false,
+            });
+        }
         let cmd_file = self.ctl.join("command.sh");
         let cwd_file = self.state.join("cwd");
         write_fresh(&cmd_file, command.as_bytes())?;
@@ -995,7 +1043,27 @@ impl LocalSandbox {
         } else {
             Isolation::Here
         };
-        let mut out = run_in_own_group(cmd, timeout, self.output_cap, isolation)?;
+        let (mut out, disk_low) = run_in_own_group(
+            cmd,
+            timeout,
+            self.output_cap,
+            isolation,
+            self.disk_floor.as_ref(),
+        )?;
+        if let Some(low) = disk_low {
+            let done = match low.while_running {
+                true => "the command was killed",
+                false => "it was under it when the command ended",
+            };
+            let why = stop_note(&low.what, done);
+            tracing::warn!(sandbox = %self.outer.display(), "{why}");
+            self.stop_escaped_processes();
+            out.output.push_str(&format!("\n{why}\n"));
+            self.stopped = Some(Stopped {
+                why,
+                by_own_command: true,
+            });
+        }
         // bash names the script it sources in its messages (`…/ctl/command.sh: line 1:
         // submit: command not found`): the agent sees `bash:` as in a terminal. Other paths
         // of the sandbox's temporary directory are spelled as commands can spell them.
@@ -1021,6 +1089,27 @@ impl LocalSandbox {
         }
         Ok(out)
     }
+}
+
+/// What of `dir`'s file system is under a disk floor of `bytes` (see
+/// [`crate::sandbox::Limits::min_free_disk_bytes`]), said for a person; `None`: nothing.
+/// `dir` is created if missing.
+pub fn disk_under_floor(dir: &Path, bytes: u64) -> Option<String> {
+    if let Err(e) = std::fs::create_dir_all(dir) {
+        return Some(format!("no directory there ({e})"));
+    }
+    match DiskFloor::open(dir, bytes) {
+        Ok(floor) => floor.crossed(),
+        Err(e) => Some(format!("a directory that cannot be opened ({e})")),
+    }
+}
+
+/// Why a sandbox stopped at its disk floor: `what` is under it, `done` to the command.
+fn stop_note(what: &str, done: &str) -> String {
+    format!(
+        "sandbox stopped: the disk holding it has {what}; {done}, and the episode ends here \
+         (ungraded)"
+    )
 }
 
 /// `output` with the sandbox's temporary paths as commands can spell them: the home
@@ -1061,6 +1150,29 @@ fn replace_path(s: &str, path: &str, with: &str) -> String {
 impl Sandbox for LocalSandbox {
     fn run(&mut self, command: &str, timeout: Duration) -> CommandOutput {
         LocalSandbox::run(self, command, timeout)
+    }
+    fn stopped(&self) -> Option<Stopped> {
+        self.stopped.clone().or_else(|| {
+            let what = self.disk_floor.as_ref().and_then(DiskFloor::crossed)?;
+            Some(Stopped {
+                why: stop_note(&what, "no more commands run"),
+                by_own_command: false,
+            })
+        })
+    }
+
+    fn stopped_after_submission(&mut self) -> Option<Stopped> {
+        if self.stopped.is_none() {
+            let what = self.disk_floor.as_ref().and_then(DiskFloor::crossed)?;
+            self.stopped = Some(Stopped {
+                why: stop_note(
+                    &what,
+                    "the submission's bookkeeping (git add) took it there",
+                ),
+                by_own_command: true,
+            });
+        }
+        self.stopped.clone()
     }
     fn cwd(&self) -> String {
         LocalSandbox::cwd(self)
@@ -1462,6 +1574,143 @@ pub(crate) mod tests {
     }
 
     const T: Duration = Duration::from_secs(10);
+
+    /// Bytes available now on the temp dir's file system.
+    fn temp_dir_available() -> u64 {
+        DiskFloor::open(&std::env::temp_dir(), 1)
+            .and_then(|f| f.available())
+            .expect("fstatvfs of the temp dir")
+            .0
+    }
+
+    /// The disk-floor tests move the temp dir's free space by hundreds of MiB, so they
+    /// run one at a time, across test processes too (an exclusive `flock`); and only
+    /// where 4 GiB are free (else they say so and pass: the floor is the machine's).
+    pub(crate) fn disk_floor_test_lock() -> Option<std::fs::File> {
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(std::env::temp_dir().join("tutor-disk-floor-tests.lock"))
+            .unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&lock);
+        // SAFETY: flock on a descriptor we own; blocks until the other holder is done.
+        assert_eq!(unsafe { libc::flock(fd, libc::LOCK_EX) }, 0);
+        if temp_dir_available() < 4 << 30 {
+            eprintln!("skipped: under 4 GiB free in the temp dir for the disk-floor tests");
+            return None;
+        }
+        Some(lock)
+    }
+
+    /// A sandbox in the system temp dir whose disk floor sits `below` bytes under the
+    /// space available there now (negative: above it).
+    fn sandbox_with_floor(below: i64) -> LocalSandbox {
+        let floor = (temp_dir_available() as i64).saturating_sub(below).max(1) as u64;
+        let confinement = Confinement::new(&crate::sandbox::ConfineSettings {
+            allow_unconfined: true,
+            limits: crate::sandbox::Limits {
+                min_free_disk_bytes: floor,
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .unwrap();
+        LocalSandbox::create_confined(&tiny_task(), None, None, &confinement).unwrap()
+    }
+
+    /// A command that writes until the disk would fill (issue 16, item 1: "fill its
+    /// disk"): it is killed once the space left crosses the worker's floor, well before
+    /// it wrote what it meant to, the output says why, and the sandbox runs nothing more.
+    /// The floor is 256 MiB under what is free now; the command means to write 1000 MiB.
+    #[test]
+    fn a_command_that_fills_the_disk_to_the_floor_is_killed_and_the_sandbox_stops() {
+        let Some(_lock) = disk_floor_test_lock() else {
+            return;
+        };
+        let mut sb = sandbox_with_floor(256 << 20);
+        assert_eq!(sb.stopped(), None);
+        let out = sb.run(
+            "head -c 1000M /dev/zero > fill; echo finished",
+            Duration::from_secs(120),
+        );
+        assert!(!out.timed_out, "{out:?}");
+        assert_ne!(out.exit_code, 0, "{out:?}");
+        assert!(!out.output.contains("finished"), "{}", out.output);
+        assert!(
+            out.output.contains("sandbox stopped") && out.output.contains("min_free_disk_mb"),
+            "{}",
+            out.output
+        );
+        let written = std::fs::metadata(sb.repo.join("fill")).map_or(0, |m| m.len());
+        assert!(
+            written < 1000 << 20,
+            "the command wrote all {written} bytes"
+        );
+        let stop = sb.stopped().expect("the sandbox stopped");
+        assert!(stop.why.contains("min_free_disk_mb"), "{stop:?}");
+        assert!(stop.by_own_command, "{stop:?}");
+        // Nothing runs any more, not even a harmless command.
+        let out = sb.run("touch marker", T);
+        assert_ne!(out.exit_code, 0);
+        assert!(out.output.contains("sandbox stopped"), "{}", out.output);
+        assert!(!sb.repo.join("marker").exists());
+        // Dropping the sandbox gives the space back.
+        let outer = sb.outer.clone();
+        drop(sb);
+        assert!(!outer.exists());
+    }
+
+    /// A command that ends within one check's interval is still caught: one
+    /// `fallocate` takes the space in a single call (and `--keep-size` escapes the file
+    /// size limit), and the check after the command sees it.
+    #[test]
+    fn a_command_that_takes_the_space_at_once_is_caught_when_it_ends() {
+        let Some(_lock) = disk_floor_test_lock() else {
+            return;
+        };
+        let mut sb = sandbox_with_floor(256 << 20);
+        let out = sb.run(
+            "touch blob && fallocate --keep-size -l 600M blob && echo taken",
+            T,
+        );
+        if !out.output.contains("taken") && !out.output.contains("sandbox stopped") {
+            eprintln!("skipped: fallocate does not work here: {}", out.output);
+            return;
+        }
+        assert!(
+            out.output.contains("sandbox stopped") && out.output.contains("min_free_disk_mb"),
+            "{}",
+            out.output
+        );
+        assert!(sb.stopped().is_some_and(|s| s.by_own_command));
+        assert!(sb.run("true", T).exit_code != 0);
+    }
+
+    /// Under the floor already (another sandbox, or anything else on the host, filled
+    /// the disk): a command is refused before it runs, and the sandbox stops (its
+    /// episode ends ungraded: a turn on a full disk says nothing about the model).
+    #[test]
+    fn under_the_disk_floor_a_command_is_refused_and_the_sandbox_stops() {
+        let Some(_lock) = disk_floor_test_lock() else {
+            return;
+        };
+        let mut sb = sandbox_with_floor(-(1 << 30));
+        let out = sb.run("touch marker", T);
+        assert_eq!(out.exit_code, 1);
+        assert!(
+            out.output.contains("not run") && out.output.contains("min_free_disk_mb"),
+            "{}",
+            out.output
+        );
+        assert!(!sb.repo.join("marker").exists());
+        let stop = sb.stopped().expect("the sandbox stopped");
+        assert!(!stop.by_own_command, "{stop:?}");
+        // With the floor 1 GiB under what is free, the same command runs.
+        let mut free = sandbox_with_floor(1 << 30);
+        assert_eq!(free.run("touch marker", T).exit_code, 0);
+        assert!(free.repo.join("marker").exists());
+        assert_eq!(free.stopped(), None);
+    }
 
     #[test]
     fn creates_repo_and_runs_commands() {

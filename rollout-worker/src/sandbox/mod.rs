@@ -31,6 +31,18 @@ pub trait Sandbox: Send {
     /// Runs one command (bash) in the sandbox's persistent working directory. Never fails:
     /// errors come back as output.
     fn run(&mut self, command: &str, timeout: Duration) -> CommandOutput;
+    /// Why this sandbox runs no more commands (a local sandbox at its disk floor,
+    /// `[worker] min_free_disk_mb`): the episode ends there, without tests. `None` while
+    /// it can go on.
+    fn stopped(&self) -> Option<Stopped> {
+        None
+    }
+    /// [`Self::stopped`] after [`Self::submission`] was read: the worker's own
+    /// bookkeeping (`git add` of what the agent left) writes too, and a disk it took under
+    /// the floor stops the sandbox as the agent's doing.
+    fn stopped_after_submission(&mut self) -> Option<Stopped> {
+        self.stopped()
+    }
     /// The current directory as shown to the model.
     fn cwd(&self) -> String;
     /// True when the current directory is the repository root.
@@ -65,6 +77,18 @@ pub trait Sandbox: Send {
     fn write_scratch(&mut self, name: &str, content: &str) -> Result<String, SandboxError>;
     /// `local` or `docker`.
     fn kind(&self) -> &'static str;
+}
+
+/// Why a sandbox stopped running commands ([`Sandbox::stopped`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stopped {
+    pub why: String,
+    /// The disk crossed the floor while this sandbox's own command ran (or its end was
+    /// the first check to see it): most likely its doing, so the episode is graded
+    /// unresolved without tests (reward as for any failure: filling the disk costs the
+    /// reward). False: it found the disk under the floor before its command, someone
+    /// else's doing as far as it knows: ungraded (SANDBOX_ERROR, no reward either way).
+    pub by_own_command: bool,
 }
 
 /// Exit code reported for a command killed by the timeout (as coreutils `timeout` does).

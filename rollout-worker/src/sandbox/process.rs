@@ -15,8 +15,79 @@ use std::time::{Duration, Instant};
 
 use crate::sandbox::{CommandOutput, TIMEOUT_EXIT_CODE};
 
+/// Output read in one pass of the wait loop, at most (then the deadline is checked).
+const READ_PER_PASS: usize = 1 << 20;
+
 /// How long output is still collected after the shell exited, for stray writers.
 const DRAIN_GRACE: Duration = Duration::from_millis(300);
+
+/// Inodes kept free on a sandbox's file system whenever its disk floor is on: millions of
+/// empty files exhaust a file system's inodes long before its blocks.
+pub(crate) const MIN_FREE_INODES: u64 = 65_536;
+
+/// A floor under the free space of the file system holding a sandbox
+/// ([`crate::sandbox::Limits::min_free_disk_bytes`]), read through a descriptor of the
+/// sandbox's directory opened when the sandbox was made: renaming or replacing the
+/// directory does not move the check elsewhere.
+#[derive(Debug)]
+pub(crate) struct DiskFloor {
+    dir: OwnedFd,
+    pub bytes: u64,
+}
+
+impl DiskFloor {
+    pub(crate) fn open(dir: &Path, bytes: u64) -> std::io::Result<Self> {
+        let dir = std::fs::File::open(dir)?;
+        Ok(DiskFloor {
+            dir: OwnedFd::from(dir),
+            bytes,
+        })
+    }
+
+    /// (bytes, inodes) available to unprivileged users on the file system (`fstatvfs`:
+    /// `f_bavail × f_frsize`, so blocks reserved for root do not count, and ext4, XFS and
+    /// tmpfs count data written but not yet allocated as used; `f_favail`, `None` where
+    /// the file system has no inode count).
+    pub(crate) fn available(&self) -> std::io::Result<(u64, Option<u64>)> {
+        // SAFETY: a zeroed statvfs is a valid out-parameter; the descriptor is ours.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstatvfs(self.dir.as_raw_fd(), &mut st) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let bytes = (st.f_bavail as u64).saturating_mul(st.f_frsize as u64);
+        let inodes = (st.f_files > 0).then_some(st.f_favail as u64);
+        Ok((bytes, inodes))
+    }
+
+    /// What is under the floor, said for a person (`None`: nothing). A file system whose
+    /// free space cannot be read counts as under it.
+    pub(crate) fn crossed(&self) -> Option<String> {
+        match self.available() {
+            Ok((bytes, _)) if bytes < self.bytes => Some(format!(
+                "{} MiB free, under the worker's floor of {} MiB ([worker] min_free_disk_mb)",
+                bytes >> 20,
+                self.bytes >> 20
+            )),
+            Ok((_, Some(inodes))) if inodes < MIN_FREE_INODES => Some(format!(
+                "{inodes} inodes free, under the {MIN_FREE_INODES} the worker keeps \
+                 ([worker] min_free_disk_mb is on)"
+            )),
+            Ok(_) => None,
+            Err(e) => Some(format!(
+                "free space unreadable ({e}); counted as under the floor"
+            )),
+        }
+    }
+}
+
+/// A command's file system under its [`DiskFloor`].
+#[derive(Debug)]
+pub(crate) struct DiskLow {
+    /// What is under the floor ([`DiskFloor::crossed`]).
+    pub what: String,
+    /// Seen while the command ran (it was killed), not only once it had ended.
+    pub while_running: bool,
+}
 
 /// How a command is kept apart from the worker's session and ended with it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,13 +107,17 @@ pub(crate) enum Isolation {
 /// process-group leader (and, with [`Isolation::Here`], a session leader). Returns once the
 /// leader exited and the output is drained (at most [`DRAIN_GRACE`] after, for stray
 /// writers), or, at `timeout`, kills the whole group and reports [`TIMEOUT_EXIT_CODE`].
-/// Background jobs die with the leader.
+/// Background jobs die with the leader. With a `disk` floor, the group is also killed
+/// when the file system falls under it (checked every
+/// [`crate::sandbox::confine::DISK_CHECK_EVERY`] while the command runs, and once more
+/// when it ended); the second value then says what is under it, and when it was seen.
 pub(crate) fn run_in_own_group(
     mut cmd: Command,
     timeout: Duration,
     output_cap: usize,
     isolation: Isolation,
-) -> std::io::Result<CommandOutput> {
+    disk: Option<&DiskFloor>,
+) -> std::io::Result<(CommandOutput, Option<DiskLow>)> {
     let (read_end, write_end) = make_pipe()?;
     let write_file = File::from(write_end);
     cmd.stdin(Stdio::null())
@@ -78,6 +153,8 @@ pub(crate) fn run_in_own_group(
     let mut timed_out = false;
     let mut status: Option<std::process::ExitStatus> = None;
     let mut drain_until: Option<Instant> = None;
+    let mut disk_low: Option<DiskLow> = None;
+    let mut disk_checked = Instant::now();
     loop {
         if !eof {
             let mut pfd = libc::pollfd {
@@ -87,13 +164,19 @@ pub(crate) fn run_in_own_group(
             };
             // SAFETY: one valid pollfd.
             unsafe { libc::poll(&mut pfd, 1, 20) };
-            loop {
+            // At most this much per pass: a command that floods its output must not keep
+            // the deadline and the disk floor from being checked.
+            let mut budget = READ_PER_PASS;
+            while budget > 0 {
                 match reader.read(&mut buf) {
                     Ok(0) => {
                         eof = true;
                         break;
                     }
-                    Ok(n) => captured.push(&buf[..n]),
+                    Ok(n) => {
+                        captured.push(&buf[..n]);
+                        budget = budget.saturating_sub(n);
+                    }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                     Err(_) => {
@@ -115,6 +198,17 @@ pub(crate) fn run_in_own_group(
             } else if Instant::now() >= deadline && !timed_out {
                 timed_out = true;
                 kill_group(pgid);
+            } else if let Some(floor) = disk.filter(|_| disk_low.is_none()) {
+                if disk_checked.elapsed() >= crate::sandbox::confine::DISK_CHECK_EVERY {
+                    disk_checked = Instant::now();
+                    if let Some(what) = floor.crossed() {
+                        disk_low = Some(DiskLow {
+                            what,
+                            while_running: true,
+                        });
+                        kill_group(pgid);
+                    }
+                }
             }
         }
         if status.is_some() && (eof || drain_until.is_some_and(|d| Instant::now() >= d)) {
@@ -122,6 +216,13 @@ pub(crate) fn run_in_own_group(
         }
     }
 
+    // What the last check could not see: a command that ended within a check's interval.
+    if let Some(floor) = disk.filter(|_| disk_low.is_none()) {
+        disk_low = floor.crossed().map(|what| DiskLow {
+            what,
+            while_running: false,
+        });
+    }
     let exit_code = if timed_out {
         TIMEOUT_EXIT_CODE
     } else {
@@ -131,11 +232,14 @@ pub(crate) fn run_in_own_group(
             128 + st.signal().unwrap_or(0)
         })
     };
-    Ok(CommandOutput {
-        output: captured.finish(),
-        exit_code,
-        timed_out,
-    })
+    Ok((
+        CommandOutput {
+            output: captured.finish(),
+            exit_code,
+            timed_out,
+        },
+        disk_low,
+    ))
 }
 
 /// Creates a pipe; the read end is non-blocking, both are close-on-exec (the child gets
