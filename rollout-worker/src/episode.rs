@@ -248,40 +248,33 @@ pub fn run_episode(env: &EpisodeEnv, lease: &EpisodeLease) -> EpisodeOutcome {
 
     outcome.num_turns = turns;
     outcome.submitted = submitted;
-    // The submission's bookkeeping (git add) writes too: not on a disk under the floor,
-    // and a disk it took there stops the sandbox.
-    if stopped.is_none() {
-        stopped = sandbox.stopped();
-    }
-    let mut submission = match stopped {
-        None => sandbox.submission(),
-        Some(_) => Default::default(),
-    };
-    if stopped.is_none() {
-        stopped = sandbox.stopped_after_submission();
-    }
+    // At the disk floor (`Sandbox::stopped`): no tests, no patch. The disk crossed it
+    // during this sandbox's own command: unresolved (filling the disk costs the reward, as
+    // any failure); already under it: ungraded (someone else's doing, as far as this
+    // episode knows).
+    let ended = crate::sandbox::final_submission(sandbox.as_mut(), stopped);
     drop(sandbox);
-    if let Some(stop) = stopped {
-        // No tests, no patch. The disk crossed the floor during this sandbox's own
-        // command: unresolved (filling the disk costs the reward, as any failure);
-        // already under it: ungraded (someone else's doing, as far as this episode
-        // knows).
-        submission = Default::default();
-        outcome.status = match stop.by_own_command {
-            true => OutcomeStatus::Unresolved,
-            false => OutcomeStatus::SandboxError,
-        } as i32;
-        add_error(&mut outcome, stop.why);
-    } else if let Some(note) = submission.too_large_note() {
-        // Not graded: an unresolved outcome (reward as for any), with no patch to store.
-        tracing::warn!(episode = %lease.episode_id, "{note}");
-        if outcome.status != OutcomeStatus::SandboxError as i32 {
-            outcome.status = OutcomeStatus::PatchTooLarge as i32;
+    let submission = match ended {
+        Err(stop) => {
+            outcome.status = stop.outcome_status() as i32;
+            add_error(&mut outcome, stop.why);
+            Default::default()
         }
-        add_error(&mut outcome, note);
-    } else if outcome.status != OutcomeStatus::SandboxError as i32 {
-        grade_submission(env, lease, &task, &submission.patch, &mut outcome);
-    }
+        Ok(submission) => {
+            if let Some(note) = submission.too_large_note() {
+                // Not graded: an unresolved outcome (reward as for any), with no patch to
+                // store.
+                tracing::warn!(episode = %lease.episode_id, "{note}");
+                if outcome.status != OutcomeStatus::SandboxError as i32 {
+                    outcome.status = OutcomeStatus::PatchTooLarge as i32;
+                }
+                add_error(&mut outcome, note);
+            } else if outcome.status != OutcomeStatus::SandboxError as i32 {
+                grade_submission(env, lease, &task, &submission.patch, &mut outcome);
+            }
+            submission
+        }
+    };
     if let Some(note) = submission.left_out_note() {
         tracing::info!(episode = %lease.episode_id, "{note}");
         add_error(&mut outcome, note);

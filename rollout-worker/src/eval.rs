@@ -206,25 +206,17 @@ pub fn eval_task(
         }
     }
     // As an episode does (episode.rs): at the disk floor, no submission, no tests.
-    let mut stopped = sandbox.stopped();
-    let submission = match stopped {
-        None => sandbox.submission(),
-        Some(_) => Default::default(),
-    };
-    if stopped.is_none() {
-        stopped = sandbox.stopped_after_submission();
-    }
+    let ended = crate::sandbox::final_submission(sandbox.as_mut(), None);
     drop(sandbox);
-    if let Some(stop) = stopped {
-        let status = match stop.by_own_command {
-            true => OutcomeStatus::Unresolved,
-            false => OutcomeStatus::SandboxError,
-        };
-        result.status = status_name(status).into();
-        result.error = stop.why;
-        result.duration_s = start.elapsed().as_secs_f64();
-        return result;
-    }
+    let submission = match ended {
+        Ok(submission) => submission,
+        Err(stop) => {
+            result.status = status_name(stop.outcome_status()).into();
+            result.error = stop.why;
+            result.duration_s = start.elapsed().as_secs_f64();
+            return result;
+        }
+    };
     if let Some(note) = submission.too_large_note() {
         result.status = status_name(OutcomeStatus::PatchTooLarge).into();
         result.error = note;

@@ -54,10 +54,10 @@ pub struct WorkerConfig {
     pub allow_unconfined: bool,
     /// Local sandboxes: the free space (MiB) kept on the file system that holds them. A
     /// command that brings the space available there under it is killed (checked every
-    /// 50 ms and when it ends), a command that would start under it is not run, and
-    /// either way the episode ends ungraded (SANDBOX_ERROR); grading under the floor is
-    /// a SANDBOX_ERROR too (docs/security.md, "Local sandbox"). 0 turns the floor off.
-    /// Docker sandboxes have `disk_mb` instead.
+    /// 50 ms and when it ends) and its episode ends unresolved without tests; a command
+    /// that would start under it is not run and its episode ends ungraded (SANDBOX_ERROR);
+    /// grading follows the same rule (docs/security.md, "Local sandbox"). 0 turns the
+    /// floor off. Docker sandboxes have `disk_mb` instead.
     pub min_free_disk_mb: u64,
     /// Docker: the image of tasks whose record names none. An image name, `swebench`
     /// (the SWE-bench naming rule), or a template with `{instance_id}`, `{repo}`,
@@ -157,9 +157,9 @@ impl WorkerConfig {
             crate::sandbox::Confinement::new(&self.confine_settings())?;
             let python = crate::sandbox::local::python_interpreter();
             crate::sandbox::local::check_grading_python(&python).map_err(anyhow::Error::msg)?;
-            if self.min_free_disk_mb > 0 {
+            let bytes = self.min_free_disk_bytes();
+            if bytes > 0 {
                 let root = self.sandbox_root.clone().unwrap_or_else(std::env::temp_dir);
-                let bytes = self.min_free_disk_mb.saturating_mul(1 << 20);
                 if let Some(what) = crate::sandbox::local::disk_under_floor(&root, bytes) {
                     anyhow::bail!(
                         "the file system of the local sandboxes ({}) has {what}: every episode \
@@ -370,12 +370,17 @@ impl WorkerConfig {
 }
 
 impl WorkerConfig {
+    /// `min_free_disk_mb` in bytes.
+    fn min_free_disk_bytes(&self) -> u64 {
+        self.min_free_disk_mb.saturating_mul(1 << 20)
+    }
+
     /// How local sandboxes are to be confined (`allow_unconfined`).
     pub fn confine_settings(&self) -> crate::sandbox::ConfineSettings {
         crate::sandbox::ConfineSettings {
             allow_unconfined: self.allow_unconfined,
             limits: crate::sandbox::Limits {
-                min_free_disk_bytes: self.min_free_disk_mb.saturating_mul(1 << 20),
+                min_free_disk_bytes: self.min_free_disk_bytes(),
                 ..Default::default()
             },
             ..Default::default()

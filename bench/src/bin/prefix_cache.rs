@@ -149,15 +149,20 @@ fn main() -> Result<()> {
     }
     let corpus: Vec<String> = (0..20).map(|i| format!("turn {i}: ls -la")).collect();
     let tokenizer = ChatTokenizer::train(&corpus, 300)?;
-    let engine = |cache: usize| {
+    // The bench's model, as a worker's engine holds it: bf16 on a GPU.
+    let model = || -> Result<Policy> {
         let mut policy = if args.from_dir {
-            Policy::load_dir(saved.path(), device).expect("loading the saved model")
+            Policy::load_dir(saved.path(), device)?
         } else {
             Policy::new(mc.clone(), device, 7)
         };
         if device.is_cuda() {
             policy.var_store_mut().bfloat16();
         }
+        Ok(policy)
+    };
+    let engine = |cache: usize| {
+        let mut policy = model().expect("loading the saved model");
         policy.use_decode_layout();
         spawn_engine(
             policy,
@@ -224,14 +229,7 @@ fn main() -> Result<()> {
             1e3 * (secs - prefill) / tokens.saturating_sub(plain.len()).max(1) as f64
         );
         if args.policy_generate {
-            let mut policy = if args.from_dir {
-                Policy::load_dir(saved.path(), device)?
-            } else {
-                Policy::new(mc.clone(), device, 7)
-            };
-            if device.is_cuda() {
-                policy.var_store_mut().bfloat16();
-            }
+            let policy = model()?;
             let params = GenParams {
                 temperature: 0.0,
                 max_new_tokens: args.reply,

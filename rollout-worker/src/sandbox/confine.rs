@@ -62,9 +62,9 @@ pub struct Limits {
     /// sandbox (`[worker] min_free_disk_mb`, 1 GiB for a worker; 0 here, for tests and
     /// tools). A command that brings the space available there (or its free inodes,
     /// below 65,536) under it is killed at the next check (every [`DISK_CHECK_EVERY`]
-    /// while it runs, and once when it ended); a command that would start under it is not
-    /// run. Either way the sandbox stops and its episode ends ungraded
-    /// (`Sandbox::stopped`). 0: no floor.
+    /// while it runs, and once when it ended) and its episode ends unresolved without
+    /// tests; a command that would start under it is not run and its episode ends
+    /// ungraded. Either way the sandbox stops (`Sandbox::stopped`). 0: no floor.
     pub min_free_disk_bytes: u64,
 }
 

@@ -960,13 +960,16 @@ impl LocalSandbox {
         }
     }
 
-    /// Unconfined, a command's `setsid` daemons outlive it (confined, its pid namespace
-    /// ends with it): at the disk floor they are killed at once, not when the sandbox is
-    /// dropped.
-    fn stop_escaped_processes(&self) {
+    /// Stops the sandbox at its disk floor: logged, and, unconfined, the `setsid`
+    /// daemons of its commands killed at once (confined, a command's pid namespace ends
+    /// with it), not when the sandbox is dropped. Returns `stop`.
+    fn stop_at_floor(&mut self, stop: Stopped) -> Stopped {
+        tracing::warn!(sandbox = %self.outer.display(), "{}", stop.why);
         if !self.confinement.is_confined() {
             kill_tagged(&format!("{SANDBOX_TAG}={}", self.outer.display()));
         }
+        self.stopped = Some(stop.clone());
+        stop
     }
 
     fn run_inner(&mut self, command: &str, timeout: Duration) -> std::io::Result<CommandOutput> {
@@ -978,17 +981,10 @@ impl LocalSandbox {
             });
         }
         if let Some(what) = self.disk_floor.as_ref().and_then(DiskFloor::crossed) {
-            // Whoever filled it, nothing runs here on a full disk: the episode ends
-            // ungraded (`Sandbox::stopped`), as the one that filled it does.
-            let why = stop_note(&what, "the command was not run");
-            tracing::warn!(sandbox = %self.outer.display(), "{why}");
-            self.stop_escaped_processes();
-            self.stopped = Some(Stopped {
-                why: why.clone(),
-                by_own_command: false,
-            });
+            // Nothing runs here on a full disk, whoever filled it (`Sandbox::stopped`).
+            let stop = self.stop_at_floor(floor_stop(&what, "the command was not run", false));
             return Ok(CommandOutput {
-                output: format!("{why}\n"),
+                output: format!("{}\n", stop.why),
                 exit_code: 1,
                 timed_out: false,
             });
@@ -1055,14 +1051,8 @@ impl LocalSandbox {
                 true => "the command was killed",
                 false => "it was under it when the command ended",
             };
-            let why = stop_note(&low.what, done);
-            tracing::warn!(sandbox = %self.outer.display(), "{why}");
-            self.stop_escaped_processes();
-            out.output.push_str(&format!("\n{why}\n"));
-            self.stopped = Some(Stopped {
-                why,
-                by_own_command: true,
-            });
+            let stop = self.stop_at_floor(floor_stop(&low.what, done, true));
+            out.output.push_str(&format!("\n{}\n", stop.why));
         }
         // bash names the script it sources in its messages (`…/ctl/command.sh: line 1:
         // submit: command not found`): the agent sees `bash:` as in a terminal. Other paths
@@ -1104,12 +1094,19 @@ pub fn disk_under_floor(dir: &Path, bytes: u64) -> Option<String> {
     }
 }
 
-/// Why a sandbox stopped at its disk floor: `what` is under it, `done` to the command.
-fn stop_note(what: &str, done: &str) -> String {
-    format!(
-        "sandbox stopped: the disk holding it has {what}; {done}, and the episode ends here \
-         (ungraded)"
-    )
+/// A sandbox stopped at its disk floor: `what` is under it, `done` to the command.
+fn floor_stop(what: &str, done: &str, by_own_command: bool) -> Stopped {
+    let ends = match by_own_command {
+        true => "unresolved, without tests",
+        false => "ungraded",
+    };
+    Stopped {
+        why: format!(
+            "sandbox stopped: the disk holding it has {what}; {done}, and the episode ends \
+             here ({ends})"
+        ),
+        by_own_command,
+    }
 }
 
 /// `output` with the sandbox's temporary paths as commands can spell them: the home
@@ -1154,23 +1151,15 @@ impl Sandbox for LocalSandbox {
     fn stopped(&self) -> Option<Stopped> {
         self.stopped.clone().or_else(|| {
             let what = self.disk_floor.as_ref().and_then(DiskFloor::crossed)?;
-            Some(Stopped {
-                why: stop_note(&what, "no more commands run"),
-                by_own_command: false,
-            })
+            Some(floor_stop(&what, "no more commands run", false))
         })
     }
 
     fn stopped_after_submission(&mut self) -> Option<Stopped> {
         if self.stopped.is_none() {
             let what = self.disk_floor.as_ref().and_then(DiskFloor::crossed)?;
-            self.stopped = Some(Stopped {
-                why: stop_note(
-                    &what,
-                    "the submission's bookkeeping (git add) took it there",
-                ),
-                by_own_command: true,
-            });
+            let done = "the submission's bookkeeping (git add) took it there";
+            self.stop_at_floor(floor_stop(&what, done, true));
         }
         self.stopped.clone()
     }

@@ -91,6 +91,36 @@ pub struct Stopped {
     pub by_own_command: bool,
 }
 
+impl Stopped {
+    /// The outcome of an episode (or `tutor eval` task) this stop ended, without tests:
+    /// UNRESOLVED when its own command took the disk under the floor, SANDBOX_ERROR
+    /// (ungraded) when it found the disk there.
+    pub fn outcome_status(&self) -> tutor_proto::OutcomeStatus {
+        match self.by_own_command {
+            true => tutor_proto::OutcomeStatus::Unresolved,
+            false => tutor_proto::OutcomeStatus::SandboxError,
+        }
+    }
+}
+
+/// What an episode submits at its end: `sandbox`'s submission, or the stop that ended it
+/// (`stopped`, the one seen during the episode; else one seen now, before the submission
+/// is read; else one its bookkeeping caused, [`Sandbox::stopped_after_submission`]), with
+/// no submission.
+pub fn final_submission(
+    sandbox: &mut dyn Sandbox,
+    stopped: Option<Stopped>,
+) -> Result<Submission, Stopped> {
+    if let Some(stop) = stopped.or_else(|| sandbox.stopped()) {
+        return Err(stop);
+    }
+    let submission = sandbox.submission();
+    match sandbox.stopped_after_submission() {
+        Some(stop) => Err(stop),
+        None => Ok(submission),
+    }
+}
+
 /// Exit code reported for a command killed by the timeout (as coreutils `timeout` does).
 pub const TIMEOUT_EXIT_CODE: i32 = 124;
 

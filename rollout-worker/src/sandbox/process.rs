@@ -32,7 +32,7 @@ pub(crate) const MIN_FREE_INODES: u64 = 65_536;
 #[derive(Debug)]
 pub(crate) struct DiskFloor {
     dir: OwnedFd,
-    pub bytes: u64,
+    bytes: u64,
 }
 
 impl DiskFloor {
