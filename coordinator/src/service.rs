@@ -100,8 +100,8 @@ pub(crate) fn refusal(ev: &EpisodeEvent) -> Option<String> {
 impl RolloutService {
     /// Records whom each of `resp`'s leases went to (`LeaseGranted`), durably, before the
     /// worker has them: a restarted coordinator then accepts each attempt's events from
-    /// its holder only. If the store cannot, the lease call fails; the leases granted in
-    /// memory reach nobody and expire.
+    /// its holder only. If the store cannot, the lease call fails and the caller withdraws
+    /// the leases granted in memory (nobody has them; no attempt is spent).
     async fn record_grants(&self, worker_id: &str, resp: &LeaseResponse) -> Result<(), Status> {
         let mut answers = Vec::with_capacity(resp.leases.len());
         for lease in &resp.leases {
@@ -189,7 +189,13 @@ impl Rollout for RolloutService {
             .lease(r.worker_id, r.max_episodes.min(64))
             .await
             .ok_or_else(|| Status::unavailable("coordinator is shutting down"))?;
-        self.record_grants(&worker_id, &resp).await?;
+        if let Err(status) = self.record_grants(&worker_id, &resp).await {
+            // Nobody will have these leases: back to the queue, no attempt spent (they
+            // would otherwise expire and count against their slots).
+            let ids = resp.leases.iter().map(|l| l.episode_id.clone()).collect();
+            self.scheduler.withdraw(worker_id, ids).await;
+            return Err(status);
+        }
         Ok(Response::new(resp))
     }
 
@@ -521,6 +527,136 @@ mod tests {
         let (stored, _) =
             crate::store::scan(&dir.path().join("run/trajectories/events.log")).unwrap();
         assert_eq!(stored.len(), 201);
+    }
+
+    /// A Lease call whose grants the store cannot record fails, and its leases go back
+    /// to the queue without spending an attempt: with `max_attempts = 1` and the store
+    /// failing twice, the slot is leased again (as its next attempt, a fresh id) once the
+    /// store writes, and never recorded as failed. Before, the ungiven leases stayed out
+    /// until they expired, and each expiry spent an attempt (here: the slot failed).
+    #[tokio::test]
+    async fn leases_the_store_could_not_record_go_back_without_spending_an_attempt() {
+        let config = crate::config::CoordinatorConfig {
+            episodes_per_iteration: 1,
+            heldout_episodes: 0,
+            max_attempts: 1,
+            lease_timeout_s: 0.5,
+            ..Default::default()
+        };
+        let scheduler = crate::scheduler::SchedulerHandle::spawn(
+            config,
+            vec![tutor_proto::Task::default()],
+            Vec::new(),
+        );
+        // A store whose first two writes fail (a full disk that is then freed).
+        let (store, mut requests) = mpsc::channel::<StoreRequest>(16);
+        let recorded = Arc::new(std::sync::Mutex::new(Vec::<EpisodeEvent>::new()));
+        let kept = recorded.clone();
+        tokio::spawn(async move {
+            let mut failures = 2;
+            while let Some(StoreRequest { event, reply }) = requests.recv().await {
+                let result = if failures > 0 {
+                    failures -= 1;
+                    Err(crate::store::StoreError::Write {
+                        path: "events.log".into(),
+                        error: Arc::new(std::io::Error::from_raw_os_error(28)),
+                    })
+                } else {
+                    kept.lock().unwrap().push(event.clone());
+                    Ok(false)
+                };
+                let _ = reply.send(StoreReply { event, result });
+            }
+        });
+        let service = RolloutService {
+            scheduler: scheduler.clone(),
+            store,
+            counters: Default::default(),
+        };
+        let (worker, secret, _) = scheduler.register_worker("w".into(), 1).await.unwrap();
+        let runner = scheduler.clone();
+        let iteration = tokio::spawn(async move { runner.run_iteration(0, 1.0).await });
+        let request = || {
+            Request::new(LeaseRequest {
+                worker_id: worker.clone(),
+                max_episodes: 1,
+            })
+        };
+        let mut failed_calls = 0;
+        let end = Instant::now() + Duration::from_secs(10);
+        let granted = loop {
+            assert!(Instant::now() < end, "no lease within 10 s");
+            match service.lease(request()).await {
+                Ok(r) if r.get_ref().leases.is_empty() => {
+                    tokio::time::sleep(Duration::from_millis(10)).await
+                }
+                Ok(r) => break r.into_inner().leases,
+                Err(status) => {
+                    assert_eq!(status.code(), tonic::Code::Unavailable, "{status}");
+                    assert!(status.message().contains("could not record"), "{status}");
+                    let s = scheduler.snapshot().await.unwrap();
+                    assert_eq!(
+                        (
+                            s.outstanding_leases,
+                            s.pending_episodes,
+                            s.lease_expiries_total
+                        ),
+                        (0, 1, 0),
+                        "the lease went back to the queue: {s:?}"
+                    );
+                    failed_calls += 1;
+                }
+            }
+        };
+        assert_eq!(failed_calls, 2, "two failed calls, then the lease");
+        assert_eq!(granted.len(), 1);
+        // The third attempt's id: the two withdrawn ones are never leased again.
+        assert!(
+            granted[0].episode_id.ends_with("-g0a2"),
+            "{}",
+            granted[0].episode_id
+        );
+        assert_eq!(recorded.lock().unwrap().len(), 1, "one grant recorded");
+        // The withdrawn ids are refused, even from the worker they were granted to.
+        let withdrawn = granted[0].episode_id.replace("-g0a2", "-g0a0");
+        let mut outcome = event(&withdrawn, None);
+        outcome.worker_id = worker.clone();
+        let admission = scheduler
+            .admit(&outcome, Some((worker.clone(), secret.clone())))
+            .await;
+        assert!(
+            matches!(&admission, crate::scheduler::Admission::Refused(why) if why.contains("withdrawn")),
+            "{admission:?}"
+        );
+        // Well past the lease timeout (and the expiry ticker) the withdrawn leases have
+        // neither expired nor failed the slot (the granted one is renewed); its outcome
+        // completes the slot.
+        for _ in 0..8 {
+            let active = vec![granted[0].episode_id.clone()];
+            scheduler
+                .heartbeat(worker.clone(), active, 0)
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        let s = scheduler.snapshot().await.unwrap();
+        assert_eq!(
+            (s.lease_expiries_total, s.outstanding_leases),
+            (0, 1),
+            "{s:?}"
+        );
+        outcome.episode_id = granted[0].episode_id.clone();
+        assert_eq!(
+            scheduler.admit(&outcome, Some((worker, secret))).await,
+            crate::scheduler::Admission::Store
+        );
+        scheduler.stored(outcome).await;
+        let rollouts = tokio::time::timeout(Duration::from_secs(10), iteration)
+            .await
+            .expect("the iteration ends")
+            .unwrap()
+            .unwrap();
+        assert_eq!((rollouts.train.len(), rollouts.failed_slots), (1, 0));
     }
 
     /// A worker cannot write the coordinator's records: a lease expiry it sends (which,

@@ -34,6 +34,9 @@ pub struct Leases {
     /// Every episode this coordinator leased, in any iteration (never cleared: a few
     /// bytes per episode of the run).
     granted: HashSet<EpisodeId>,
+    /// Leases withdrawn before any worker had them (never cleared, like `granted`):
+    /// their events are refused.
+    withdrawn: HashSet<EpisodeId>,
     /// Leases that expired, since the coordinator started.
     expiries: u64,
 }
@@ -55,6 +58,11 @@ impl Leases {
     /// Queues `slots` behind the ones waiting.
     pub fn queue(&mut self, slots: impl IntoIterator<Item = usize>) {
         self.pending.extend(slots);
+    }
+
+    /// Puts `slot` first in the queue.
+    pub fn queue_first(&mut self, slot: usize) {
+        self.pending.push_front(slot);
     }
 
     pub fn next_pending(&mut self) -> Option<usize> {
@@ -131,6 +139,23 @@ impl Leases {
     /// The slot of an episode leased or adopted in this iteration.
     pub fn slot_of(&self, id: &EpisodeId) -> Option<usize> {
         self.episode_slot.get(id).copied()
+    }
+
+    /// Takes back the lease of `id` from `worker_id`, which never received it: returns
+    /// its slot, or `None` if `id` is not out to that worker (it expired, or a new
+    /// iteration was planned). Its events are refused from then on.
+    pub fn withdraw(&mut self, id: &EpisodeId, worker_id: &str) -> Option<usize> {
+        if self.outstanding.get(id)?.worker_id != worker_id {
+            return None;
+        }
+        let o = self.outstanding.remove(id).expect("looked up above");
+        self.withdrawn.insert(*id);
+        Some(o.slot)
+    }
+
+    /// Whether the lease of `id` was withdrawn (see `withdraw`).
+    pub fn was_withdrawn(&self, id: &EpisodeId) -> bool {
+        self.withdrawn.contains(id)
     }
 
     /// The lease of `id` ended with its outcome.

@@ -48,6 +48,13 @@ enum Cmd {
         max: u32,
         reply: oneshot::Sender<LeaseResponse>,
     },
+    /// The service could not record these leases (`LeaseGranted`), so `worker_id`
+    /// never got them: they go back to the queue without spending an attempt.
+    Withdraw {
+        worker_id: String,
+        episode_ids: Vec<String>,
+        reply: oneshot::Sender<usize>,
+    },
     /// May this outcome be stored? Claims its slot for the attempt (see
     /// `Slot::claimed_by`); false when another attempt already completed or claimed it.
     ClaimOutcome {
@@ -263,6 +270,17 @@ impl SchedulerHandle {
         })
         .await
     }
+    /// Takes back leases `worker_id` never received (the Lease call failed after the
+    /// scheduler granted them): their slots go first in the queue, as their next
+    /// attempt, and no attempt is spent. Returns how many were still out.
+    pub async fn withdraw(&self, worker_id: String, episode_ids: Vec<String>) -> Option<usize> {
+        self.ask(|reply| Cmd::Withdraw {
+            worker_id,
+            episode_ids,
+            reply,
+        })
+        .await
+    }
     /// Before an outcome is stored: false if another attempt of its slot already
     /// completed it (the caller then drops it). A stopped scheduler allows everything.
     pub async fn claim_outcome(&self, event: EpisodeEvent) -> bool {
@@ -471,6 +489,13 @@ impl Scheduler {
                     reply,
                 } => {
                     let _ = reply.send(self.lease(&worker_id, max));
+                }
+                Cmd::Withdraw {
+                    worker_id,
+                    episode_ids,
+                    reply,
+                } => {
+                    let _ = reply.send(self.withdraw(&worker_id, &episode_ids));
                 }
                 Cmd::Stored { event } => self.on_stored(*event),
                 Cmd::ClaimOutcome { event, reply } => {
@@ -705,6 +730,25 @@ impl Scheduler {
         }
     }
 
+    fn withdraw(&mut self, worker_id: &str, episode_ids: &[String]) -> usize {
+        let mut taken = 0;
+        // In reverse, so the slots are first in the queue in the order they were leased.
+        for ep in episode_ids.iter().rev() {
+            let Ok(id) = ep.parse::<EpisodeId>() else {
+                continue;
+            };
+            let Some(slot) = self.leases.withdraw(&id, worker_id) else {
+                continue;
+            };
+            self.turns.remove(&id);
+            self.plan.slots[slot].withdraw();
+            self.leases.queue_first(slot);
+            taken += 1;
+            tracing::warn!(episode = %id, worker = worker_id, "lease withdrawn before the worker had it (it could not be recorded): the slot is leased again, no attempt spent");
+        }
+        taken
+    }
+
     fn heartbeat(&mut self, worker_id: &str, active: &[String], loaded: u64) -> HeartbeatResponse {
         let renew = Instant::now() + Duration::from_secs_f64(self.config.lease_timeout_s);
         self.workers.heartbeat(worker_id, loaded);
@@ -734,7 +778,7 @@ impl Scheduler {
                     self.config.lease_timeout_s
                 )
             };
-            let attempts = self.plan.slots[o.slot].attempt + 1;
+            let attempts = self.plan.slots[o.slot].spent() + 1;
             let expiry = EpisodeEvent {
                 episode_id: id.to_string(),
                 worker_id: COORDINATOR_WRITER.into(),
@@ -762,7 +806,7 @@ impl Scheduler {
     fn attempt_expired(&mut self, slot: usize, why: &str) -> Option<EpisodeEvent> {
         let state = &mut self.plan.slots[slot];
         state.attempt += 1;
-        let attempts = state.attempt;
+        let attempts = state.spent();
         if attempts < self.config.max_attempts {
             self.leases.queue([slot]);
             return None;
@@ -899,6 +943,12 @@ impl Scheduler {
             // No slot of any iteration: stored, never counted, nothing kept in memory.
             return Admission::Store;
         };
+        if self.leases.was_withdrawn(&id) {
+            return Admission::Refused(format!(
+                "episode {episode_id}: its lease was withdrawn before any worker had it (the \
+                 coordinator could not record it); its events are not accepted"
+            ));
+        }
         if let Some(holder) = self.leases.holder(&id) {
             if worker.as_deref() != Some(holder) {
                 let from = match &worker {

@@ -15,7 +15,11 @@ pub struct Slot {
     pub task: usize,
     /// The samples of one task in one round share a group (dapo's G, rft's K).
     pub group: u32,
+    /// The attempt its next lease is for (the attempt in its episode id).
     pub attempt: u32,
+    /// Attempts whose lease was withdrawn before any worker had it (the coordinator
+    /// could not record the grant): they took an id but spent nothing.
+    withdrawn: u32,
     pub done: bool,
     /// The attempt whose outcome completes this slot: the first whose outcome reached
     /// the coordinator. Another attempt's outcome is acknowledged and dropped, so the
@@ -30,6 +34,7 @@ impl Slot {
             task,
             group,
             attempt: 0,
+            withdrawn: 0,
             done: false,
             claimed_by: None,
         }
@@ -46,6 +51,19 @@ impl Slot {
                 true
             }
         }
+    }
+
+    /// Attempts spent towards `max_attempts`: those whose lease expired.
+    pub fn spent(&self) -> u32 {
+        self.attempt - self.withdrawn
+    }
+
+    /// Gives up the current attempt's id without spending it: its lease was withdrawn
+    /// before any worker had it. The next lease is the next attempt, so the withdrawn id
+    /// is never leased twice.
+    pub fn withdraw(&mut self) {
+        self.attempt += 1;
+        self.withdrawn += 1;
     }
 
     /// Marks the slot done with no attempt's outcome (its attempts ran out): every
