@@ -56,15 +56,21 @@ pub struct WorkerConfig {
     /// command that brings the space available there under it is killed (checked every
     /// 50 ms and when it ends) and its episode ends unresolved without tests; a command
     /// that would start under it is not run and its episode ends ungraded (SANDBOX_ERROR);
-    /// grading follows the same rule (docs/security.md, "Local sandbox"). 0 turns the
-    /// floor off. Docker sandboxes have `disk_mb` instead.
+    /// grading follows the same rule (docs/security.md, "Local sandbox"). A worker whose
+    /// sandbox disk is under it refuses to start, and later leases nothing until space is
+    /// freed. 0 turns the floor off. Docker sandboxes have `disk_mb` instead.
     pub min_free_disk_mb: u64,
     /// Docker: the image of tasks whose record names none. An image name, `swebench`
     /// (the SWE-bench naming rule), or a template with `{instance_id}`, `{repo}`,
     /// `{repo_slug}`, `{version}`.
     pub image: String,
-    /// Docker: per-container limits.
+    /// The memory (MiB) of one sandbox. Docker: the container's limit (swap included).
+    /// Local: what a command's processes hold together (their proportional share of
+    /// anonymous and shared memory and swap, read every 100 ms); over it they are killed,
+    /// exit status 137 as from an out-of-memory killer, and the episode goes on
+    /// (docs/security.md, "Local sandbox"). 0: no ceiling for local sandboxes.
     pub memory_mb: u64,
+    /// Docker: per-container limits.
     pub cpus: f64,
     pub pids_limit: i64,
     /// Docker: open files per process in a container (`ulimit -n`, soft and hard).
@@ -157,9 +163,7 @@ impl WorkerConfig {
             crate::sandbox::Confinement::new(&self.confine_settings())?;
             let python = crate::sandbox::local::python_interpreter();
             crate::sandbox::local::check_grading_python(&python).map_err(anyhow::Error::msg)?;
-            let bytes = self.min_free_disk_bytes();
-            if bytes > 0 {
-                let root = self.sandbox_root.clone().unwrap_or_else(std::env::temp_dir);
+            if let Some((root, bytes)) = self.local_disk_floor() {
                 if let Some(what) = crate::sandbox::local::disk_under_floor(&root, bytes) {
                     anyhow::bail!(
                         "the file system of the local sandboxes ({}) has {what}: every episode \
@@ -375,12 +379,23 @@ impl WorkerConfig {
         self.min_free_disk_mb.saturating_mul(1 << 20)
     }
 
+    /// Where local sandboxes are made and the free bytes their disk must keep; `None`
+    /// for Docker sandboxes or with `min_free_disk_mb = 0`.
+    fn local_disk_floor(&self) -> Option<(PathBuf, u64)> {
+        let bytes = self.min_free_disk_bytes();
+        (self.sandbox == SandboxKind::Local && bytes > 0).then(|| {
+            let root = self.sandbox_root.clone().unwrap_or_else(std::env::temp_dir);
+            (root, bytes)
+        })
+    }
+
     /// How local sandboxes are to be confined (`allow_unconfined`).
     pub fn confine_settings(&self) -> crate::sandbox::ConfineSettings {
         crate::sandbox::ConfineSettings {
             allow_unconfined: self.allow_unconfined,
             limits: crate::sandbox::Limits {
                 min_free_disk_bytes: self.min_free_disk_bytes(),
+                memory_bytes: self.memory_mb.saturating_mul(1 << 20),
                 ..Default::default()
             },
             ..Default::default()
@@ -536,6 +551,7 @@ pub async fn run_worker(
     // Set when the student engine is lost: running episodes are drained and their events
     // delivered before the worker stops with it.
     let mut engine_lost = None;
+    let disk_floor = opts.config.local_disk_floor();
     while !cancel.load(Ordering::SeqCst) {
         // An external engine that stopped answering: lease nothing until it answers again
         // (episodes would only fail), and stop after `down_s`.
@@ -554,6 +570,14 @@ pub async fn run_worker(
                     engine.url(),
                     student.reload_failures()
                 ));
+                break;
+            }
+        }
+        // A sandbox disk under its floor: every episode leased now would stop at its first
+        // command, ungraded, so lease nothing until space is freed.
+        if let Some((root, bytes)) = &disk_floor {
+            wait_for_disk(root, *bytes, &cancel, DISK_PAUSE_POLL).await;
+            if cancel.load(Ordering::SeqCst) {
                 break;
             }
         }
@@ -660,6 +684,46 @@ pub async fn run_worker(
     match engine_lost {
         Some(e) => Err(e),
         None => Ok(()),
+    }
+}
+
+/// How often a worker paused on a full sandbox disk looks at it again.
+const DISK_PAUSE_POLL: Duration = Duration::from_secs(2);
+
+/// Returns once the file system of `root` has `bytes` free (and the floor's inodes), or
+/// `cancel` is set: the worker leases nothing meanwhile (its running episodes and
+/// heartbeats go on). Says when it pauses, every minute while paused, and when it goes
+/// on. True if it paused.
+async fn wait_for_disk(
+    root: &std::path::Path,
+    bytes: u64,
+    cancel: &AtomicBool,
+    poll: Duration,
+) -> bool {
+    let mut paused: Option<(std::time::Instant, std::time::Instant)> = None;
+    loop {
+        let Some(what) = crate::sandbox::local::disk_under_floor(root, bytes) else {
+            if let Some((since, _)) = paused {
+                tracing::info!(dir = %root.display(), paused_s = since.elapsed().as_secs(), "the sandbox disk is above its floor again: leasing");
+            }
+            return paused.is_some();
+        };
+        if cancel.load(Ordering::SeqCst) {
+            return paused.is_some();
+        }
+        let now = std::time::Instant::now();
+        let first = paused.is_none();
+        let (since, said) = paused.get_or_insert((now, now));
+        if first || said.elapsed() >= Duration::from_secs(60) {
+            tracing::warn!(
+                dir = %root.display(),
+                paused_s = since.elapsed().as_secs(),
+                "the sandbox disk has {what}: leasing no episodes until space is freed there \
+                 (episodes would stop at their first command); running episodes go on"
+            );
+            *said = now;
+        }
+        tokio::time::sleep(poll).await;
     }
 }
 
@@ -795,6 +859,60 @@ async fn heartbeat_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A worker whose sandbox disk goes under its floor leases nothing until space is
+    /// freed (issue 16): every episode leased meanwhile would stop at its first command,
+    /// ungraded, and spend the lease. `wait_for_disk`, which the lease loop awaits,
+    /// returns at once above the floor, holds while a 600 MiB file takes the space past
+    /// a floor 300 MiB under what was free, goes on once the file is removed, and lets a
+    /// shutdown through.
+    #[tokio::test]
+    async fn leasing_pauses_while_the_sandbox_disk_is_under_its_floor() {
+        use crate::sandbox::local::tests::{disk_floor_test_lock, temp_dir_available};
+        let Some(_lock) = disk_floor_test_lock() else {
+            return;
+        };
+        let root = tempfile::tempdir().unwrap();
+        let floor = temp_dir_available() - (300 << 20);
+        let cancel = Arc::new(AtomicBool::new(false));
+        let poll = Duration::from_millis(50);
+        assert!(!wait_for_disk(root.path(), floor, &cancel, poll).await);
+
+        let blob = root.path().join("blob");
+        let take_space = || {
+            let f = std::fs::File::create(&blob).unwrap();
+            let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
+            // SAFETY: a descriptor we own, a range in bytes.
+            assert_eq!(unsafe { libc::posix_fallocate(fd, 0, 600 << 20) }, 0);
+        };
+        take_space();
+        let waiting = {
+            let (root, cancel) = (root.path().to_path_buf(), cancel.clone());
+            tokio::spawn(async move { wait_for_disk(&root, floor, &cancel, poll).await })
+        };
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!waiting.is_finished(), "leasing went on under the floor");
+        std::fs::remove_file(&blob).unwrap();
+        let paused = tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .expect("leasing goes on once space is freed")
+            .unwrap();
+        assert!(paused);
+
+        // Paused again, a shutdown ends the wait.
+        take_space();
+        let waiting = {
+            let (root, cancel) = (root.path().to_path_buf(), cancel.clone());
+            tokio::spawn(async move { wait_for_disk(&root, floor, &cancel, poll).await })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!waiting.is_finished());
+        cancel.store(true, Ordering::SeqCst);
+        tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .expect("a shutdown ends the wait")
+            .unwrap();
+    }
 
     #[test]
     fn student_device_is_parsed_and_checked() {

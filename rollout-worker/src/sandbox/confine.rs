@@ -66,10 +66,20 @@ pub struct Limits {
     /// tests; a command that would start under it is not run and its episode ends
     /// ungraded. Either way the sandbox stops (`Sandbox::stopped`). 0: no floor.
     pub min_free_disk_bytes: u64,
+    /// Not a process limit: the memory a command's processes hold together
+    /// (`[worker] memory_mb`, 2 GiB for a worker; 0 here, for tests and tools: none).
+    /// Checked every [`MEMORY_CHECK_EVERY`] while the command runs; over it, the
+    /// command's processes are killed, as by an out-of-memory killer (exit status 137,
+    /// the output says why), and the sandbox goes on.
+    pub memory_bytes: u64,
 }
 
 /// How often a running command's disk floor ([`Limits::min_free_disk_bytes`]) is checked.
 pub const DISK_CHECK_EVERY: Duration = Duration::from_millis(50);
+
+/// How often the memory a running command's processes hold ([`Limits::memory_bytes`]) is
+/// read (a scan of /proc).
+pub const MEMORY_CHECK_EVERY: Duration = Duration::from_millis(100);
 
 impl Default for Limits {
     fn default() -> Self {
@@ -79,6 +89,7 @@ impl Default for Limits {
             file_size_bytes: 1 << 30,
             open_files: 1024,
             min_free_disk_bytes: 0,
+            memory_bytes: 0,
         }
     }
 }
@@ -447,6 +458,7 @@ impl Bwrap {
             Duration::from_secs(30),
             8192,
             Isolation::ByCommand,
+            None,
             None,
         )
         .map(|(out, _)| out)

@@ -43,7 +43,9 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use crate::sandbox::confine::{Bind, Confinement, SYSTEM_PATH};
-use crate::sandbox::process::{kill_group, kill_tagged, run_in_own_group, DiskFloor, Isolation};
+use crate::sandbox::process::{
+    kill_group, kill_tagged, run_in_own_group, DiskFloor, Isolation, MemoryCeiling,
+};
 use crate::sandbox::{
     safe_rel, shell_quote, CommandOutput, LeftOutReason, Sandbox, SandboxError, Stopped,
     Submission, BOOKKEEPING_CONFIG, MAX_SUBMISSION_BYTES, MAX_UNTRACKED_FILE_BYTES,
@@ -253,6 +255,9 @@ pub struct LocalSandbox {
     /// The floor under the free space of the sandbox's file system
     /// ([`crate::sandbox::Limits::min_free_disk_bytes`]; `None`: no floor).
     disk_floor: Option<DiskFloor>,
+    /// The memory a command's processes may hold together
+    /// ([`crate::sandbox::Limits::memory_bytes`]; `None`: no ceiling).
+    memory_ceiling: Option<MemoryCeiling>,
     /// Set at the disk floor: why no command runs any more.
     stopped: Option<Stopped>,
 }
@@ -448,6 +453,10 @@ impl LocalSandbox {
             confinement: confinement.clone(),
             python_view,
             disk_floor,
+            memory_ceiling: match confinement.limits().memory_bytes {
+                0 => None,
+                bytes => Some(MemoryCeiling { bytes }),
+            },
             stopped: None,
         };
         sb.git_ok(&["init", "-q"])?;
@@ -1045,6 +1054,7 @@ impl LocalSandbox {
             self.output_cap,
             isolation,
             self.disk_floor.as_ref(),
+            self.memory_ceiling,
         )?;
         if let Some(low) = disk_low {
             let done = match low.while_running {
@@ -1565,7 +1575,7 @@ pub(crate) mod tests {
     const T: Duration = Duration::from_secs(10);
 
     /// Bytes available now on the temp dir's file system.
-    fn temp_dir_available() -> u64 {
+    pub(crate) fn temp_dir_available() -> u64 {
         DiskFloor::open(&std::env::temp_dir(), 1)
             .and_then(|f| f.available())
             .expect("fstatvfs of the temp dir")
@@ -1589,6 +1599,66 @@ pub(crate) mod tests {
             return None;
         }
         Some(lock)
+    }
+
+    /// A sandbox whose commands' processes may hold `mb` MiB together.
+    fn sandbox_with_memory(mb: u64) -> LocalSandbox {
+        let confinement = Confinement::new(&crate::sandbox::ConfineSettings {
+            allow_unconfined: true,
+            limits: crate::sandbox::Limits {
+                memory_bytes: mb << 20,
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .unwrap();
+        LocalSandbox::create_confined(&tiny_task(), None, None, &confinement).unwrap()
+    }
+
+    /// Memory as a whole (issue 16): four processes of 150 MiB each, every one far under
+    /// the per-process address-space limit, hold more than the sandbox's 256 MiB
+    /// together. They are killed within seconds, not at the timeout, with a status of
+    /// 137 and a line that names the setting; the sandbox goes on.
+    #[test]
+    fn processes_that_hold_more_memory_together_than_the_sandbox_may_are_killed() {
+        let mut sb = sandbox_with_memory(256);
+        let t0 = std::time::Instant::now();
+        let out = sb.run(
+            "python3 -c \"\nimport os, time\nfor _ in range(4):\n    if os.fork() == 0:\n        \
+             b = b'x' * (150 << 20)\n        time.sleep(60)\n        os._exit(0)\n\
+             for _ in range(4):\n    os.wait()\nprint('all held')\n\"",
+            Duration::from_secs(120),
+        );
+        assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+        assert!(!out.timed_out, "{out:?}");
+        assert_eq!(out.exit_code, 137, "{out:?}");
+        assert!(!out.output.contains("all held"), "{}", out.output);
+        assert!(
+            out.output.contains("memory_mb") && out.output.contains("256 MiB"),
+            "{}",
+            out.output
+        );
+        assert_eq!(sb.stopped(), None);
+        assert_eq!(sb.run("echo fine", T).output, "fine\n");
+    }
+
+    /// Pages a fork shares with its parent count once: a parent holding 200 MiB and
+    /// three children that only read it (600 MiB more if each counted in full) stay
+    /// under a ceiling of 400 MiB.
+    #[test]
+    fn memory_shared_by_forks_counts_once() {
+        let mut sb = sandbox_with_memory(400);
+        let out = sb.run(
+            "python3 -c \"\nimport os, time\nb = b'x' * (200 << 20)\nfor _ in range(3):\n    \
+             if os.fork() == 0:\n        time.sleep(2)\n        os._exit(0)\n\
+             for _ in range(3):\n    os.wait()\nprint('shared', len(b) >> 20)\n\"",
+            Duration::from_secs(60),
+        );
+        assert_eq!(
+            (out.exit_code, out.output.as_str()),
+            (0, "shared 200\n"),
+            "{out:?}"
+        );
     }
 
     /// A sandbox in the system temp dir whose disk floor sits `below` bytes under the

@@ -18,6 +18,10 @@ use crate::sandbox::{CommandOutput, TIMEOUT_EXIT_CODE};
 /// Output read in one pass of the wait loop, at most (then the deadline is checked).
 const READ_PER_PASS: usize = 1 << 20;
 
+/// The exit status of a command killed at its memory ceiling: a SIGKILL's, as the kernel's
+/// out-of-memory killer (and Docker's memory limit) gives.
+pub(crate) const MEMORY_EXIT_CODE: i32 = 128 + libc::SIGKILL;
+
 /// How long output is still collected after the shell exited, for stray writers.
 const DRAIN_GRACE: Duration = Duration::from_millis(300);
 
@@ -80,6 +84,80 @@ impl DiskFloor {
     }
 }
 
+/// The memory a command's processes hold together, at most
+/// ([`crate::sandbox::Limits::memory_bytes`]): read from /proc every
+/// [`crate::sandbox::confine::MEMORY_CHECK_EVERY`] while the command runs. Counted:
+/// each process's proportional share (PSS) of anonymous and shared memory and of its
+/// swap, so pages a fork shares with its parent count once.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MemoryCeiling {
+    pub(crate) bytes: u64,
+}
+
+impl MemoryCeiling {
+    /// Bytes the processes of the tree under `root` hold (see the type), and their pids.
+    /// The tree is read from every process's parent in /proc: confined, a process whose
+    /// parent ends is adopted by the pid namespace's first process, which is in the tree,
+    /// so none leaves it.
+    pub(crate) fn held(root: libc::pid_t) -> (u64, Vec<libc::pid_t>) {
+        let tree = process_tree(root);
+        let bytes = tree.iter().map(|&pid| process_memory(pid)).sum();
+        (bytes, tree)
+    }
+}
+
+/// `root` and its descendants, from the parent of every process in /proc.
+fn process_tree(root: libc::pid_t) -> Vec<libc::pid_t> {
+    let mut children: std::collections::HashMap<libc::pid_t, Vec<libc::pid_t>> = Default::default();
+    if let Ok(rd) = std::fs::read_dir("/proc") {
+        for e in rd.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|n| n.parse().ok()) else {
+                continue;
+            };
+            if let Some(parent) = parent_of(pid) {
+                children.entry(parent).or_default().push(pid);
+            }
+        }
+    }
+    let mut tree = vec![root];
+    let mut at = 0;
+    while at < tree.len() {
+        if let Some(kids) = children.remove(&tree[at]) {
+            tree.extend(kids);
+        }
+        at += 1;
+    }
+    tree
+}
+
+/// The parent pid of `pid` (field 4 of /proc/PID/stat, after the command name, which is
+/// in parentheses and may contain anything).
+fn parent_of(pid: libc::pid_t) -> Option<libc::pid_t> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Bytes of memory `pid` holds for the ceiling: its PSS of anonymous and shared memory
+/// and of swap (`Pss_Anon`, `Pss_Shmem`, `SwapPss` of smaps_rollup; where the kernel
+/// has no `Pss_Anon`, before Linux 5.0, its whole `Pss`). 0 once it is gone.
+fn process_memory(pid: libc::pid_t) -> u64 {
+    let Ok(rollup) = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")) else {
+        return 0;
+    };
+    let field = |name: &str| -> Option<u64> {
+        rollup.lines().find_map(|l| {
+            let v = l.strip_prefix(name)?.strip_prefix(':')?;
+            v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()
+        })
+    };
+    let kib = match field("Pss_Anon") {
+        Some(anon) => anon + field("Pss_Shmem").unwrap_or(0),
+        None => field("Pss").unwrap_or(0),
+    } + field("SwapPss").unwrap_or(0);
+    kib << 10
+}
+
 /// A command's file system under its [`DiskFloor`].
 #[derive(Debug)]
 pub(crate) struct DiskLow {
@@ -111,12 +189,15 @@ pub(crate) enum Isolation {
 /// when the file system falls under it (checked every
 /// [`crate::sandbox::confine::DISK_CHECK_EVERY`] while the command runs, and once more
 /// when it ended); the second value then says what is under it, and when it was seen.
+/// With a `memory` ceiling, the command's processes are killed when they hold more than
+/// it together; it then ends with exit status 137 and its output says why.
 pub(crate) fn run_in_own_group(
     mut cmd: Command,
     timeout: Duration,
     output_cap: usize,
     isolation: Isolation,
     disk: Option<&DiskFloor>,
+    memory: Option<MemoryCeiling>,
 ) -> std::io::Result<(CommandOutput, Option<DiskLow>)> {
     let (read_end, write_end) = make_pipe()?;
     let write_file = File::from(write_end);
@@ -155,6 +236,9 @@ pub(crate) fn run_in_own_group(
     let mut drain_until: Option<Instant> = None;
     let mut disk_low: Option<DiskLow> = None;
     let mut disk_checked = Instant::now();
+    let mut memory_checked = Instant::now();
+    // Bytes the command's processes held when they were killed for it.
+    let mut memory_over: Option<u64> = None;
     loop {
         if !eof {
             let mut pfd = libc::pollfd {
@@ -198,8 +282,26 @@ pub(crate) fn run_in_own_group(
             } else if Instant::now() >= deadline && !timed_out {
                 timed_out = true;
                 kill_group(pgid);
-            } else if let Some(floor) = disk.filter(|_| disk_low.is_none()) {
-                if disk_checked.elapsed() >= crate::sandbox::confine::DISK_CHECK_EVERY {
+            } else {
+                let memory_due = memory_over.is_none()
+                    && memory_checked.elapsed() >= crate::sandbox::confine::MEMORY_CHECK_EVERY;
+                if let Some(ceiling) = memory.filter(|_| memory_due) {
+                    memory_checked = Instant::now();
+                    let (held, tree) = MemoryCeiling::held(pgid);
+                    if held > ceiling.bytes {
+                        memory_over = Some(held);
+                        // Each process of the tree (unconfined, one may have left the
+                        // group), then the group.
+                        for pid in tree {
+                            // SAFETY: plain syscall on a pid just seen; ESRCH is fine.
+                            unsafe { libc::kill(pid, libc::SIGKILL) };
+                        }
+                        kill_group(pgid);
+                    }
+                }
+                let disk_due = disk_low.is_none()
+                    && disk_checked.elapsed() >= crate::sandbox::confine::DISK_CHECK_EVERY;
+                if let Some(floor) = disk.filter(|_| disk_due) {
                     disk_checked = Instant::now();
                     if let Some(what) = floor.crossed() {
                         disk_low = Some(DiskLow {
@@ -223,8 +325,19 @@ pub(crate) fn run_in_own_group(
             while_running: false,
         });
     }
+    let mut output = captured.finish();
+    if let (Some(held), Some(ceiling)) = (memory_over, memory) {
+        output.push_str(&format!(
+            "\n[killed: this command's processes held {} MiB of memory together, over the \
+             sandbox's {} MiB ([worker] memory_mb)]\n",
+            held >> 20,
+            ceiling.bytes >> 20
+        ));
+    }
     let exit_code = if timed_out {
         TIMEOUT_EXIT_CODE
+    } else if memory_over.is_some() {
+        MEMORY_EXIT_CODE
     } else {
         let st = status.expect("loop exits only after reaping");
         st.code().unwrap_or_else(|| {
@@ -234,7 +347,7 @@ pub(crate) fn run_in_own_group(
     };
     Ok((
         CommandOutput {
-            output: captured.finish(),
+            output,
             exit_code,
             timed_out,
         },
