@@ -402,8 +402,10 @@ async fn diff_has_edits_and_new_files_and_orphans_are_removed() {
 
 /// The submission is read with git after the agent's last command, outside its timeout,
 /// through execs that cannot be killed: an fsmonitor hook or a clean filter the agent
-/// configured in the repository must not run (nor hang the worker), and the diff is
-/// still the agent's change.
+/// configured must not run (nor hang the worker), and the diff is still the agent's
+/// change. The agent tries every config git reads: the repository's, its global one (its
+/// `$HOME` and the execs' `HOME`, `/tmp/.tutor`), and the bookkeeping git directory's own
+/// config and attributes, which it can neither write nor enter (another user's, 0700).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bookkeeping_git_runs_nothing_the_agent_configured() {
     let Some(d) = engine().await else { return };
@@ -412,14 +414,31 @@ async fn bookkeeping_git_runs_nothing_the_agent_configured() {
     let t = Duration::from_secs(20);
     let out = sb
         .run(
-            "mkdir -p /tmp/marks && git config core.fsmonitor 'touch /tmp/marks/fsmonitor; echo' \
+            "mkdir -p /tmp/marks && chmod 777 /tmp/marks \
+             && git config core.fsmonitor 'touch /tmp/marks/fsmonitor; echo' \
              && git config filter.evil.clean 'touch /tmp/marks/clean; sleep 30; cat' \
              && git config filter.evil.required true \
+             && for h in \"$HOME\" /tmp/.tutor; do \
+                  HOME=$h git config --global filter.evil.clean 'touch /tmp/marks/global; sleep 30; cat'; \
+                  HOME=$h git config --global filter.evil.required true; done \
              && printf '* filter=evil\\n' > .gitattributes && echo 'x = 1' > new_file.py",
             t,
         )
         .await;
     assert_eq!(out.exit_code, 0, "{}", out.output);
+    let book = sb
+        .run(
+            "git config --file /tmp/.tutor-book/bookkeeping.git/config filter.evil.clean \
+             'touch /tmp/marks/book; cat' 2>&1; echo '* filter=evil' \
+             >> /tmp/.tutor-book/bookkeeping.git/info/attributes 2>&1; ls /tmp/.tutor-book 2>&1",
+            t,
+        )
+        .await;
+    assert!(
+        book.output.matches("Permission denied").count() >= 3,
+        "the agent reached the bookkeeping git directory: {}",
+        book.output
+    );
     let started = Instant::now();
     let diff = sb.diff().await;
     let changed = sb.changed_files().await;

@@ -120,14 +120,31 @@ pub fn image_user(image: &str, image_user: Option<&str>) -> Result<(u32, u32), D
 
 /// Where the tools (crate::tools) are installed inside the container.
 const TOOLS_DIR: &str = "/tmp/.tutor/bin";
-/// The bookkeeping git directory (see [`BOOKKEEPING_CONFIG`]): our config only, the
-/// repository's objects borrowed through `objects/info/alternates`.
-const BOOK_DIR: &str = "/tmp/.tutor/bookkeeping.git";
+/// The home of the bookkeeping user ([`book_user`]) in the container, made by that user
+/// (mode 0700) before the agent acts: the agent can neither write nor read what is in
+/// it. `/tmp` is sticky, so the agent cannot remove or rename it either.
+const BOOK_HOME: &str = "/tmp/.tutor-book";
+/// The bookkeeping git directory (see [`BOOKKEEPING_CONFIG`]), in [`BOOK_HOME`]: our
+/// config only, the repository's objects borrowed through `objects/info/alternates`.
+const BOOK_DIR: &str = "/tmp/.tutor-book/bookkeeping.git";
+
+/// The uid:gid the sandbox's own git reads run as: not the agent's (`agent`, `uid:gid`),
+/// so no config, attributes file or hook the agent writes is one git reads there (the
+/// agent's own work tree is read through its files' modes, as any user may).
+fn book_user(agent: &str) -> String {
+    let agent_uid = agent.split(':').next().unwrap_or_default();
+    let uid = if agent_uid == "65532" { 65531 } else { 65532 };
+    format!("{uid}:{uid}")
+}
 
 /// `git` against [`BOOK_DIR`] with the repository `workdir` as its work tree, bounded in
-/// time (an exec cannot be killed from outside).
+/// time (an exec cannot be killed from outside). Run by [`book_user`], whose execs have
+/// no global or system config either (`GIT_CONFIG_GLOBAL=/dev/null`,
+/// `GIT_CONFIG_NOSYSTEM`); the work tree is another user's, hence `safe.directory`.
 fn book_git(workdir: &str) -> String {
-    let mut git = format!("timeout -k 5 120 git --git-dir={BOOK_DIR} --work-tree={workdir}");
+    let mut git = format!(
+        "timeout -k 5 120 git --git-dir={BOOK_DIR} --work-tree={workdir} -c 'safe.directory=*'"
+    );
     for (key, value) in BOOKKEEPING_CONFIG {
         git.push_str(&format!(" -c {key}={value}"));
     }
@@ -141,12 +158,12 @@ fn book_git(workdir: &str) -> String {
 /// the first `@LISTED@` of the binary ones as `<path>\0`, then the patch unless the
 /// diff was over the cap. Every list of paths is NUL-separated and never word-split.
 const SUBMISSION_SCRIPT: &str = r#"
-S=/tmp/.tutor/submission
+S=@HOME@/submission
 rm -rf "$S" && mkdir -p "$S" || { echo "cannot make $S"; exit 1; }
 exec 2>"$S/err"
 fail() { printf '%s failed: ' "$1"; head -c 2000 "$S/err"; exit 1; }
 cd @REPO@ || fail cd
-export GIT_INDEX_FILE=/tmp/.tutor/diff-index
+export GIT_INDEX_FILE=@HOME@/diff-index
 rm -f "$GIT_INDEX_FILE"
 @GIT@ read-tree @BASE@ || fail read-tree
 # Untracked files over the cap: named, and excluded from `add`.
@@ -905,15 +922,10 @@ impl DockerSandbox {
                 self.workdir, out.exit_code, out.output
             )));
         }
-        // The bookkeeping git directory, made before the agent acts.
-        let mut setup = format!(
-            "printf %s {} >> .git/info/exclude && git init -q --bare {BOOK_DIR} \
-             && echo {workdir}/.git/objects > {BOOK_DIR}/objects/info/alternates \
-             && cp .git/info/exclude {BOOK_DIR}/info/exclude",
+        let setup = format!(
+            "printf %s {} >> .git/info/exclude && git rev-parse tutor-base",
             shell_quote(SUBMISSION_EXCLUDE),
-            workdir = self.workdir
         );
-        setup.push_str(" && git rev-parse tutor-base");
         let out = self.run(&setup, Duration::from_secs(30)).await;
         self.base = out.output.trim().to_string();
         if out.exit_code != 0 || self.base.len() < 40 {
@@ -921,6 +933,29 @@ impl DockerSandbox {
                 "reading the base commit failed: {}",
                 out.output
             )));
+        }
+        // The bookkeeping git directory, made by the bookkeeping user before the agent
+        // acts, in a home only that user may enter.
+        let book = format!(
+            "umask 077 && mkdir {BOOK_HOME} && git init -q --bare {BOOK_DIR} \
+             && echo {workdir}/.git/objects > {BOOK_DIR}/objects/info/alternates \
+             && cp {workdir}/.git/info/exclude {BOOK_DIR}/info/exclude 2>&1",
+            workdir = self.workdir
+        );
+        match self
+            .book_exec(&["bash", "-c", &book], Duration::from_secs(30))
+            .await
+        {
+            Ok((0, _)) => {}
+            Ok((code, out)) => {
+                return Err(DockerError::Shell(format!(
+                    "making the bookkeeping git directory {BOOK_DIR} as user {} failed (exit \
+                     {code}): {}",
+                    book_user(&self.user),
+                    String::from_utf8_lossy(&out).trim()
+                )))
+            }
+            Err(e) => return Err(e),
         }
         Ok(())
     }
@@ -1276,9 +1311,38 @@ impl DockerSandbox {
     /// [`EXEC_OUTPUT_CAP`] (`head -c`; the command dies of SIGPIPE). More than the cap is
     /// [`DockerError::OutputTooLarge`]: the worker never holds more of it (a `cat` of a
     /// symlink to /dev/zero, a generated file of gigabytes). Its stderr is dropped in the
-    /// container (a script that wants it redirects it to stdout).
+    /// container (a script that wants it redirects it to stdout). Run by the agent's user.
     async fn exec_capture(
         &self,
+        cmd: &[&str],
+        limit: Duration,
+    ) -> Result<(i64, Vec<u8>), DockerError> {
+        let env = ["HOME=/tmp/.tutor", "GIT_CONFIG_NOSYSTEM=1", "LC_ALL=C.UTF-8"];
+        self.exec_capture_as(&self.user, &env, cmd, limit).await
+    }
+
+    /// [`Self::exec_capture`] run by the bookkeeping user ([`book_user`]), at home in
+    /// [`BOOK_HOME`], with no global or system git config.
+    async fn book_exec(
+        &self,
+        cmd: &[&str],
+        limit: Duration,
+    ) -> Result<(i64, Vec<u8>), DockerError> {
+        let home = format!("HOME={BOOK_HOME}");
+        let env = [
+            home.as_str(),
+            "GIT_CONFIG_NOSYSTEM=1",
+            "GIT_CONFIG_GLOBAL=/dev/null",
+            "LC_ALL=C.UTF-8",
+        ];
+        self.exec_capture_as(&book_user(&self.user), &env, cmd, limit)
+            .await
+    }
+
+    async fn exec_capture_as(
+        &self,
+        user: &str,
+        env: &[&str],
         cmd: &[&str],
         limit: Duration,
     ) -> Result<(i64, Vec<u8>), DockerError> {
@@ -1307,12 +1371,8 @@ impl DockerSandbox {
                     attach_stderr: Some(true),
                     cmd: Some(argv.iter().map(|s| s.to_string()).collect()),
                     working_dir: Some(self.workdir.clone()),
-                    user: Some(self.user.clone()),
-                    env: Some(vec![
-                        "HOME=/tmp/.tutor".into(),
-                        "GIT_CONFIG_NOSYSTEM=1".into(),
-                        "LC_ALL=C.UTF-8".into(),
-                    ]),
+                    user: Some(user.to_string()),
+                    env: Some(env.iter().map(|e| e.to_string()).collect()),
                     ..Default::default()
                 },
             )
@@ -1367,12 +1427,14 @@ impl DockerSandbox {
         self.git_in(&book_git(&self.workdir), args, index).await
     }
 
-    /// As [`Self::git`] with `git` the command line to run git with (the bookkeeping one,
-    /// or plain `git` for reading the agent's own HEAD).
+    /// As [`Self::git`] with `git` the command line to run git with: the bookkeeping one
+    /// (run by [`book_user`]), or plain `git` for reading the agent's own HEAD (run by the
+    /// agent's user: `rev-parse` runs no hook, filter or fsmonitor).
     async fn git_in(&self, git: &str, args: &[&str], index: Option<&str>) -> Option<Vec<u8>> {
+        let bookkeeping = git != "git";
         let mut script = format!("cd {} && ", self.workdir);
         if let Some(i) = index {
-            script.push_str(&format!("export GIT_INDEX_FILE=/tmp/.tutor/{i} && rm -f \"$GIT_INDEX_FILE\" && {git} read-tree {} && {git} add -A && ", self.base));
+            script.push_str(&format!("export GIT_INDEX_FILE={BOOK_HOME}/{i} && rm -f \"$GIT_INDEX_FILE\" && {git} read-tree {} && {git} add -A && ", self.base));
         }
         script.push_str(git);
         script.push_str(" -c core.quotepath=off");
@@ -1380,7 +1442,11 @@ impl DockerSandbox {
             script.push(' ');
             script.push_str(&shell_quote(a));
         }
-        match self.exec_capture(&["bash", "-c", &script], GIT_LIMIT).await {
+        let ran = match bookkeeping {
+            true => self.book_exec(&["bash", "-c", &script], GIT_LIMIT).await,
+            false => self.exec_capture(&["bash", "-c", &script], GIT_LIMIT).await,
+        };
+        match ran {
             Ok((0, out)) => Some(out),
             Ok((code, _)) => {
                 tracing::debug!(container = %self.id, ?args, code, "sandbox git failed");
@@ -1402,12 +1468,13 @@ impl DockerSandbox {
         let script = SUBMISSION_SCRIPT
             .replace("@GIT@", &book_git(&self.workdir))
             .replace("@REPO@", &self.workdir)
+            .replace("@HOME@", BOOK_HOME)
             .replace("@BASE@", &shell_quote(&self.base))
             .replace("@CAP@", &MAX_SUBMISSION_BYTES.to_string())
             .replace("@CAP1@", &(MAX_SUBMISSION_BYTES + 1).to_string())
             .replace("@FILE_CAP@", &MAX_UNTRACKED_FILE_BYTES.to_string())
             .replace("@LISTED@", &LEFT_OUT_LISTED.to_string());
-        match self.exec_capture(&["bash", "-c", &script], SUBMISSION_LIMIT).await {
+        match self.book_exec(&["bash", "-c", &script], SUBMISSION_LIMIT).await {
             Ok((0, out)) => parse_submission(&out).unwrap_or_else(|e| {
                 tracing::warn!(container = %self.id, error = %e, "sandbox submission: unreadable answer; no patch");
                 Submission::default()
@@ -1513,13 +1580,13 @@ impl DockerSandbox {
             .await
             .map_err(|e| SandboxError::Backend(Box::new(e)))?;
         let script = format!(
-            "cd {repo} && export GIT_INDEX_FILE=/tmp/.tutor/apply-index && rm -f \"$GIT_INDEX_FILE\" \
+            "cd {repo} && export GIT_INDEX_FILE={BOOK_HOME}/apply-index && rm -f \"$GIT_INDEX_FILE\" \
              && {git} read-tree {} && {git} apply --cached {path} 2>&1",
             self.base,
             repo = self.workdir,
             git = book_git(&self.workdir)
         );
-        match self.exec_capture(&["bash", "-c", &script], GIT_LIMIT).await {
+        match self.book_exec(&["bash", "-c", &script], GIT_LIMIT).await {
             Ok((0, _)) => {}
             Ok((_, out)) => {
                 return Err(SandboxError::Git(
@@ -1531,12 +1598,12 @@ impl DockerSandbox {
         let mut files = BTreeMap::new();
         for f in crate::tasks::patch_files(patch) {
             let script = format!(
-                "cd {} && GIT_INDEX_FILE=/tmp/.tutor/apply-index {} cat-file blob {}",
+                "cd {} && GIT_INDEX_FILE={BOOK_HOME}/apply-index {} cat-file blob {}",
                 self.workdir,
                 book_git(&self.workdir),
                 shell_quote(&format!(":{f}"))
             );
-            let content = match self.exec_capture(&["bash", "-c", &script], GIT_LIMIT).await {
+            let content = match self.book_exec(&["bash", "-c", &script], GIT_LIMIT).await {
                 Ok((0, out)) => Some(String::from_utf8_lossy(&out).into_owned()),
                 Ok(_) => None,
                 Err(e) => {

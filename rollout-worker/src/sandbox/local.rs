@@ -106,8 +106,12 @@ pub fn check_grading_python(python: &Path) -> Result<(), String> {
         Some((var, v)) => format!("{var}={}", Path::new(&v).display()),
         None => "python3 on PATH".to_string(),
     };
+    // Nothing of the worker's environment (the run's token, API keys) but its PATH, which
+    // finds the interpreter as the sandboxes do.
     let out = std::process::Command::new(python)
         .args(["-c", "import pytest"])
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .stdin(std::process::Stdio::null())
         .output();
     let why = match out {
@@ -135,6 +139,8 @@ pub fn check_grading_python(python: &Path) -> Result<(), String> {
 fn real_interpreter(python: &Path) -> Option<PathBuf> {
     let out = std::process::Command::new(python)
         .args(["-c", "import sys; print(sys.executable)"])
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .stdin(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .output()
