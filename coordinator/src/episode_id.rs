@@ -43,7 +43,8 @@ pub struct SlotId {
 
 /// One leased attempt at a slot: `it000-train0002-g0a1`. The generation (the how-many-th
 /// start of the coordinator on this run directory) keeps ids unique across restarts; the
-/// attempt counts the leases of the slot that expired before this one.
+/// attempt counts the leases of the slot that expired, or were withdrawn before any worker
+/// had them, before this one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct EpisodeId {
     pub slot: SlotId,

@@ -183,20 +183,27 @@ impl Rollout for RolloutService {
                 r.worker_id.len()
             )));
         }
-        let worker_id = r.worker_id.clone();
-        let resp = self
-            .scheduler
-            .lease(r.worker_id, r.max_episodes.min(64))
-            .await
-            .ok_or_else(|| Status::unavailable("coordinator is shutting down"))?;
-        if let Err(status) = self.record_grants(&worker_id, &resp).await {
-            // Nobody will have these leases: back to the queue, no attempt spent (they
-            // would otherwise expire and count against their slots).
-            let ids = resp.leases.iter().map(|l| l.episode_id.clone()).collect();
-            self.scheduler.withdraw(worker_id, ids).await;
-            return Err(status);
-        }
-        Ok(Response::new(resp))
+        // In a task of its own: if the call is cancelled (the worker's deadline) while the
+        // grants are being recorded, the withdrawal below still runs.
+        let service = self.clone();
+        tokio::spawn(async move {
+            let worker_id = r.worker_id.clone();
+            let resp = service
+                .scheduler
+                .lease(r.worker_id, r.max_episodes.min(64))
+                .await
+                .ok_or_else(|| Status::unavailable("coordinator is shutting down"))?;
+            if let Err(status) = service.record_grants(&worker_id, &resp).await {
+                // Nobody will have these leases: back to the queue, no attempt spent
+                // (they would otherwise expire and count against their slots).
+                let ids = resp.leases.iter().map(|l| l.episode_id.clone()).collect();
+                service.scheduler.withdraw(worker_id, ids).await;
+                return Err(status);
+            }
+            Ok(Response::new(resp))
+        })
+        .await
+        .map_err(|e| Status::internal(format!("the lease task failed: {e}")))?
     }
 
     type StreamEventsStream = AckStream;
@@ -530,24 +537,20 @@ mod tests {
     }
 
     /// A Lease call whose grants the store cannot record fails, and its leases go back
-    /// to the queue without spending an attempt: with `max_attempts = 1` and the store
+    /// to the queue without spending an attempt: with `max_attempts = 2` and the store
     /// failing twice, the slot is leased again (as its next attempt, a fresh id) once the
-    /// store writes, and never recorded as failed. Before, the ungiven leases stayed out
-    /// until they expired, and each expiry spent an attempt (here: the slot failed).
+    /// store writes; when that lease expires it is the slot's first spent attempt, so the
+    /// slot is leased once more, not failed. Before, the ungiven leases stayed out until
+    /// they expired, and each expiry spent an attempt (here: the slot failed).
     #[tokio::test]
     async fn leases_the_store_could_not_record_go_back_without_spending_an_attempt() {
         let config = crate::config::CoordinatorConfig {
             episodes_per_iteration: 1,
             heldout_episodes: 0,
-            max_attempts: 1,
+            max_attempts: 2,
             lease_timeout_s: 0.5,
             ..Default::default()
         };
-        let scheduler = crate::scheduler::SchedulerHandle::spawn(
-            config,
-            vec![tutor_proto::Task::default()],
-            Vec::new(),
-        );
         // A store whose first two writes fail (a full disk that is then freed).
         let (store, mut requests) = mpsc::channel::<StoreRequest>(16);
         let recorded = Arc::new(std::sync::Mutex::new(Vec::<EpisodeEvent>::new()));
@@ -568,6 +571,14 @@ mod tests {
                 let _ = reply.send(StoreReply { event, result });
             }
         });
+        let scheduler = crate::scheduler::SchedulerHandle::spawn_with_store(
+            config,
+            vec![tutor_proto::Task::default()],
+            Vec::new(),
+            Default::default(),
+            Some(&store),
+            None,
+        );
         let service = RolloutService {
             scheduler: scheduler.clone(),
             store,
@@ -617,6 +628,10 @@ mod tests {
             granted[0].episode_id
         );
         assert_eq!(recorded.lock().unwrap().len(), 1, "one grant recorded");
+        assert!(matches!(
+            recorded.lock().unwrap()[0].event,
+            Some(episode_event::Event::LeaseGranted(_))
+        ));
         // The withdrawn ids are refused, even from the worker they were granted to.
         let withdrawn = granted[0].episode_id.replace("-g0a2", "-g0a0");
         let mut outcome = event(&withdrawn, None);
@@ -628,24 +643,38 @@ mod tests {
             matches!(&admission, crate::scheduler::Admission::Refused(why) if why.contains("withdrawn")),
             "{admission:?}"
         );
-        // Well past the lease timeout (and the expiry ticker) the withdrawn leases have
-        // neither expired nor failed the slot (the granted one is renewed); its outcome
-        // completes the slot.
-        for _ in 0..8 {
-            let active = vec![granted[0].episode_id.clone()];
-            scheduler
-                .heartbeat(worker.clone(), active, 0)
-                .await
-                .unwrap();
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-        let s = scheduler.snapshot().await.unwrap();
-        assert_eq!(
-            (s.lease_expiries_total, s.outstanding_leases),
-            (0, 1),
-            "{s:?}"
+        // Nobody renews the granted lease: it expires, the slot's first spent attempt of
+        // two (the withdrawn ones spent none), so the slot is leased again as a3, not
+        // failed.
+        let end = Instant::now() + Duration::from_secs(15);
+        let again = loop {
+            assert!(
+                Instant::now() < end,
+                "the slot was not leased again within 15 s"
+            );
+            match service.lease(request()).await {
+                Ok(r) if !r.get_ref().leases.is_empty() => break r.into_inner().leases,
+                Ok(r) => assert!(!r.get_ref().run_finished),
+                Err(status) => panic!("{status}"),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(
+            again[0].episode_id.ends_with("-g0a3"),
+            "{}",
+            again[0].episode_id
         );
-        outcome.episode_id = granted[0].episode_id.clone();
+        let expiries: Vec<u32> = recorded
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|e| match &e.event {
+                Some(episode_event::Event::LeaseExpired(x)) => Some(x.attempts),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(expiries, vec![1], "one attempt spent, recorded as such");
+        outcome.episode_id = again[0].episode_id.clone();
         assert_eq!(
             scheduler.admit(&outcome, Some((worker, secret))).await,
             crate::scheduler::Admission::Store

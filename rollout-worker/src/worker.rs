@@ -518,6 +518,7 @@ pub async fn run_worker(
         active.clone(),
         student.clone(),
         rpc_timeout,
+        cancel.clone(),
     ));
     {
         let cancel = cancel.clone();
@@ -573,15 +574,10 @@ pub async fn run_worker(
                 break;
             }
         }
-        // A sandbox disk under its floor: every episode leased now would stop at its first
-        // command, ungraded, so lease nothing until space is freed.
-        if let Some((root, bytes)) = &disk_floor {
-            wait_for_disk(root, *bytes, &cancel, DISK_PAUSE_POLL).await;
-            if cancel.load(Ordering::SeqCst) {
-                break;
-            }
-        }
-        let first = slots.clone().acquire_owned().await.expect("semaphore open");
+        let Some(first) = free_slot(&slots, disk_floor.as_ref(), &cancel, DISK_PAUSE_POLL).await
+        else {
+            break;
+        };
         let free = slots.available_permits() as u32 + 1;
         let mut req = Request::new(LeaseRequest {
             worker_id: worker_id.clone(),
@@ -687,29 +683,41 @@ pub async fn run_worker(
     }
 }
 
+/// A free episode slot to lease for, once the sandbox disk (`floor`: its root and the
+/// bytes to keep) is above its floor: every episode leased under it would stop at its
+/// first command, ungraded. The disk is checked after the slot is free, since episodes
+/// that fill the disk end at the floor and free their slots. `None` on shutdown.
+async fn free_slot(
+    slots: &Arc<Semaphore>,
+    floor: Option<&(PathBuf, u64)>,
+    cancel: &AtomicBool,
+    poll: Duration,
+) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    let permit = slots.clone().acquire_owned().await.expect("semaphore open");
+    if let Some((root, bytes)) = floor {
+        wait_for_disk(root, *bytes, cancel, poll).await;
+    }
+    (!cancel.load(Ordering::SeqCst)).then_some(permit)
+}
+
 /// How often a worker paused on a full sandbox disk looks at it again.
 const DISK_PAUSE_POLL: Duration = Duration::from_secs(2);
 
 /// Returns once the file system of `root` has `bytes` free (and the floor's inodes), or
 /// `cancel` is set: the worker leases nothing meanwhile (its running episodes and
 /// heartbeats go on). Says when it pauses, every minute while paused, and when it goes
-/// on. True if it paused.
-async fn wait_for_disk(
-    root: &std::path::Path,
-    bytes: u64,
-    cancel: &AtomicBool,
-    poll: Duration,
-) -> bool {
+/// on.
+async fn wait_for_disk(root: &std::path::Path, bytes: u64, cancel: &AtomicBool, poll: Duration) {
     let mut paused: Option<(std::time::Instant, std::time::Instant)> = None;
     loop {
         let Some(what) = crate::sandbox::local::disk_under_floor(root, bytes) else {
             if let Some((since, _)) = paused {
                 tracing::info!(dir = %root.display(), paused_s = since.elapsed().as_secs(), "the sandbox disk is above its floor again: leasing");
             }
-            return paused.is_some();
+            return;
         };
         if cancel.load(Ordering::SeqCst) {
-            return paused.is_some();
+            return;
         }
         let now = std::time::Instant::now();
         let first = paused.is_none();
@@ -816,6 +824,7 @@ async fn heartbeat_loop(
     active: Arc<Mutex<HashSet<String>>>,
     student: StudentHost,
     rpc_timeout: Duration,
+    cancel: Arc<AtomicBool>,
 ) {
     let mut tick = tokio::time::interval(every);
     // A prefetch runs beside the heartbeats, one at a time: a swap waits for the
@@ -834,6 +843,11 @@ async fn heartbeat_loop(
         match client.heartbeat(req).await {
             Ok(r) => {
                 let r = r.into_inner();
+                // The run is over: a worker that leases nothing now (paused on a full disk)
+                // would never hear it from a Lease answer.
+                if r.shutdown && !cancel.swap(true, Ordering::SeqCst) {
+                    tracing::info!("the coordinator says the run is finished: stopping");
+                }
                 // New weights: load them now if idle, so the next episode starts at once.
                 if let Some(latest) = r.latest {
                     if !latest.sha256.is_empty()
@@ -862,10 +876,11 @@ mod tests {
 
     /// A worker whose sandbox disk goes under its floor leases nothing until space is
     /// freed (issue 16): every episode leased meanwhile would stop at its first command,
-    /// ungraded, and spend the lease. `wait_for_disk`, which the lease loop awaits,
-    /// returns at once above the floor, holds while a 600 MiB file takes the space past
-    /// a floor 300 MiB under what was free, goes on once the file is removed, and lets a
-    /// shutdown through.
+    /// ungraded, and spend the lease. `free_slot`, which the lease loop awaits before
+    /// each Lease call, gives a slot at once above the floor; under it (a 600 MiB file
+    /// past a floor 300 MiB under what was free) it gives none, also after the running
+    /// episode ends and frees its slot (episodes that fill the disk end at the floor);
+    /// once the file is removed it does, and a shutdown ends the wait.
     #[tokio::test]
     async fn leasing_pauses_while_the_sandbox_disk_is_under_its_floor() {
         use crate::sandbox::local::tests::{disk_floor_test_lock, temp_dir_available};
@@ -873,10 +888,20 @@ mod tests {
             return;
         };
         let root = tempfile::tempdir().unwrap();
-        let floor = temp_dir_available() - (300 << 20);
+        let floor = Arc::new((
+            root.path().to_path_buf(),
+            temp_dir_available() - (300 << 20),
+        ));
         let cancel = Arc::new(AtomicBool::new(false));
+        let slots = Arc::new(Semaphore::new(1));
         let poll = Duration::from_millis(50);
-        assert!(!wait_for_disk(root.path(), floor, &cancel, poll).await);
+        let gate = |slots: &Arc<Semaphore>| {
+            let (slots, floor, cancel) = (slots.clone(), floor.clone(), cancel.clone());
+            tokio::spawn(async move { free_slot(&slots, Some(&floor), &cancel, poll).await })
+        };
+        let running = free_slot(&slots, Some(&floor), &cancel, poll)
+            .await
+            .expect("a slot at once above the floor");
 
         let blob = root.path().join("blob");
         let take_space = || {
@@ -886,32 +911,32 @@ mod tests {
             assert_eq!(unsafe { libc::posix_fallocate(fd, 0, 600 << 20) }, 0);
         };
         take_space();
-        let waiting = {
-            let (root, cancel) = (root.path().to_path_buf(), cancel.clone());
-            tokio::spawn(async move { wait_for_disk(&root, floor, &cancel, poll).await })
-        };
+        let waiting = gate(&slots);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiting.is_finished(), "a slot while the only one is busy");
+        // The running episode ends (at the floor) and frees its slot: still no lease.
+        drop(running);
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert!(!waiting.is_finished(), "leasing went on under the floor");
         std::fs::remove_file(&blob).unwrap();
-        let paused = tokio::time::timeout(Duration::from_secs(10), waiting)
+        let permit = tokio::time::timeout(Duration::from_secs(10), waiting)
             .await
             .expect("leasing goes on once space is freed")
             .unwrap();
-        assert!(paused);
+        assert!(permit.is_some());
+        drop(permit);
 
-        // Paused again, a shutdown ends the wait.
+        // Paused again, a shutdown ends the wait, with no slot.
         take_space();
-        let waiting = {
-            let (root, cancel) = (root.path().to_path_buf(), cancel.clone());
-            tokio::spawn(async move { wait_for_disk(&root, floor, &cancel, poll).await })
-        };
+        let waiting = gate(&slots);
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(!waiting.is_finished());
         cancel.store(true, Ordering::SeqCst);
-        tokio::time::timeout(Duration::from_secs(10), waiting)
+        let permit = tokio::time::timeout(Duration::from_secs(10), waiting)
             .await
             .expect("a shutdown ends the wait")
             .unwrap();
+        assert!(permit.is_none());
     }
 
     #[test]

@@ -465,6 +465,32 @@ fn a_file_larger_than_the_limit_cannot_be_written() {
     );
 }
 
+/// `/dev` is read-only (it is a tmpfs of half the host's memory, which no memory ceiling
+/// would count), while its devices work and `/dev/shm` (64 MiB of its own) is writable.
+#[test]
+fn dev_is_read_only_but_its_devices_and_shm_work() {
+    if !bwrap_installed() {
+        return;
+    }
+    let mut sb = LocalSandbox::create(&task(), None).unwrap();
+    let out = sb.run("touch /dev/x 2>&1; echo rc=$?", T);
+    assert!(
+        out.output.contains("Read-only file system"),
+        "{}",
+        out.output
+    );
+    let out = sb.run(
+        "echo hi > /dev/null && head -c 4 /dev/zero | wc -c && echo ok > /dev/shm/x && cat /dev/shm/x",
+        T,
+    );
+    assert_eq!(
+        (out.exit_code, out.output.as_str()),
+        (0, "4\nok\n"),
+        "{}",
+        out.output
+    );
+}
+
 /// A fork bomb (bounded by `timeout`) fills its own sandbox's process limit, not the host:
 /// another sandbox forks meanwhile, the bomb's command ends within its timeout, and the
 /// next command in the same sandbox works. The limit is checked first, so that where it

@@ -741,6 +741,10 @@ impl Scheduler {
                 continue;
             };
             self.turns.remove(&id);
+            if self.plan.slots[slot].done {
+                // Another attempt completed it meanwhile: nothing to lease again.
+                continue;
+            }
             self.plan.slots[slot].withdraw();
             self.leases.queue_first(slot);
             taken += 1;

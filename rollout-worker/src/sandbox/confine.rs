@@ -536,6 +536,11 @@ impl Bwrap {
                 &SHM_BYTES.to_string(),
                 "--tmpfs",
                 "/dev/shm",
+                // /dev is a tmpfs (half the host's memory) the command could fill, and
+                // memory no process maps counts toward no ceiling: read-only, /dev/shm
+                // (its own 64 MiB) apart.
+                "--remount-ro",
+                "/dev",
             ]
             .map(String::from),
         );

@@ -1317,7 +1317,11 @@ impl DockerSandbox {
         cmd: &[&str],
         limit: Duration,
     ) -> Result<(i64, Vec<u8>), DockerError> {
-        let env = ["HOME=/tmp/.tutor", "GIT_CONFIG_NOSYSTEM=1", "LC_ALL=C.UTF-8"];
+        let env = [
+            "HOME=/tmp/.tutor",
+            "GIT_CONFIG_NOSYSTEM=1",
+            "LC_ALL=C.UTF-8",
+        ];
         self.exec_capture_as(&self.user, &env, cmd, limit).await
     }
 

@@ -1648,6 +1648,21 @@ pub(crate) mod tests {
         assert_eq!(sb.run("echo fine", T).output, "fine\n");
     }
 
+    /// A memfd is memory no mapping shows: 300 MiB in one, held open, cross a ceiling of
+    /// 256 MiB.
+    #[test]
+    fn memory_in_a_memfd_counts_toward_the_ceiling() {
+        let mut sb = sandbox_with_memory(256);
+        let out = sb.run(
+            "python3 -c \"\nimport os, time\nfd = os.memfd_create('x')\n\
+             os.posix_fallocate(fd, 0, 300 << 20)\ntime.sleep(30)\nprint('still here')\n\"",
+            Duration::from_secs(60),
+        );
+        assert_eq!(out.exit_code, 137, "{out:?}");
+        assert!(!out.output.contains("still here"), "{}", out.output);
+        assert!(out.output.contains("memory_mb"), "{}", out.output);
+    }
+
     /// Pages a fork shares with its parent count once: a parent holding 200 MiB and
     /// three children that only read it (600 MiB more if each counted in full) stay
     /// under a ceiling of 400 MiB.

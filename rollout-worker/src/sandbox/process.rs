@@ -95,20 +95,35 @@ pub(crate) struct MemoryCeiling {
 }
 
 impl MemoryCeiling {
-    /// Bytes the processes of the tree under `root` hold (see the type), and their pids.
-    /// The tree is read from every process's parent in /proc: confined, a process whose
+    /// Bytes the processes of the tree under `root` hold (see the type; plus the memfds
+    /// they hold open, each counted once), and their pids. The tree is read from every
+    /// process's parent in /proc (a snapshot shared by the worker's commands, at most
+    /// [`crate::sandbox::confine::MEMORY_CHECK_EVERY`] old): confined, a process whose
     /// parent ends is adopted by the pid namespace's first process, which is in the tree,
     /// so none leaves it.
     pub(crate) fn held(root: libc::pid_t) -> (u64, Vec<libc::pid_t>) {
-        let tree = process_tree(root);
-        let bytes = tree.iter().map(|&pid| process_memory(pid)).sum();
+        let tree = process_tree(root, &children_snapshot());
+        let mut memfds = std::collections::HashSet::new();
+        let bytes = tree
+            .iter()
+            .map(|&pid| process_memory(pid) + memfd_bytes(pid, &mut memfds))
+            .sum();
         (bytes, tree)
     }
 }
 
-/// `root` and its descendants, from the parent of every process in /proc.
-fn process_tree(root: libc::pid_t) -> Vec<libc::pid_t> {
-    let mut children: std::collections::HashMap<libc::pid_t, Vec<libc::pid_t>> = Default::default();
+/// Every process's children, from a scan of /proc: one scan serves every command of the
+/// worker for [`crate::sandbox::confine::MEMORY_CHECK_EVERY`], however many run.
+fn children_snapshot() -> std::sync::Arc<Children> {
+    static SNAPSHOT: std::sync::Mutex<Option<(Instant, std::sync::Arc<Children>)>> =
+        std::sync::Mutex::new(None);
+    let mut held = SNAPSHOT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((at, map)) = held.as_ref() {
+        if at.elapsed() < crate::sandbox::confine::MEMORY_CHECK_EVERY {
+            return map.clone();
+        }
+    }
+    let mut children = Children::new();
     if let Ok(rd) = std::fs::read_dir("/proc") {
         for e in rd.flatten() {
             let Some(pid) = e.file_name().to_str().and_then(|n| n.parse().ok()) else {
@@ -119,15 +134,48 @@ fn process_tree(root: libc::pid_t) -> Vec<libc::pid_t> {
             }
         }
     }
+    let map = std::sync::Arc::new(children);
+    *held = Some((Instant::now(), map.clone()));
+    map
+}
+
+type Children = std::collections::HashMap<libc::pid_t, Vec<libc::pid_t>>;
+
+/// `root` and its descendants in `children`.
+fn process_tree(root: libc::pid_t, children: &Children) -> Vec<libc::pid_t> {
     let mut tree = vec![root];
     let mut at = 0;
     while at < tree.len() {
-        if let Some(kids) = children.remove(&tree[at]) {
+        if let Some(kids) = children.get(&tree[at]) {
             tree.extend(kids);
         }
         at += 1;
     }
     tree
+}
+
+/// Bytes of the memfds `pid` holds open that are not in `seen` yet (by inode): memory
+/// in a file no mapping may show.
+fn memfd_bytes(pid: libc::pid_t, seen: &mut std::collections::HashSet<(u64, u64)>) -> u64 {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return 0;
+    };
+    let mut bytes = 0;
+    for fd in fds.flatten() {
+        let path = fd.path();
+        if !std::fs::read_link(&path)
+            .is_ok_and(|t| t.as_os_str().as_encoded_bytes().starts_with(b"/memfd:"))
+        {
+            continue;
+        }
+        if let Ok(m) = std::fs::metadata(&path) {
+            use std::os::unix::fs::MetadataExt;
+            if seen.insert((m.dev(), m.ino())) {
+                bytes += m.blocks() * 512;
+            }
+        }
+    }
+    bytes
 }
 
 /// The parent pid of `pid` (field 4 of /proc/PID/stat, after the command name, which is
@@ -290,11 +338,14 @@ pub(crate) fn run_in_own_group(
                     let (held, tree) = MemoryCeiling::held(pgid);
                     if held > ceiling.bytes {
                         memory_over = Some(held);
-                        // Each process of the tree (unconfined, one may have left the
-                        // group), then the group.
-                        for pid in tree {
-                            // SAFETY: plain syscall on a pid just seen; ESRCH is fine.
-                            unsafe { libc::kill(pid, libc::SIGKILL) };
+                        // Unconfined, a process may have left the group: each one of the
+                        // tree too (pids just seen). Confined, the pid namespace ends with
+                        // the group's bwrap.
+                        if isolation == Isolation::Here {
+                            for pid in tree {
+                                // SAFETY: plain syscall on a pid just seen; ESRCH is fine.
+                                unsafe { libc::kill(pid, libc::SIGKILL) };
+                            }
                         }
                         kill_group(pgid);
                     }
