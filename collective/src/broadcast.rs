@@ -56,12 +56,20 @@ pub const RECEIVE_TIMEOUT: Duration = Duration::from_secs(60);
 /// The most bytes a [`Header`] may have on the wire (it has a few dozen).
 const MAX_HEADER_BYTES: usize = 64 * 1024;
 
+/// Bytes of a version per collective call: a receiver hashes and keeps one part while
+/// the next arrives, so the sha256 overlaps the transfer instead of following it.
+const PART_BYTES: usize = 32 << 20;
+
 /// What precedes each version's bytes. `version` `None`: a keepalive, no bytes follow.
 #[derive(Debug, Serialize, Deserialize)]
 struct Header {
     version: Option<u64>,
     sha256: String,
     bytes: u64,
+    /// The bytes come in parts of this many (the last shorter), one collective call
+    /// each; 0: in one call (a sender before parts).
+    #[serde(default)]
+    part: u64,
 }
 
 /// Learner rank 0: a thread that keeps the group of `opts` (rank 0, world size N + 1,
@@ -123,6 +131,7 @@ fn broadcaster(
                     version: None,
                     sha256: String::new(),
                     bytes: 0,
+                    part: 0,
                 },
             ),
             None => {
@@ -277,22 +286,98 @@ fn receive(c: &mut dyn Collective, on_event: &dyn Fn(ReceiverEvent)) -> Result<(
 }
 
 /// Sends policy version `pv` to the group of `c` (rank 0): its header, then the file's
-/// bytes, as the broadcaster does.
+/// bytes in parts of [`PART_BYTES`], as the broadcaster does.
 pub fn send_version(c: &mut dyn Collective, pv: &VersionFile) -> Result<()> {
-    let mut data =
-        std::fs::read(&pv.path).with_context(|| format!("reading {}", pv.path.display()))?;
+    send_version_in_parts(c, pv, PART_BYTES)
+}
+
+/// `send_version` in parts of `part` bytes (`usize::MAX`: one part, so the receivers
+/// hash only after every byte arrived; the `weights_move` bench compares the two).
+pub fn send_version_in_parts(c: &mut dyn Collective, pv: &VersionFile, part: usize) -> Result<()> {
+    // The whole file is read before the header goes out: a file that cannot be read
+    // fails here, not halfway through a version the receivers are taking.
+    let reading = || format!("reading {}", pv.path.display());
+    let mut file = std::fs::File::open(&pv.path).with_context(reading)?;
+    let bytes = file.metadata().with_context(reading)?.len();
+    let mut parts = Vec::new();
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(part as u64) as usize;
+        let mut buf = vec![0u8; n];
+        std::io::Read::read_exact(&mut file, &mut buf).with_context(reading)?;
+        parts.push(buf);
+        left -= n as u64;
+    }
     send_header(
         c,
         &Header {
             version: Some(pv.version),
             sha256: pv.sha256.clone(),
-            bytes: data.len() as u64,
+            bytes,
+            part: part as u64,
         },
     )?;
-    // The receivers expect the size the header announced.
-    let max = data.len();
-    c.broadcast_bytes_max(&mut data, max)
-        .with_context(|| format!("sending policy version {}", pv.version))
+    for mut buf in parts {
+        // The receivers expect the size the header announced.
+        let n = buf.len();
+        c.broadcast_bytes_max(&mut buf, n)
+            .with_context(|| format!("sending policy version {}", pv.version))?;
+    }
+    Ok(())
+}
+
+/// The bytes of the version `header` announces and their sha256 (hex). In parts, each
+/// hashed and kept by a thread of its own while the next arrives; never more than the
+/// header announced (a longer part is refused unread).
+fn receive_parts(c: &mut dyn Collective, header: &Header) -> Result<(Vec<u8>, String)> {
+    let total = usize::try_from(header.bytes).unwrap_or(usize::MAX);
+    // In one call (a sender before parts, or a version of one part): hashed once here.
+    if header.part == 0 || header.part >= header.bytes {
+        let mut data = Vec::new();
+        c.broadcast_bytes_max(&mut data, total)?;
+        let sha = hex::encode(Sha256::digest(&data));
+        return Ok((data, sha));
+    }
+    let part = usize::try_from(header.part).unwrap_or(usize::MAX);
+    let mut data = Vec::new();
+    data.try_reserve_exact(total).map_err(|e| {
+        anyhow::anyhow!("no memory for the {total} bytes the header announced: {e}")
+    })?;
+    std::thread::scope(|scope| {
+        let (parts, arrived) = std::sync::mpsc::sync_channel::<Vec<u8>>(2);
+        let keeper = scope.spawn(move || {
+            let mut hasher = Sha256::new();
+            for p in arrived {
+                hasher.update(&p);
+                data.extend_from_slice(&p);
+            }
+            (data, hex::encode(hasher.finalize()))
+        });
+        let mut got = 0usize;
+        let received = (|| -> Result<()> {
+            while got < total {
+                let want = part.min(total - got);
+                let mut p = Vec::new();
+                c.broadcast_bytes_max(&mut p, want)?;
+                if p.len() != want {
+                    bail!(
+                        "a part of {} bytes arrived at byte {got}, the header announced {want}",
+                        p.len()
+                    );
+                }
+                got += want;
+                if parts.send(p).is_err() {
+                    bail!("the thread hashing the parts stopped");
+                }
+            }
+            Ok(())
+        })();
+        drop(parts);
+        let kept = keeper
+            .join()
+            .map_err(|_| anyhow::anyhow!("the thread hashing the parts panicked"))?;
+        received.map(|()| kept)
+    })
 }
 
 /// Receives rank 0's next message: a version (checked against the sha256 and size its
@@ -308,12 +393,8 @@ pub fn receive_one(c: &mut dyn Collective) -> Result<Option<Arrived>> {
         let Some(version) = header.version else {
             return Ok(None); // keepalive
         };
-        // No more than the header announced (a corrupt length is refused unread).
-        let mut data = Vec::new();
-        let max = usize::try_from(header.bytes).unwrap_or(usize::MAX);
-        c.broadcast_bytes_max(&mut data, max)
+        let (data, sha) = receive_parts(c, &header)
             .with_context(|| format!("receiving policy version {version}"))?;
-        let sha = hex::encode(Sha256::digest(&data));
         if data.len() as u64 != header.bytes || sha != header.sha256 {
             bail!(
                 "policy version {version} arrived with {} bytes and sha256 {sha}, the header said {} bytes and {}",
@@ -332,5 +413,90 @@ pub fn receive_one(c: &mut dyn Collective) -> Result<Option<Arrived>> {
             sha256: sha,
             bytes: Arc::new(data),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::{CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
+
+    fn pair() -> (CpuCollective, CpuCollective) {
+        let rdv = CpuRendezvous::bind("127.0.0.1:0").unwrap();
+        let addr = rdv.local_addr();
+        let t = CpuCollectiveTimeouts::default();
+        let leaf = std::thread::spawn(move || CpuCollective::connect(addr, 1, 2, t).unwrap());
+        let root = rdv.accept(2, t).unwrap();
+        (root, leaf.join().unwrap())
+    }
+
+    fn version_file(dir: &std::path::Path, data: &[u8], sha256: Option<&str>) -> VersionFile {
+        let path = dir.join("model.safetensors");
+        std::fs::write(&path, data).unwrap();
+        VersionFile {
+            version: 3,
+            sha256: sha256.map_or_else(|| hex::encode(Sha256::digest(data)), str::to_string),
+            bytes: data.len() as u64,
+            path,
+        }
+    }
+
+    /// A version sent in parts (the last one shorter) arrives whole, with the sha256 the
+    /// header announced; a file whose bytes do not match the announced sha256 is refused,
+    /// naming both checksums. Then the group goes on.
+    #[test]
+    fn a_version_in_parts_arrives_whole_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let data: Vec<u8> = (0..10_500u32).map(|i| (i * 7 + i / 13) as u8).collect();
+        let (mut root, mut leaf) = pair();
+        for (part, sha) in [(1000, None), (PART_BYTES, None), (1000, Some("00ff"))] {
+            let pv = version_file(dir.path(), &data, sha);
+            let sender = std::thread::spawn(move || {
+                send_version_in_parts(&mut root, &pv, part).unwrap();
+                root
+            });
+            let got = receive_one(&mut leaf);
+            root = sender.join().unwrap();
+            match sha {
+                None => {
+                    let got = got.unwrap().expect("a version, not a keepalive");
+                    assert_eq!(got.version, 3);
+                    assert_eq!(got.bytes.as_slice(), data.as_slice());
+                    assert_eq!(got.sha256, hex::encode(Sha256::digest(&data)));
+                }
+                Some(announced) => {
+                    let e = format!("{:#}", got.unwrap_err());
+                    assert!(
+                        e.contains(announced) && e.contains(&hex::encode(Sha256::digest(&data))),
+                        "{e}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A sender before parts (`part` absent from its header: all bytes in one call) is
+    /// still received.
+    #[test]
+    fn a_version_in_one_call_is_still_received() {
+        let data = b"weights in one piece".to_vec();
+        let (mut root, mut leaf) = pair();
+        let sent = data.clone();
+        let sender = std::thread::spawn(move || {
+            let mut header = serde_json::to_vec(&serde_json::json!({
+                "version": 5,
+                "sha256": hex::encode(Sha256::digest(&sent)),
+                "bytes": sent.len(),
+            }))
+            .unwrap();
+            root.broadcast_bytes_max(&mut header, MAX_HEADER_BYTES)
+                .unwrap();
+            let mut bytes = sent;
+            let n = bytes.len();
+            root.broadcast_bytes_max(&mut bytes, n).unwrap();
+        });
+        let got = receive_one(&mut leaf).unwrap().unwrap();
+        sender.join().unwrap();
+        assert_eq!((got.version, got.bytes.as_slice()), (5, data.as_slice()));
     }
 }

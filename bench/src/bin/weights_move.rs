@@ -16,6 +16,8 @@
 //! - `tensors in buckets`: the file's tensors over the CPU collective in buckets of up to
 //!   64 MiB (`tutor_collective::engine_update`, what `reload = "distributed"` sends to
 //!   `tutor serve`), written into a safetensors file in memory that the engine loads.
+//! - `broadcast transfer alone`: the first path without the engine's load, in parts (each
+//!   hashed by the receiver while the next arrives) and in one part (hashed after).
 //! - `gRPC`: the learner's Weights service streams the file, the worker writes it to disk
 //!   as it arrives (sha256 checked) and the engine loads the file.
 //!
@@ -30,7 +32,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use sha2::{Digest, Sha256};
 use tutor_bench::median;
-use tutor_collective::broadcast::{receive_one, send_version};
+use tutor_collective::broadcast::{receive_one, send_version, send_version_in_parts};
 use tutor_collective::engine_update;
 use tutor_collective::{CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
 use tutor_learner::weights::WeightsStore;
@@ -146,6 +148,40 @@ fn main() -> Result<()> {
 
     // Broadcast over the CPU collective, loopback, one receiver.
     let (mut sender, mut receiver) = pair()?;
+    // The transfer alone (header, bytes, the receiver's sha256 check): in parts, as
+    // workers receive a version (each part hashed while the next arrives), and in one
+    // part, where the hash follows the transfer (as before parts).
+    for (label, part) in [
+        (
+            "broadcast transfer alone, in parts (sha256 overlapped)",
+            None,
+        ),
+        (
+            "broadcast transfer alone, one part (sha256 after)",
+            Some(usize::MAX),
+        ),
+    ] {
+        let mut t = Vec::new();
+        for _ in 0..args.repeat {
+            let s = Instant::now();
+            let pv2 = pv.clone();
+            let send = std::thread::spawn(move || {
+                match part {
+                    Some(p) => send_version_in_parts(&mut sender, &pv2, p),
+                    None => send_version(&mut sender, &pv2),
+                }
+                .map(|_| sender)
+            });
+            let arrived =
+                receive_one(&mut receiver)?.context("a keepalive instead of a version")?;
+            sender = send
+                .join()
+                .map_err(|_| anyhow::anyhow!("the sender panicked"))??;
+            t.push(s.elapsed().as_secs_f64());
+            drop(arrived);
+        }
+        rows.push((label, median(t)));
+    }
     for via_file in [false, true] {
         let mut t = Vec::new();
         for i in 0..args.repeat {
