@@ -92,6 +92,18 @@ impl LearnerGroup for LearnerGroupService {
         &self,
         request: Request<PublishRendezvousRequest>,
     ) -> Result<Response<PublishRendezvousResponse>, Status> {
+        // Rank 0 of every group published here is the learner's (its ranks' group, the
+        // weights broadcast): a worker's token fetches rendezvous, never publishes one (it
+        // would point the learner's ranks or the other workers at its own address).
+        if let Some(tutor_proto::auth::CallerRole(role @ tutor_proto::auth::Role::Worker)) =
+            request.extensions().get().copied()
+        {
+            return Err(Status::permission_denied(format!(
+                "a {} token may not publish a rendezvous: only learner rank 0 does (it may \
+                 fetch one)",
+                role.as_str()
+            )));
+        }
         let mut r = request
             .into_inner()
             .rendezvous

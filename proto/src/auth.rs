@@ -311,20 +311,26 @@ impl ServerAuth {
 
     /// Checks the call's metadata; the error never echoes what the caller sent.
     pub fn check(&self, metadata: &MetadataMap) -> Result<(), Status> {
+        self.caller(metadata).map(drop)
+    }
+
+    /// [`Self::check`], and the role of the token the call carried: the server's own
+    /// token's, or the role below it that it matched; `None` without auth.
+    pub fn caller(&self, metadata: &MetadataMap) -> Result<Option<Role>, Status> {
         let Some(token) = &self.token else {
-            return Ok(());
+            return Ok(None);
         };
         let verdict = match metadata.get(AUTHORIZATION) {
             None => Err("missing authorization metadata: send `authorization: Bearer <token>`"),
             Some(value) => match bearer(value.as_bytes()) {
                 None => Err("the authorization metadata is not `Bearer <token>`"),
-                Some(sent) if bool::from(sent.ct_eq(token.expose().as_bytes())) => Ok(()),
+                Some(sent) if bool::from(sent.ct_eq(token.expose().as_bytes())) => Ok(token.role()),
                 Some(sent) => match self
                     .below
                     .iter()
                     .find(|(_, t)| bool::from(sent.ct_eq(t.expose().as_bytes())))
                 {
-                    Some((role, _)) if self.allowed.contains(role) => Ok(()),
+                    Some((role, _)) if self.allowed.contains(role) => Ok(*role),
                     Some((role, _)) => {
                         return Err(Status::permission_denied(format!(
                             "a {} token may not call this service: it takes {}",
@@ -336,7 +342,7 @@ impl ServerAuth {
                 },
             },
         };
-        verdict.map_err(|why| {
+        verdict.map(Some).map_err(|why| {
             let n = self.rejected.fetch_add(1, Ordering::Relaxed) + 1;
             // Logarithmic: a misconfigured client or a scanner cannot flood the log.
             if n.is_power_of_two() {
@@ -363,9 +369,17 @@ fn bearer(value: &[u8]) -> Option<&[u8]> {
     (!creds.is_empty()).then_some(creds)
 }
 
+/// The role of the token a call carried (in the request's extensions, put there by
+/// [`ServerAuth`]'s interceptor; absent without auth), for handlers that allow a role
+/// less than their service does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallerRole(pub Role);
+
 impl Interceptor for ServerAuth {
-    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
-        self.check(request.metadata())?;
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(role) = self.caller(request.metadata())? {
+            request.extensions_mut().insert(CallerRole(role));
+        }
         Ok(request)
     }
 }

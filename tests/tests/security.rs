@@ -432,9 +432,10 @@ fn a_server_without_a_token_warns_in_json_logs_and_a_bad_token_file_is_named() {
 }
 
 /// A worker's token (derived from the run's) reaches what a worker needs — Register,
-/// the weights — and nothing else: Control (watching, shutting the run down) and the
-/// learner's training and status answer PERMISSION_DENIED. Before, any process's token
-/// was the operator's.
+/// the weights, fetching a rendezvous — and nothing else: Control (watching, shutting
+/// the run down), publishing a rendezvous and the learner's training and status answer
+/// PERMISSION_DENIED. Before, any process's token was the operator's (and, until session
+/// 28, a worker's token could publish the learner ranks' rendezvous).
 #[tokio::test]
 async fn a_worker_token_reaches_rollout_and_weights_only() {
     let worker_token = tutor_proto::auth::AuthToken::new(TOKEN)
@@ -461,6 +462,54 @@ async fn a_worker_token_reaches_rollout_and_weights_only() {
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    // The rendezvous: a worker fetches one (the weights broadcast's receivers), but
+    // publishing one would point the learner's ranks or the other receivers at its own
+    // address; with the learner's token it is published.
+    let mut group =
+        tutor_proto::learner_group_client::LearnerGroupClient::new(coord.channel().await);
+    let rendezvous = |group: &str| tutor_proto::PublishRendezvousRequest {
+        rendezvous: Some(tutor_proto::Rendezvous {
+            group: group.into(),
+            world_size: 2,
+            kind: tutor_proto::CollectiveKind::Cpu as i32,
+            cpu_address: "127.0.0.1:9".into(),
+            ..Default::default()
+        }),
+    };
+    for g in ["", "weights"] {
+        let status = group
+            .publish_rendezvous(with_token(rendezvous(g), worker))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+        assert!(status.message().contains("learner rank 0"), "{status:?}");
+    }
+    let fetched = group
+        .get_rendezvous(with_token(
+            tutor_proto::GetRendezvousRequest {
+                after_generation: 0,
+                wait_ms: 10,
+                group: "weights".into(),
+            },
+            worker,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        fetched.code(),
+        Code::NotFound,
+        "nothing was published: {fetched:?}"
+    );
+    let learner_token = tutor_proto::auth::AuthToken::new(TOKEN)
+        .unwrap()
+        .derive(tutor_proto::auth::Role::Learner);
+    group
+        .publish_rendezvous(with_token(
+            rendezvous("weights"),
+            Some(learner_token.expose()),
+        ))
+        .await
+        .expect("the learner's token publishes");
     // A made-up "worker." token is no token at all.
     let forged = format!("worker.{}", "0".repeat(64));
     let status = rollout
