@@ -110,15 +110,31 @@ async fn a_refused_event_is_dropped_and_never_replayed() {
         )),
     };
     sink.events.send(forged).await.unwrap();
-    sink.events.send(turn("ok", 0, "fine".into())).await.unwrap();
-    assert!(sink.flush(Duration::from_secs(30)).await, "the stream is wedged");
-    assert_eq!(sink.counters.refused.load(std::sync::atomic::Ordering::SeqCst), 1);
+    sink.events
+        .send(turn("ok", 0, "fine".into()))
+        .await
+        .unwrap();
+    assert!(
+        sink.flush(Duration::from_secs(30)).await,
+        "the stream is wedged"
+    );
+    assert_eq!(
+        sink.counters
+            .refused
+            .load(std::sync::atomic::Ordering::SeqCst),
+        1
+    );
     sink.events
         .send(outcome("ok", "diff --git a/x b/x\n".into()))
         .await
         .unwrap();
     assert!(sink.flush(Duration::from_secs(30)).await);
-    assert_eq!(sink.counters.refused.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(
+        sink.counters
+            .refused
+            .load(std::sync::atomic::Ordering::SeqCst),
+        1
+    );
 
     stop.send(()).unwrap();
     server.await.unwrap().unwrap();
@@ -127,7 +143,10 @@ async fn a_refused_event_is_dropped_and_never_replayed() {
     let keys: Vec<_> = stored.iter().filter_map(tutor_proto::event_key).collect();
     assert_eq!(
         keys,
-        vec![("ok".to_string(), 0), ("ok".to_string(), TURN_INDEX_OUTCOME)]
+        vec![
+            ("ok".to_string(), 0),
+            ("ok".to_string(), TURN_INDEX_OUTCOME)
+        ]
     );
 }
 
