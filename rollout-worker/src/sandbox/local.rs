@@ -1607,18 +1607,23 @@ pub(crate) mod tests {
         Some(lock)
     }
 
-    /// A sandbox whose commands' processes may hold `mb` MiB together.
-    fn sandbox_with_memory(mb: u64) -> LocalSandbox {
+    /// A sandbox (confined where bwrap can) with `limits`.
+    fn sandbox_with(limits: crate::sandbox::Limits) -> LocalSandbox {
         let confinement = Confinement::new(&crate::sandbox::ConfineSettings {
             allow_unconfined: true,
-            limits: crate::sandbox::Limits {
-                memory_bytes: mb << 20,
-                ..Default::default()
-            },
+            limits,
             ..Default::default()
         })
         .unwrap();
         LocalSandbox::create_confined(&tiny_task(), None, None, &confinement).unwrap()
+    }
+
+    /// A sandbox whose commands' processes may hold `mb` MiB together.
+    fn sandbox_with_memory(mb: u64) -> LocalSandbox {
+        sandbox_with(crate::sandbox::Limits {
+            memory_bytes: mb << 20,
+            ..Default::default()
+        })
     }
 
     /// Memory as a whole (issue 16): four processes of 150 MiB each, every one far under
@@ -1686,16 +1691,10 @@ pub(crate) mod tests {
     /// space available there now (negative: above it).
     fn sandbox_with_floor(below: i64) -> LocalSandbox {
         let floor = (temp_dir_available() as i64).saturating_sub(below).max(1) as u64;
-        let confinement = Confinement::new(&crate::sandbox::ConfineSettings {
-            allow_unconfined: true,
-            limits: crate::sandbox::Limits {
-                min_free_disk_bytes: floor,
-                ..Default::default()
-            },
+        sandbox_with(crate::sandbox::Limits {
+            min_free_disk_bytes: floor,
             ..Default::default()
         })
-        .unwrap();
-        LocalSandbox::create_confined(&tiny_task(), None, None, &confinement).unwrap()
     }
 
     /// A command that writes until the disk would fill (issue 16, item 1: "fill its
