@@ -299,6 +299,7 @@ pub fn send_version_in_parts(c: &mut dyn Collective, pv: &VersionFile, part: usi
     let reading = || format!("reading {}", pv.path.display());
     let mut file = std::fs::File::open(&pv.path).with_context(reading)?;
     let bytes = file.metadata().with_context(reading)?.len();
+    let part = part.max(1);
     let mut parts = Vec::new();
     let mut left = bytes;
     while left > 0 {
@@ -307,6 +308,10 @@ pub fn send_version_in_parts(c: &mut dyn Collective, pv: &VersionFile, part: usi
         std::io::Read::read_exact(&mut file, &mut buf).with_context(reading)?;
         parts.push(buf);
         left -= n as u64;
+    }
+    if parts.is_empty() {
+        // An empty file: the receivers still take one (empty) call.
+        parts.push(Vec::new());
     }
     send_header(
         c,
@@ -442,15 +447,23 @@ mod tests {
     }
 
     /// A version sent in parts (the last one shorter) arrives whole, with the sha256 the
-    /// header announced; a file whose bytes do not match the announced sha256 is refused,
-    /// naming both checksums. Then the group goes on.
+    /// header announced, also an empty one and one sent with parts of 0 bytes (taken as
+    /// 1); a file whose bytes do not match the announced sha256 is refused, naming both
+    /// checksums. Then the group goes on.
     #[test]
     fn a_version_in_parts_arrives_whole_and_checked() {
         let dir = tempfile::tempdir().unwrap();
         let data: Vec<u8> = (0..10_500u32).map(|i| (i * 7 + i / 13) as u8).collect();
         let (mut root, mut leaf) = pair();
-        for (part, sha) in [(1000, None), (PART_BYTES, None), (1000, Some("00ff"))] {
-            let pv = version_file(dir.path(), &data, sha);
+        let empty = Vec::new();
+        for (data, part, sha) in [
+            (&data, 1000, None),
+            (&data, PART_BYTES, None),
+            (&empty, 1000, None),
+            (&data, 0, None),
+            (&data, 1000, Some("00ff")),
+        ] {
+            let pv = version_file(dir.path(), data, sha);
             let sender = std::thread::spawn(move || {
                 send_version_in_parts(&mut root, &pv, part).unwrap();
                 root
@@ -462,12 +475,12 @@ mod tests {
                     let got = got.unwrap().expect("a version, not a keepalive");
                     assert_eq!(got.version, 3);
                     assert_eq!(got.bytes.as_slice(), data.as_slice());
-                    assert_eq!(got.sha256, hex::encode(Sha256::digest(&data)));
+                    assert_eq!(got.sha256, hex::encode(Sha256::digest(data)));
                 }
                 Some(announced) => {
                     let e = format!("{:#}", got.unwrap_err());
                     assert!(
-                        e.contains(announced) && e.contains(&hex::encode(Sha256::digest(&data))),
+                        e.contains(announced) && e.contains(&hex::encode(Sha256::digest(data))),
                         "{e}"
                     );
                 }

@@ -196,6 +196,10 @@ async fn sink_loop(
                 }
             }
             tokio::select! {
+                // Events first: a flush must not be answered while events sent before it
+                // still wait in the channel (it would report them delivered, and a worker
+                // shutting down would exit without them).
+                biased;
                 ev = events.recv(), if events_open => match ev {
                     Some(ev) => {
                         let Some(key) = tutor_proto::event_key(&ev) else { continue };

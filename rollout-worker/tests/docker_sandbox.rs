@@ -458,6 +458,37 @@ async fn bookkeeping_git_runs_nothing_the_agent_configured() {
     );
     let files = sb.apply_to_base(&diff).await.unwrap();
     assert_eq!(files["new_file.py"].as_deref(), Some("x = 1\n"));
+    // The patch applied for the oracle is nowhere the agent can read it.
+    let seen = sb
+        .run(
+            "cat /tmp/.tutor/oracle.patch /tmp/.tutor-book/oracle.patch 2>&1",
+            t,
+        )
+        .await;
+    assert!(!seen.output.contains("x = 1"), "{}", seen.output);
+    sb.remove().await;
+}
+
+/// A file the agent makes unreadable to others (mode 0600) is left out of its
+/// submission, not the whole submission (the bookkeeping user cannot read it); the
+/// rest of the change is the patch, and the changed files are listed without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_file_is_left_out_not_the_whole_submission() {
+    let Some(d) = engine().await else { return };
+    let run = format!("test-unreadable-{}", std::process::id());
+    let mut sb = sandbox(&d, &run).await;
+    let t = Duration::from_secs(20);
+    let out = sb
+        .run(
+            "echo 'y = 2' > fix.py && echo secret > hidden.txt && chmod 600 hidden.txt",
+            t,
+        )
+        .await;
+    assert_eq!(out.exit_code, 0, "{}", out.output);
+    let sub = sb.submission().await;
+    assert!(sub.patch.contains("+++ b/fix.py"), "{sub:?}");
+    assert!(!sub.patch.contains("hidden.txt"), "{}", sub.patch);
+    assert_eq!(sb.changed_files().await, vec!["fix.py".to_string()]);
     sb.remove().await;
 }
 
@@ -1035,28 +1066,14 @@ async fn capabilities_are_dropped_privileges_fixed_and_cpus_limited() {
     sb.remove().await;
 }
 
-/// An image that ships its repository in /testbed (as SWE-bench images do) keeps it on
-/// a read-only root: it is copied into the tmpfs at launch, with its modes, and the
-/// episode's base is the image's commit. The image is made here with `docker commit`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_image_that_ships_its_repository_keeps_it_on_a_read_only_root() {
-    let Some(d) = engine().await else { return };
-    let pid = std::process::id();
-    let run = format!("test-shipped-{pid}");
-    let image = format!("tutor/test-shipped:{pid}");
-    // A container that commits a repository in /testbed, then becomes the image.
+/// Makes `image` (`repo:tag`) from the sandbox image: a container that runs `script`
+/// in /testbed as 1000:1000, committed.
+async fn commit_image(d: &bollard::Docker, image: &str, script: &str) {
     let body = bollard::models::ContainerCreateBody {
         image: Some(IMAGE.into()),
         user: Some("1000:1000".into()),
         working_dir: Some("/testbed".into()),
-        cmd: Some(vec![
-            "bash".into(),
-            "-c".into(),
-            "git init -q && git config user.email a@b && git config user.name a \
-             && printf 'def f():\\n    return 1\\n' > mod.py && mkdir -p bin && printf '#!/bin/sh\\necho ran\\n' > bin/run \
-             && chmod +x bin/run && git add -A && git commit -qm shipped"
-                .into(),
-        ]),
+        cmd: Some(vec!["bash".into(), "-c".into(), script.into()]),
         ..Default::default()
     };
     let c = d
@@ -1094,6 +1111,106 @@ async fn an_image_that_ships_its_repository_keeps_it_on_a_read_only_root() {
         .force(true)
         .build();
     d.remove_container(&c.id, Some(rm)).await.unwrap();
+}
+
+async fn remove_image(d: &bollard::Docker, image: &str) {
+    let _ = d
+        .remove_image(
+            image,
+            Some(
+                bollard::query_parameters::RemoveImageOptionsBuilder::default()
+                    .force(true)
+                    .build(),
+            ),
+            None,
+        )
+        .await;
+}
+
+/// A submodule of the base (older astropy ships one) is not looked into by the
+/// sandbox's own git: `add` would run `git status` inside it, which reads the
+/// submodule's config, the agent's to write, so a clean filter there would run as the
+/// bookkeeping user (who owns the submission's files). The agent's change beside it is
+/// still the patch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submodule_of_the_base_runs_nothing_the_agent_configured() {
+    let Some(d) = engine().await else { return };
+    let pid = std::process::id();
+    let run = format!("test-submodule-{pid}");
+    let image = format!("tutor/test-submodule:{pid}");
+    commit_image(
+        &d,
+        &image,
+        "git init -q && git config user.email a@b && git config user.name a \
+         && git init -q sub && git -C sub config user.email a@b && git -C sub config user.name a \
+         && echo a > sub/a && git -C sub add -A && git -C sub commit -qm sub \
+         && echo 'x = 1' > mod.py && git add -A 2>/dev/null && git commit -qm shipped",
+    )
+    .await;
+    let mut s = spec(&run, "e1");
+    s.image = image.clone();
+    let no_files = tutor_rollout_worker::tasks::TaskRecord {
+        instance_id: "submodule".into(),
+        ..Default::default()
+    };
+    let created = DockerSandbox::create(&d, &s, &no_files).await;
+    let result = async {
+        let mut sb = created.map_err(|e| format!("creating the sandbox: {e}"))?;
+        let t = Duration::from_secs(30);
+        let setup = sb
+            .run(
+                "git ls-files -s sub | cut -c1-6 && mkdir -p /tmp/marks && chmod 777 /tmp/marks \
+                 && git -C sub config filter.evil.clean 'touch /tmp/marks/sub; sleep 30; cat' \
+                 && git -C sub config filter.evil.required true \
+                 && printf '* filter=evil\\n' > sub/.gitattributes && echo b > sub/a \
+                 && echo 'x = 2' > mod.py",
+                t,
+            )
+            .await;
+        let started = Instant::now();
+        let sub = sb.submission().await;
+        let changed = sb.changed_files().await;
+        let took = started.elapsed();
+        let marks = sb.run("ls -A /tmp/marks", t).await;
+        sb.remove().await;
+        if setup.exit_code != 0 || !setup.output.starts_with("160000") {
+            return Err(format!("no submodule in the base: {setup:?}"));
+        }
+        if !marks.output.is_empty() || took > Duration::from_secs(20) {
+            return Err(format!(
+                "the submodule's filter ran: {marks:?} after {took:?}"
+            ));
+        }
+        if !sub.patch.contains("+x = 2") || changed != vec!["mod.py".to_string()] {
+            return Err(format!("{sub:?} {changed:?}"));
+        }
+        Ok(())
+    }
+    .await;
+    remove_image(&d, &image).await;
+    result.unwrap();
+    assert_eq!(containers_of(&d, &run).await, 0);
+}
+
+/// An image that ships its repository in /testbed (as SWE-bench images do) keeps it on
+/// a read-only root: it is copied into the tmpfs at launch, with its modes, and the
+/// episode's base is the image's commit. The image is made here with `docker commit`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_that_ships_its_repository_keeps_it_on_a_read_only_root() {
+    let Some(d) = engine().await else { return };
+    let pid = std::process::id();
+    let run = format!("test-shipped-{pid}");
+    let image = format!("tutor/test-shipped:{pid}");
+    // A container that commits a repository in /testbed, then becomes the image.
+    commit_image(
+        &d,
+        &image,
+        "git init -q && git config user.email a@b && git config user.name a \
+         && printf 'def f():\\n    return 1\\n' > mod.py && mkdir -p bin && printf '#!/bin/sh\\necho ran\\n' > bin/run \
+         && chmod +x bin/run && git add -A && git commit -qm shipped"
+,
+    )
+    .await;
 
     let mut s = spec(&run, "e1");
     s.image = image.clone();
@@ -1128,17 +1245,7 @@ async fn an_image_that_ships_its_repository_keeps_it_on_a_read_only_root() {
         Ok(())
     }
     .await;
-    let _ = d
-        .remove_image(
-            &image,
-            Some(
-                bollard::query_parameters::RemoveImageOptionsBuilder::default()
-                    .force(true)
-                    .build(),
-            ),
-            None,
-        )
-        .await;
+    remove_image(&d, &image).await;
     result.unwrap();
     assert_eq!(containers_of(&d, &run).await, 0);
 }

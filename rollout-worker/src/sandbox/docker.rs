@@ -137,6 +137,13 @@ fn book_user(agent: &str) -> String {
     format!("{uid}:{uid}")
 }
 
+/// The numeric uid and gid of `user` (`uid:gid`; root where it is not numeric).
+fn parse_user(user: &str) -> (u64, u64) {
+    user.split_once(':')
+        .and_then(|(u, g)| Some((u.parse::<u64>().ok()?, g.parse::<u64>().ok()?)))
+        .unwrap_or((0, 0))
+}
+
 /// `git` against [`BOOK_DIR`] with the repository `workdir` as its work tree, bounded in
 /// time (an exec cannot be killed from outside). Run by [`book_user`], whose execs have
 /// no global or system config either (`GIT_CONFIG_GLOBAL=/dev/null`,
@@ -166,6 +173,11 @@ cd @REPO@ || fail cd
 export GIT_INDEX_FILE=@HOME@/diff-index
 rm -f "$GIT_INDEX_FILE"
 @GIT@ read-tree @BASE@ || fail read-tree
+# Submodules of the base are not looked into: `add` would run `git status` inside each,
+# reading the agent's config there (a clean filter would run as this user).
+@GIT@ ls-files -s -z | while IFS= read -r -d '' l; do
+  case $l in 160000' '*) printf '%s\0' "${l#*$'\t'}";; esac
+done | @GIT@ update-index -z --skip-worktree --stdin || fail skip-submodules
 # Untracked files over the cap: named, and excluded from `add`.
 @GIT@ ls-files -o --exclude-standard -z > "$S/untracked" || fail ls-files
 xargs -0 -r stat --printf '%s\t%F\t%n\0' -- < "$S/untracked" > "$S/sizes"
@@ -178,7 +190,10 @@ while IFS= read -r -d '' l; do
     printf '%s\t%s\0' "$n" "${r#*$'\t'}" >> "$S/large"
   fi
 done < "$S/sizes"
-@GIT@ add -A --pathspec-from-file="$S/spec" --pathspec-file-nul || fail add
+# A file this user cannot read (the agent's mode 0600) is left out, not the whole
+# submission: --ignore-errors adds the rest and exits 1.
+@GIT@ add -A --ignore-errors --pathspec-from-file="$S/spec" --pathspec-file-nul
+[ $? -le 1 ] || fail add
 # Binary changes (numstat shows "-<tab>-<tab>" for them): reset to the base.
 @GIT@ diff --cached --numstat -z --no-renames @BASE@ -- > "$S/numstat" || fail numstat
 : > "$S/binary"
@@ -801,13 +816,15 @@ impl DockerSandbox {
                 &self.workdir,
             ];
             let workdir = self.workdir.clone();
-            self.exec_stdin(&cmd, file, COPY_LIMIT).await.map_err(|e| {
-                DockerError::Shell(format!(
-                    "copying the image's {workdir} ({size} bytes as tar) into the container's \
+            self.exec_stdin(&self.user, &cmd, file, COPY_LIMIT)
+                .await
+                .map_err(|e| {
+                    DockerError::Shell(format!(
+                        "copying the image's {workdir} ({size} bytes as tar) into the container's \
                      tmpfs failed (too large for disk_bytes, or for memory_bytes, which the \
                      tmpfs is charged to? a writable root avoids the copy): {e}"
-                ))
-            })?;
+                    ))
+                })?;
         }
         self.install_tools(self.owner.0, self.owner.1).await?;
         self.start_shell().await
@@ -964,14 +981,20 @@ impl DockerSandbox {
     /// engine's archive upload refuses a read-only root, and writes beside a tmpfs, not
     /// into it).
     async fn upload(&self, path: &str, tar: Vec<u8>) -> Result<(), DockerError> {
+        self.upload_as(&self.user, path, tar).await
+    }
+
+    /// `upload` by `user` (who must be able to write `path`).
+    async fn upload_as(&self, user: &str, path: &str, tar: Vec<u8>) -> Result<(), DockerError> {
         let cmd = ["tar", "-x", "--no-same-owner", "-f", "-", "-C", path];
-        self.exec_stdin(&cmd, &tar[..], COPY_LIMIT).await
+        self.exec_stdin(user, &cmd, &tar[..], COPY_LIMIT).await
     }
 
     /// Runs `cmd` as its own exec with `input` on its stdin (closed at its end); an error
     /// with the start of its output if it fails.
     async fn exec_stdin<R>(
         &self,
+        user: &str,
         cmd: &[&str],
         mut input: R,
         limit: Duration,
@@ -990,7 +1013,7 @@ impl DockerSandbox {
                     attach_stderr: Some(true),
                     cmd: Some(cmd.iter().map(|s| s.to_string()).collect()),
                     working_dir: Some("/".into()),
-                    user: Some(self.user.clone()),
+                    user: Some(user.to_string()),
                     env: Some(vec!["HOME=/tmp/.tutor".into(), "LC_ALL=C.UTF-8".into()]),
                     ..Default::default()
                 },
@@ -1076,16 +1099,32 @@ impl DockerSandbox {
     /// Writes `content` to `/tmp/.tutor/NAME` (outside the repository) and returns the
     /// path.
     pub async fn write_scratch(&self, name: &str, content: &[u8]) -> Result<String, DockerError> {
+        let (uid, gid) = parse_user(&self.user);
+        self.upload_file("/tmp/.tutor", name, content, (uid, gid), 0o644)
+            .await
+    }
+
+    /// Writes `content` to `BOOK_HOME/NAME`, the bookkeeping user's (mode 0600): what the
+    /// agent must not read or replace (the oracle's patch). Returns the path.
+    async fn write_book_file(&self, name: &str, content: &[u8]) -> Result<String, DockerError> {
+        let owner = parse_user(&book_user(&self.user));
+        self.upload_file(BOOK_HOME, name, content, owner, 0o600)
+            .await
+    }
+
+    async fn upload_file(
+        &self,
+        dir: &str,
+        name: &str,
+        content: &[u8],
+        (uid, gid): (u64, u64),
+        mode: u32,
+    ) -> Result<String, DockerError> {
         let mut builder = tar::Builder::new(Vec::new());
         let mut h = tar::Header::new_gnu();
         h.set_size(content.len() as u64);
-        h.set_mode(0o644);
+        h.set_mode(mode);
         h.set_mtime(0);
-        let (uid, gid) = self
-            .user
-            .split_once(':')
-            .and_then(|(u, g)| Some((u.parse::<u64>().ok()?, g.parse::<u64>().ok()?)))
-            .unwrap_or((0, 0));
         h.set_uid(uid);
         h.set_gid(gid);
         h.set_entry_type(tar::EntryType::Regular);
@@ -1095,8 +1134,8 @@ impl DockerSandbox {
         let tar = builder
             .into_inner()
             .map_err(|e| DockerError::Shell(format!("packing {name}: {e}")))?;
-        self.upload("/tmp/.tutor", tar).await?;
-        Ok(format!("/tmp/.tutor/{name}"))
+        self.upload_as(&format!("{uid}:{gid}"), dir, tar).await?;
+        Ok(format!("{dir}/{name}"))
     }
 
     async fn start_shell(&mut self) -> Result<(), DockerError> {
@@ -1333,8 +1372,12 @@ impl DockerSandbox {
         limit: Duration,
     ) -> Result<(i64, Vec<u8>), DockerError> {
         let home = format!("HOME={BOOK_HOME}");
+        // The system's directories only: one the agent can write (a venv in the
+        // repository, an image's user-owned conda) could hold its own `git` or `bash`.
+        let path = format!("PATH={}", crate::sandbox::confine::SYSTEM_PATH);
         let env = [
             home.as_str(),
+            path.as_str(),
             "GIT_CONFIG_NOSYSTEM=1",
             "GIT_CONFIG_GLOBAL=/dev/null",
             "LC_ALL=C.UTF-8",
@@ -1428,19 +1471,35 @@ impl DockerSandbox {
     /// A git command in the repository through [`Self::exec_capture`]; `index` names a private
     /// index file (so the agent's staging area is untouched).
     async fn git(&self, args: &[&str], index: Option<&str>) -> Option<Vec<u8>> {
-        self.git_in(&book_git(&self.workdir), args, index).await
+        self.git_in(true, args, index).await
     }
 
-    /// As [`Self::git`] with `git` the command line to run git with: the bookkeeping one
-    /// (run by [`book_user`]), or plain `git` for reading the agent's own HEAD (run by the
-    /// agent's user: `rev-parse` runs no hook, filter or fsmonitor).
-    async fn git_in(&self, git: &str, args: &[&str], index: Option<&str>) -> Option<Vec<u8>> {
-        let bookkeeping = git != "git";
+    /// As [`Self::git`], or (`bookkeeping` false) plain `git` for reading the agent's own
+    /// HEAD, run by the agent's user (`rev-parse` runs no hook, filter or fsmonitor).
+    async fn git_in(
+        &self,
+        bookkeeping: bool,
+        args: &[&str],
+        index: Option<&str>,
+    ) -> Option<Vec<u8>> {
+        let git = match bookkeeping {
+            true => book_git(&self.workdir),
+            // Bounded too: a FIFO the agent put at .git/HEAD would hold the exec.
+            false => "timeout -k 5 30 git".to_string(),
+        };
         let mut script = format!("cd {} && ", self.workdir);
         if let Some(i) = index {
-            script.push_str(&format!("export GIT_INDEX_FILE={BOOK_HOME}/{i} && rm -f \"$GIT_INDEX_FILE\" && {git} read-tree {} && {git} add -A && ", self.base));
+            // As the submission's script: the base's submodules not looked into, files
+            // this user cannot read left out.
+            script.push_str(&format!(
+                "export GIT_INDEX_FILE={BOOK_HOME}/{i} && rm -f \"$GIT_INDEX_FILE\" && {git} read-tree {} \
+                 && {{ {git} ls-files -s -z | while IFS= read -r -d '' l; do case $l in 160000' '*) \
+                 printf '%s\\0' \"${{l#*$'\\t'}}\";; esac; done | {git} update-index -z --skip-worktree --stdin; }} \
+                 && {{ {git} add -A --ignore-errors 2>/dev/null; [ $? -le 1 ]; }} && ",
+                self.base
+            ));
         }
-        script.push_str(git);
+        script.push_str(&git);
         script.push_str(" -c core.quotepath=off");
         for a in args {
             script.push(' ');
@@ -1531,7 +1590,7 @@ impl DockerSandbox {
 
     /// Current HEAD (differs from the base if the agent committed).
     pub async fn head(&self) -> Option<String> {
-        self.git_in("git", &["rev-parse", "-q", "--verify", "HEAD"], None)
+        self.git_in(false, &["rev-parse", "-q", "--verify", "HEAD"], None)
             .await
             .map(|b| String::from_utf8_lossy(&b).trim().to_string())
     }
@@ -1579,13 +1638,15 @@ impl DockerSandbox {
         if !body.ends_with('\n') {
             body.push('\n');
         }
+        // In the bookkeeping user's home: the agent can neither read the oracle's patch
+        // (the answer) nor swap it before git reads it. Removed once applied.
         let path = self
-            .write_scratch("oracle.patch", body.as_bytes())
+            .write_book_file("oracle.patch", body.as_bytes())
             .await
             .map_err(|e| SandboxError::Backend(Box::new(e)))?;
         let script = format!(
             "cd {repo} && export GIT_INDEX_FILE={BOOK_HOME}/apply-index && rm -f \"$GIT_INDEX_FILE\" \
-             && {git} read-tree {} && {git} apply --cached {path} 2>&1",
+             && {git} read-tree {} && {git} apply --cached {path} 2>&1; rc=$?; rm -f {path}; exit $rc",
             self.base,
             repo = self.workdir,
             git = book_git(&self.workdir)
