@@ -1207,8 +1207,7 @@ async fn an_image_that_ships_its_repository_keeps_it_on_a_read_only_root() {
         &image,
         "git init -q && git config user.email a@b && git config user.name a \
          && printf 'def f():\\n    return 1\\n' > mod.py && mkdir -p bin && printf '#!/bin/sh\\necho ran\\n' > bin/run \
-         && chmod +x bin/run && git add -A && git commit -qm shipped"
-,
+         && chmod +x bin/run && git add -A && git commit -qm shipped",
     )
     .await;
 
