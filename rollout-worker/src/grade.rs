@@ -748,8 +748,16 @@ fn run_steps(
     // sees them (renames, quoted paths and deletions included), go back to the base.
     if strict {
         let gold = task.gold_files();
-        reset = sb
-            .changed_files()
+        let Some(changed) = sb.try_changed_files() else {
+            // Read as "nothing changed", the protected files would not be reset.
+            let reason = "strict grading: the files the submission changed could not be \
+                          listed (git failed in the grading sandbox), so the protected ones \
+                          could not be reset"
+                .to_string();
+            log.push_str(&format!(">>> {reason}\n"));
+            return fail(OutcomeStatus::SandboxError, log, reason, &reset);
+        };
+        reset = changed
             .into_iter()
             .filter(|f| is_protected(f) && !gold.contains(f))
             .collect();
@@ -999,6 +1007,41 @@ pub(crate) mod tests_support {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Strict grading resets the protected files the submission changed; when the
+    /// grading sandbox's git cannot list them, that is a sandbox error, not "nothing
+    /// changed" (which would leave a conftest.py the submission planted in place).
+    #[test]
+    fn strict_grading_whose_changed_files_cannot_be_listed_is_a_sandbox_error() {
+        tests_support::init_python();
+        let task = crate::toy::generate(1, 11).remove(0);
+        let result = grade_with(
+            &task,
+            &task.patch,
+            Duration::from_secs(120),
+            GradingMode::Strict,
+            || {
+                let sb = LocalSandbox::create(&task, None).map_err(|e| e.to_string())?;
+                std::fs::remove_dir_all(sb.bookkeeping_dir()).map_err(|e| e.to_string())?;
+                Ok(Box::new(sb) as Box<dyn Sandbox>)
+            },
+        );
+        assert_eq!(result.status, OutcomeStatus::SandboxError, "{}", result.log);
+        assert!(
+            result.reason.contains("could not be listed"),
+            "{}",
+            result.reason
+        );
+        // With its git whole, the same submission is graded.
+        let whole = grade_in(
+            &task,
+            &task.patch,
+            Duration::from_secs(120),
+            None,
+            GradingMode::Strict,
+        );
+        assert_eq!(whole.status, OutcomeStatus::Resolved, "{}", whole.log);
+    }
 
     #[test]
     fn the_report_plugin_goes_right_after_pytest() {

@@ -1561,6 +1561,11 @@ impl DockerSandbox {
 
     /// Paths changed relative to the base commit.
     pub async fn changed_files(&self) -> Vec<String> {
+        self.try_changed_files().await.unwrap_or_default()
+    }
+
+    /// [`Self::changed_files`]; `None` if git failed.
+    pub async fn try_changed_files(&self) -> Option<Vec<String>> {
         self.git(
             &[
                 "diff",
@@ -1580,7 +1585,6 @@ impl DockerSandbox {
                 .map(|s| String::from_utf8_lossy(s).into_owned())
                 .collect()
         })
-        .unwrap_or_default()
     }
 
     /// Hash of the base commit.
@@ -1781,8 +1785,8 @@ impl Sandbox for BlockingDocker {
     fn submission(&self) -> Submission {
         self.rt.block_on(self.sb().submission())
     }
-    fn changed_files(&self) -> Vec<String> {
-        self.rt.block_on(self.sb().changed_files())
+    fn try_changed_files(&self) -> Option<Vec<String>> {
+        self.rt.block_on(self.sb().try_changed_files())
     }
     fn apply_to_base(&self, patch: &str) -> Result<BTreeMap<String, Option<String>>, SandboxError> {
         self.rt.block_on(self.sb().apply_to_base(patch))

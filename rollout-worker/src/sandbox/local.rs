@@ -525,7 +525,8 @@ impl LocalSandbox {
         write("info/exclude", SUBMISSION_EXCLUDE.to_string())
     }
 
-    fn bookkeeping_dir(&self) -> PathBuf {
+    /// The bookkeeping git directory (tests break it to make the sandbox's git fail).
+    pub(crate) fn bookkeeping_dir(&self) -> PathBuf {
         self.book.join("bookkeeping.git")
     }
 
@@ -808,14 +809,18 @@ impl LocalSandbox {
 
     /// Paths changed relative to the base commit (added, modified or deleted).
     pub fn changed_files(&self) -> Vec<String> {
-        match self.diff_cached(&["--name-only", "-z", "--no-renames"]) {
-            Some(b) => b
-                .split(|&c| c == 0)
+        self.try_changed_files().unwrap_or_default()
+    }
+
+    /// [`Self::changed_files`]; `None` if git failed.
+    pub fn try_changed_files(&self) -> Option<Vec<String>> {
+        let b = self.diff_cached(&["--name-only", "-z", "--no-renames"])?;
+        Some(
+            b.split(|&c| c == 0)
                 .filter(|s| !s.is_empty())
                 .map(|s| String::from_utf8_lossy(s).into_owned())
                 .collect(),
-            None => Vec::new(),
-        }
+        )
     }
 
     fn diff_cached(&self, extra: &[&str]) -> Option<Vec<u8>> {
@@ -1206,8 +1211,8 @@ impl Sandbox for LocalSandbox {
     fn submission(&self) -> Submission {
         LocalSandbox::submission(self)
     }
-    fn changed_files(&self) -> Vec<String> {
-        LocalSandbox::changed_files(self)
+    fn try_changed_files(&self) -> Option<Vec<String>> {
+        LocalSandbox::try_changed_files(self)
     }
     fn apply_to_base(&self, patch: &str) -> Result<BTreeMap<String, Option<String>>, SandboxError> {
         LocalSandbox::apply_to_base(self, patch)

@@ -69,8 +69,14 @@ pub trait Sandbox: Send {
     fn diff(&self) -> String {
         self.submission().patch
     }
-    /// Paths changed against the base commit.
-    fn changed_files(&self) -> Vec<String>;
+    /// Paths changed against the base commit; `None` if they could not be listed (git
+    /// failed).
+    fn try_changed_files(&self) -> Option<Vec<String>>;
+    /// [`Self::try_changed_files`], empty where they could not be listed: for callers
+    /// to whom a failure means no change (the teachers); grading must not read it so.
+    fn changed_files(&self) -> Vec<String> {
+        self.try_changed_files().unwrap_or_default()
+    }
     /// Contents of the files `patch` touches once applied to the base commit.
     fn apply_to_base(&self, patch: &str) -> Result<BTreeMap<String, Option<String>>, SandboxError>;
     /// Writes a file outside the repository; returns its path, shell-quoted.
