@@ -1113,6 +1113,32 @@ async fn commit_image(d: &bollard::Docker, image: &str, script: &str) {
     d.remove_container(&c.id, Some(rm)).await.unwrap();
 }
 
+/// A sandbox of `image`, whose task names no files (the image ships its repository).
+async fn image_sandbox(
+    d: &bollard::Docker,
+    run: &str,
+    image: &str,
+    instance_id: &str,
+) -> Result<DockerSandbox, String> {
+    let mut s = spec(run, "e1");
+    s.image = image.to_string();
+    let no_files = tutor_rollout_worker::tasks::TaskRecord {
+        instance_id: instance_id.into(),
+        ..Default::default()
+    };
+    DockerSandbox::create(d, &s, &no_files)
+        .await
+        .map_err(|e| format!("creating the sandbox: {e}"))
+}
+
+/// Removes `image` whatever the test's `result`, then fails with it, and checks that no
+/// container of `run` is left.
+async fn end_image_test(d: &bollard::Docker, run: &str, image: &str, result: Result<(), String>) {
+    remove_image(d, image).await;
+    result.unwrap();
+    assert_eq!(containers_of(d, run).await, 0);
+}
+
 async fn remove_image(d: &bollard::Docker, image: &str) {
     let _ = d
         .remove_image(
@@ -1147,15 +1173,9 @@ async fn a_submodule_of_the_base_runs_nothing_the_agent_configured() {
          && echo 'x = 1' > mod.py && git add -A 2>/dev/null && git commit -qm shipped",
     )
     .await;
-    let mut s = spec(&run, "e1");
-    s.image = image.clone();
-    let no_files = tutor_rollout_worker::tasks::TaskRecord {
-        instance_id: "submodule".into(),
-        ..Default::default()
-    };
-    let created = DockerSandbox::create(&d, &s, &no_files).await;
+    let created = image_sandbox(&d, &run, &image, "submodule").await;
     let result = async {
-        let mut sb = created.map_err(|e| format!("creating the sandbox: {e}"))?;
+        let mut sb = created?;
         let t = Duration::from_secs(30);
         let setup = sb
             .run(
@@ -1187,9 +1207,7 @@ async fn a_submodule_of_the_base_runs_nothing_the_agent_configured() {
         Ok(())
     }
     .await;
-    remove_image(&d, &image).await;
-    result.unwrap();
-    assert_eq!(containers_of(&d, &run).await, 0);
+    end_image_test(&d, &run, &image, result).await;
 }
 
 /// An image that ships its repository in /testbed (as SWE-bench images do) keeps it on
@@ -1211,15 +1229,9 @@ async fn an_image_that_ships_its_repository_keeps_it_on_a_read_only_root() {
     )
     .await;
 
-    let mut s = spec(&run, "e1");
-    s.image = image.clone();
-    let no_files = tutor_rollout_worker::tasks::TaskRecord {
-        instance_id: "shipped".into(),
-        ..Default::default()
-    };
-    let created = DockerSandbox::create(&d, &s, &no_files).await;
+    let created = image_sandbox(&d, &run, &image, "shipped").await;
     let result = async {
-        let mut sb = created.map_err(|e| format!("creating the sandbox: {e}"))?;
+        let mut sb = created?;
         let t = Duration::from_secs(30);
         let out = sb
             .run(
@@ -1244,9 +1256,7 @@ async fn an_image_that_ships_its_repository_keeps_it_on_a_read_only_root() {
         Ok(())
     }
     .await;
-    remove_image(&d, &image).await;
-    result.unwrap();
-    assert_eq!(containers_of(&d, &run).await, 0);
+    end_image_test(&d, &run, &image, result).await;
 }
 
 /// `read_only_root = false` (an image that must write elsewhere): the root is writable

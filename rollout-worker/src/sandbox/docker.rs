@@ -120,7 +120,7 @@ pub fn image_user(image: &str, image_user: Option<&str>) -> Result<(u32, u32), D
 
 /// Where the tools (crate::tools) are installed inside the container.
 const TOOLS_DIR: &str = "/tmp/.tutor/bin";
-/// The home of the bookkeeping user ([`book_user`]) in the container, made by that user
+/// The home of the bookkeeping user ([`book_owner`]) in the container, made by that user
 /// (mode 0700) before the agent acts: the agent can neither write nor read what is in
 /// it. `/tmp` is sticky, so the agent cannot remove or rename it either.
 const BOOK_HOME: &str = "/tmp/.tutor-book";
@@ -128,24 +128,29 @@ const BOOK_HOME: &str = "/tmp/.tutor-book";
 /// config only, the repository's objects borrowed through `objects/info/alternates`.
 const BOOK_DIR: &str = "/tmp/.tutor-book/bookkeeping.git";
 
-/// The uid:gid the sandbox's own git reads run as: not the agent's (`agent`, `uid:gid`),
-/// so no config, attributes file or hook the agent writes is one git reads there (the
-/// agent's own work tree is read through its files' modes, as any user may).
-fn book_user(agent: &str) -> String {
-    let agent_uid = agent.split(':').next().unwrap_or_default();
-    let uid = if agent_uid == "65532" { 65531 } else { 65532 };
-    format!("{uid}:{uid}")
+/// The uid and gid the sandbox's own git reads run as: not the agent's (`agent`), so no
+/// config, attributes file or hook the agent writes is one git reads there (the agent's
+/// own work tree is read through its files' modes, as any user may).
+fn book_owner(agent: (u32, u32)) -> (u32, u32) {
+    let uid = if agent.0 == 65532 { 65531 } else { 65532 };
+    (uid, uid)
 }
 
-/// The numeric uid and gid of `user` (`uid:gid`; root where it is not numeric).
-fn parse_user(user: &str) -> (u64, u64) {
-    user.split_once(':')
-        .and_then(|(u, g)| Some((u.parse::<u64>().ok()?, g.parse::<u64>().ok()?)))
-        .unwrap_or((0, 0))
+/// `uid:gid`, as Docker takes a user.
+fn as_user((uid, gid): (u32, u32)) -> String {
+    format!("{uid}:{gid}")
 }
+
+/// Marks the base's submodules skip-worktree in the index being built (`@GIT@`: the
+/// bookkeeping git): `add` would otherwise run `git status` inside each, which reads the
+/// submodule's config, the agent's to write (a clean filter there would run as the
+/// bookkeeping user).
+const SKIP_SUBMODULES: &str = r#"@GIT@ ls-files -s -z | while IFS= read -r -d '' l; do
+  case $l in 160000' '*) printf '%s\0' "${l#*$'\t'}";; esac
+done | @GIT@ update-index -z --skip-worktree --stdin"#;
 
 /// `git` against [`BOOK_DIR`] with the repository `workdir` as its work tree, bounded in
-/// time (an exec cannot be killed from outside). Run by [`book_user`], whose execs have
+/// time (an exec cannot be killed from outside). Run by [`book_owner`], whose execs have
 /// no global or system config either (`GIT_CONFIG_GLOBAL=/dev/null`,
 /// `GIT_CONFIG_NOSYSTEM`); the work tree is another user's, hence `safe.directory`.
 fn book_git(workdir: &str) -> String {
@@ -173,11 +178,8 @@ cd @REPO@ || fail cd
 export GIT_INDEX_FILE=@HOME@/diff-index
 rm -f "$GIT_INDEX_FILE"
 @GIT@ read-tree @BASE@ || fail read-tree
-# Submodules of the base are not looked into: `add` would run `git status` inside each,
-# reading the agent's config there (a clean filter would run as this user).
-@GIT@ ls-files -s -z | while IFS= read -r -d '' l; do
-  case $l in 160000' '*) printf '%s\0' "${l#*$'\t'}";; esac
-done | @GIT@ update-index -z --skip-worktree --stdin || fail skip-submodules
+# Submodules of the base are not looked into (see SKIP_SUBMODULES).
+@SKIP_SUBMODULES@ || fail skip-submodules
 # Untracked files over the cap: named, and excluded from `add`.
 @GIT@ ls-files -o --exclude-standard -z > "$S/untracked" || fail ls-files
 xargs -0 -r stat --printf '%s\t%F\t%n\0' -- < "$S/untracked" > "$S/sizes"
@@ -968,7 +970,7 @@ impl DockerSandbox {
                 return Err(DockerError::Shell(format!(
                     "making the bookkeeping git directory {BOOK_DIR} as user {} failed (exit \
                      {code}): {}",
-                    book_user(&self.user),
+                    as_user(book_owner(self.owner)),
                     String::from_utf8_lossy(&out).trim()
                 )))
             }
@@ -1099,16 +1101,14 @@ impl DockerSandbox {
     /// Writes `content` to `/tmp/.tutor/NAME` (outside the repository) and returns the
     /// path.
     pub async fn write_scratch(&self, name: &str, content: &[u8]) -> Result<String, DockerError> {
-        let (uid, gid) = parse_user(&self.user);
-        self.upload_file("/tmp/.tutor", name, content, (uid, gid), 0o644)
+        self.upload_file("/tmp/.tutor", name, content, self.owner, 0o644)
             .await
     }
 
     /// Writes `content` to `BOOK_HOME/NAME`, the bookkeeping user's (mode 0600): what the
     /// agent must not read or replace (the oracle's patch). Returns the path.
     async fn write_book_file(&self, name: &str, content: &[u8]) -> Result<String, DockerError> {
-        let owner = parse_user(&book_user(&self.user));
-        self.upload_file(BOOK_HOME, name, content, owner, 0o600)
+        self.upload_file(BOOK_HOME, name, content, book_owner(self.owner), 0o600)
             .await
     }
 
@@ -1117,7 +1117,7 @@ impl DockerSandbox {
         dir: &str,
         name: &str,
         content: &[u8],
-        (uid, gid): (u64, u64),
+        owner: (u32, u32),
         mode: u32,
     ) -> Result<String, DockerError> {
         let mut builder = tar::Builder::new(Vec::new());
@@ -1125,8 +1125,8 @@ impl DockerSandbox {
         h.set_size(content.len() as u64);
         h.set_mode(mode);
         h.set_mtime(0);
-        h.set_uid(uid);
-        h.set_gid(gid);
+        h.set_uid(owner.0 as u64);
+        h.set_gid(owner.1 as u64);
         h.set_entry_type(tar::EntryType::Regular);
         builder
             .append_data(&mut h, name, content)
@@ -1134,7 +1134,7 @@ impl DockerSandbox {
         let tar = builder
             .into_inner()
             .map_err(|e| DockerError::Shell(format!("packing {name}: {e}")))?;
-        self.upload_as(&format!("{uid}:{gid}"), dir, tar).await?;
+        self.upload_as(&as_user(owner), dir, tar).await?;
         Ok(format!("{dir}/{name}"))
     }
 
@@ -1364,7 +1364,7 @@ impl DockerSandbox {
         self.exec_capture_as(&self.user, &env, cmd, limit).await
     }
 
-    /// [`Self::exec_capture`] run by the bookkeeping user ([`book_user`]), at home in
+    /// [`Self::exec_capture`] run by the bookkeeping user ([`book_owner`]), at home in
     /// [`BOOK_HOME`], with no global or system git config.
     async fn book_exec(
         &self,
@@ -1382,7 +1382,7 @@ impl DockerSandbox {
             "GIT_CONFIG_GLOBAL=/dev/null",
             "LC_ALL=C.UTF-8",
         ];
-        self.exec_capture_as(&book_user(&self.user), &env, cmd, limit)
+        self.exec_capture_as(&as_user(book_owner(self.owner)), &env, cmd, limit)
             .await
     }
 
@@ -1493,10 +1493,9 @@ impl DockerSandbox {
             // this user cannot read left out.
             script.push_str(&format!(
                 "export GIT_INDEX_FILE={BOOK_HOME}/{i} && rm -f \"$GIT_INDEX_FILE\" && {git} read-tree {} \
-                 && {{ {git} ls-files -s -z | while IFS= read -r -d '' l; do case $l in 160000' '*) \
-                 printf '%s\\0' \"${{l#*$'\\t'}}\";; esac; done | {git} update-index -z --skip-worktree --stdin; }} \
-                 && {{ {git} add -A --ignore-errors 2>/dev/null; [ $? -le 1 ]; }} && ",
-                self.base
+                 && {{ {} ; }} && {{ {git} add -A --ignore-errors 2>/dev/null; [ $? -le 1 ]; }} && ",
+                self.base,
+                SKIP_SUBMODULES.replace("@GIT@", &git)
             ));
         }
         script.push_str(&git);
@@ -1529,6 +1528,7 @@ impl DockerSandbox {
     /// (through `head -c`, inside the container). An empty patch if git fails (logged).
     pub async fn submission(&self) -> Submission {
         let script = SUBMISSION_SCRIPT
+            .replace("@SKIP_SUBMODULES@", SKIP_SUBMODULES)
             .replace("@GIT@", &book_git(&self.workdir))
             .replace("@REPO@", &self.workdir)
             .replace("@HOME@", BOOK_HOME)

@@ -181,9 +181,19 @@ fn memfd_bytes(pid: libc::pid_t, seen: &mut std::collections::HashSet<(u64, u64)
 /// The parent pid of `pid` (field 4 of /proc/PID/stat, after the command name, which is
 /// in parentheses and may contain anything).
 fn parent_of(pid: libc::pid_t) -> Option<libc::pid_t> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
+    stat_after_name(Path::new(&format!("/proc/{pid}")))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// `proc_dir/stat` from after the command name (which is in parentheses and may contain
+/// anything): the state first, then the parent pid, ….
+fn stat_after_name(proc_dir: &Path) -> Option<String> {
+    let mut stat = std::fs::read_to_string(proc_dir.join("stat")).ok()?;
+    let name_end = stat.rfind(')')?;
+    Some(stat.split_off(name_end + 1))
 }
 
 /// Bytes of memory `pid` holds for the ceiling: its PSS of anonymous and shared memory
@@ -579,11 +589,7 @@ fn kill_tagged_once(tag: &str) -> (usize, Vec<u32>) {
 /// (kernel threads and zombies have an empty environment for good).
 fn live_user_process(proc_dir: &Path) -> bool {
     const PF_KTHREAD: u64 = 0x0020_0000;
-    let Ok(stat) = std::fs::read_to_string(proc_dir.join("stat")) else {
-        return false;
-    };
-    // Fields after the command name, which is in parentheses and may contain anything.
-    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+    let Some(rest) = stat_after_name(proc_dir) else {
         return false;
     };
     let fields: Vec<&str> = rest.split_whitespace().collect();
