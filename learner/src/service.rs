@@ -148,6 +148,55 @@ pub fn read_train_log(out_dir: &Path) -> Result<BTreeMap<(u32, u32), TrainLogEnt
     Ok(out)
 }
 
+/// Appends `line` and its newline to the log at `path` in one write, synced. A tail
+/// without its newline (a learner killed in the middle of an earlier append, or a log
+/// written before appends were one write) is cut first: the step it logged is not in the
+/// checkpoint, so it is trained and logged again, and the log stays one entry per line.
+fn append_log_line(path: &Path, line: &str) -> Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .read(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    let len = f.metadata()?.len();
+    if len > 0 {
+        let mut last = [0u8];
+        f.seek(SeekFrom::Start(len - 1))?;
+        f.read_exact(&mut last)?;
+        if last[0] != b'\n' {
+            // Where the last whole line ends (0: none is whole).
+            let mut keep = 0u64;
+            let mut at = len;
+            let mut buf = vec![0u8; 64 * 1024];
+            'scan: while at > 0 {
+                let n = (at as usize).min(buf.len());
+                at -= n as u64;
+                f.seek(SeekFrom::Start(at))?;
+                f.read_exact(&mut buf[..n])?;
+                if let Some(i) = buf[..n].iter().rposition(|&b| b == b'\n') {
+                    keep = at + i as u64 + 1;
+                    break 'scan;
+                }
+            }
+            tracing::warn!(
+                path = %path.display(),
+                torn_bytes = len - keep,
+                "the train log ends in a torn line (the learner was killed while it wrote); cutting it"
+            );
+            f.set_len(keep)
+                .with_context(|| format!("cutting the torn line of {}", path.display()))?;
+        }
+    }
+    let mut bytes = Vec::with_capacity(line.len() + 1);
+    bytes.extend_from_slice(line.as_bytes());
+    bytes.push(b'\n');
+    f.write_all(&bytes)
+        .and_then(|_| f.sync_data())
+        .with_context(|| format!("writing {}", path.display()))
+}
+
 struct StepRequest {
     run_id: String,
     iteration: u32,
@@ -777,15 +826,10 @@ impl TrainerHost {
             batch_sha256: r.examples.digest(),
             skipped: report.skipped.map(|why| why.to_string()),
         };
-        let path = self.out_dir.join(TRAIN_LOG);
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .with_context(|| format!("opening {}", path.display()))?;
-        writeln!(f, "{}", serde_json::to_string(&entry)?)
-            .and_then(|_| f.sync_data())
-            .with_context(|| format!("writing {}", path.display()))
+        append_log_line(
+            &self.out_dir.join(TRAIN_LOG),
+            &serde_json::to_string(&entry)?,
+        )
     }
 
     /// A full training checkpoint (model in Hugging Face layout, optimizer state,

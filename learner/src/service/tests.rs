@@ -430,3 +430,54 @@ fn a_long_panic_message_is_cut_for_statuses() {
         cut.len()
     );
 }
+
+/// A learner killed in the middle of an append leaves a line without its newline; the
+/// next append (the step trained again after the restart) cuts it, so the log reads as
+/// one entry per line instead of two entries run together.
+#[test]
+fn an_append_after_a_torn_line_cuts_it_and_the_log_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(TRAIN_LOG);
+    let entry = |step: u32| TrainLogEntry {
+        iteration: 0,
+        step,
+        optimizer_steps: u64::from(step) + 1,
+        examples: 2,
+        label_tokens: 8,
+        loss: 1.5,
+        episodes: vec!["it000-task-0".into()],
+        published_version: 0,
+        batch_sha256: format!("{step:064}"),
+        skipped: None,
+    };
+    let json = |step| serde_json::to_string(&entry(step)).unwrap();
+    append_log_line(&path, &json(0)).unwrap();
+    // Killed after part of step 1's line.
+    let torn = json(1);
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&path)
+        .unwrap();
+    f.write_all(&torn.as_bytes()[..torn.len() / 2]).unwrap();
+    drop(f);
+    assert!(
+        read_train_log(dir.path()).is_err(),
+        "the torn line is unreadable"
+    );
+    // Restarted: step 1 is trained and logged again, then step 2.
+    append_log_line(&path, &json(1)).unwrap();
+    append_log_line(&path, &json(2)).unwrap();
+    let log = read_train_log(dir.path()).unwrap();
+    assert_eq!(
+        log.keys().copied().collect::<Vec<_>>(),
+        [(0, 0), (0, 1), (0, 2)]
+    );
+    assert_eq!(log[&(0, 1)], entry(1));
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert_eq!(text.lines().count(), 3, "{text}");
+    // A whole file with no newline at all (one torn line) is cut to nothing.
+    let lone = dir.path().join("lone.jsonl");
+    std::fs::write(&lone, &torn.as_bytes()[..10]).unwrap();
+    append_log_line(&lone, &json(0)).unwrap();
+    assert_eq!(std::fs::read_to_string(&lone).unwrap(), json(0) + "\n");
+}
