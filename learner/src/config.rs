@@ -89,6 +89,14 @@ pub struct LearnerConfig {
     /// and after a step only rank 0 keeps the gathered weights, in host memory (it
     /// publishes them).
     pub shard: Shard,
+    /// With `shard = "optimizer"` or `"gradients"`, the most MiB of parameters one
+    /// collective call exchanges: a step's gradients are reduce-scattered, and the updated
+    /// parameters all-gathered, bucket by bucket (consecutive whole parameters; one larger
+    /// than a bucket, such as a large vocabulary's embedding, is a bucket alone), so a
+    /// rank holds one bucket's fp32 buffer at a time instead of a flat copy of the whole
+    /// model (4 bytes per parameter). `"full"` exchanges one layer at a time whatever
+    /// this says. Every rank of a group uses rank 0's value.
+    pub bucket_mb: f64,
     /// Memory of each rank's GPU in GiB (80 for an H100, 141 for an H200): `tutor plan`
     /// says whether the run fits, and a learner on a GPU refuses to start a run whose plan
     /// does not fit (`learner::plan`). 0: unknown (no check).
@@ -198,6 +206,7 @@ impl Default for LearnerConfig {
             context_loss_weight: 0.0,
             pack_row_tokens: 4096,
             logits_budget_mb: 1024,
+            bucket_mb: 64.0,
             checkpoint_activations: false,
             shard: Shard::None,
             gpu_memory_gib: 0.0,
@@ -248,6 +257,12 @@ impl LearnerConfig {
         }
     }
 
+    /// `bucket_mb` as f32 elements (at least one): the most one exchange of a sharded
+    /// step moves in one collective call (`shard = "optimizer"` and `"gradients"`).
+    pub fn bucket_elements(&self) -> i64 {
+        ((self.bucket_mb * (1u64 << 20) as f64 / 4.0) as i64).max(1)
+    }
+
     /// Checks `[learner]`: the device, the schedule (a cosine needs `total_steps >
     /// warmup_steps`, `min_lr_ratio` in [0, 1]), DAPO's clip range, the group settings.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -287,6 +302,11 @@ impl LearnerConfig {
         }
         if self.shard == Shard::Full && !self.checkpoint_activations {
             return Err(ConfigError::FullShard);
+        }
+        if !(self.bucket_mb.is_finite() && self.bucket_mb > 0.0) {
+            return Err(ConfigError::BucketMb {
+                got: self.bucket_mb,
+            });
         }
         if !(self.gpu_memory_gib.is_finite() && self.gpu_memory_gib >= 0.0) {
             return Err(ConfigError::GpuMemory {
@@ -329,6 +349,8 @@ pub enum ConfigError {
          it"
     )]
     FullShard,
+    #[error("learner.bucket_mb must be a number of MiB above 0, got {got}")]
+    BucketMb { got: f64 },
     #[error("learner.gpu_memory_gib must be a number of GiB, 0 or more (0: unknown), got {got}")]
     GpuMemory { got: f64 },
 }
@@ -443,5 +465,24 @@ mod tests {
             serde_json::from_str(r#"{"shard": "full", "checkpoint_activations": true}"#).unwrap();
         c.validate().unwrap();
         assert!(serde_json::from_str::<LearnerConfig>(r#"{"shard": "zero2"}"#).is_err());
+    }
+
+    #[test]
+    fn bucket_mb_is_validated_and_counted_in_f32_elements() {
+        let c = LearnerConfig::default();
+        assert_eq!(c.bucket_elements(), 16 << 20, "64 MiB of f32");
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let c = LearnerConfig {
+                bucket_mb: bad,
+                ..LearnerConfig::default()
+            };
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("learner.bucket_mb"), "{e}");
+        }
+        let tiny = LearnerConfig {
+            bucket_mb: 1e-9,
+            ..LearnerConfig::default()
+        };
+        assert_eq!(tiny.bucket_elements(), 1, "at least one element");
     }
 }

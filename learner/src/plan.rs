@@ -65,6 +65,8 @@ pub struct PlanInput {
     pub gpu_memory: Option<u64>,
     /// `[learner] shard`: the mode the run trains with (every mode is planned).
     pub shard: Shard,
+    /// `[learner] bucket_mb`: what one exchange of `"optimizer"` and `"gradients"` moves.
+    pub bucket_mb: f64,
 }
 
 /// Bytes per rank of one sharding mode.
@@ -81,9 +83,12 @@ pub struct Memory {
     pub grad_sums: f64,
     pub masters: f64,
     pub optimizer: f64,
-    /// `full` only: what a pass holds gathered at once: the embedding/head unit's
-    /// parameters and `.grad`, one layer's parameters and gradients, and the fp32 buffer
-    /// its gradients are reduce-scattered from.
+    /// The buffers of the step's exchanges. `full`: what a pass holds gathered at once
+    /// (the embedding/head unit's parameters and `.grad`, one layer's parameters and
+    /// gradients, and the fp32 buffer its gradients are reduce-scattered from).
+    /// `optimizer` and `gradients`: the fp32 buffer of one bucket (`bucket_mb`, or the
+    /// largest parameter when it is larger), and with `optimizer` the step's reduced
+    /// fp32 gradient slice.
     pub gathered: f64,
     /// The training state: everything above.
     pub state: f64,
@@ -123,9 +128,9 @@ pub struct Plan {
     pub memory: Vec<Memory>,
     /// What rank 0 of a group holds on its GPU while the group forms (`tutor learner`
     /// builds its trainer alone, then leads the group): sharded, the state stays in host
-    /// memory until then (`Trainer::from_model_dir_for_group`), so its GPU gets the fp32
-    /// weights it sends the other ranks, then its slices and the model the mode keeps;
-    /// unsharded, the whole state.
+    /// memory until then (`Trainer::from_model_dir_for_group`), so its GPU gets one
+    /// bucket at a time of the fp32 weights it sends the other ranks, then its slices and
+    /// the model the mode keeps; unsharded, the whole state.
     pub group_start: f64,
     /// Model FLOPs of one pass and of one optimizer step on one rank (forward and
     /// backward; checkpointing adds one more forward, counted in `step_flops_executed`).
@@ -222,6 +227,11 @@ pub fn plan(input: &PlanInput) -> Plan {
     } else {
         0.0
     };
+    // One exchange bucket: consecutive whole parameters, a larger one (the embedding or
+    // the head: vocabulary × hidden) alone.
+    let bucket = (input.bucket_mb * (1u64 << 20) as f64)
+        .max(4.0 * m.vocab_size as f64 * h)
+        .min(4.0 * n);
     let usable = input.gpu_memory.map(|b| b as f64 * USABLE_FRACTION);
     let memory: Vec<Memory> = Shard::ALL
         .iter()
@@ -231,14 +241,21 @@ pub fn plan(input: &PlanInput) -> Plan {
             let (slice_masters, slice_sums) = (4.0 * n / k, 4.0 * n / k);
             let (weights, grads, grad_sums, mast, opt, gathered) = match shard {
                 Shard::None => (w * n, g * n, sums * n, masters * n, moments * n, 0.0),
-                Shard::Optimizer => (w * n, g * n, sums * n, slice_masters, moments * n / k, 0.0),
+                Shard::Optimizer => (
+                    w * n,
+                    g * n,
+                    sums * n,
+                    slice_masters,
+                    moments * n / k,
+                    bucket + 4.0 * n / k,
+                ),
                 Shard::Gradients => (
                     w * n,
                     g * n,
                     slice_sums,
                     slice_masters,
                     moments * n / k,
-                    0.0,
+                    bucket,
                 ),
                 Shard::Full => (
                     0.0,
@@ -323,9 +340,10 @@ pub fn plan(input: &PlanInput) -> Plan {
         step_flops,
         step_flops_executed: step_flops + recompute,
     };
-    // No `.grad` yet; the fp32 weights go out to the other ranks from the device.
+    // No `.grad` yet; the fp32 weights go out to the other ranks one bucket at a time
+    // (staged on the device from host memory).
     let m = plan.configured();
-    plan.group_start = m.state - m.grads + 4.0 * n;
+    plan.group_start = m.state - m.grads + bucket;
     plan
 }
 
@@ -359,6 +377,7 @@ mod tests {
             logits_budget_mb: budget,
             gpu_memory: Some(80 * (1 << 30)),
             shard: Shard::None,
+            bucket_mb: 64.0,
         }
     }
 
@@ -404,10 +423,19 @@ mod tests {
         let n = p.parameters as f64;
         let none = p.mode(Shard::None);
         assert!((none.state - 20.0 * n).abs() < 1.0);
+        // The exchange bucket: the tied embedding (151,936 × 1,024 f32) is larger than
+        // the 64 MiB bucket, so it sets the buffer.
+        let bucket = 4.0 * 151_936.0 * 1024.0;
         let opt = p.mode(Shard::Optimizer);
-        assert!((opt.state - (8.0 * n + 12.0 * n / 8.0)).abs() < 1.0);
+        assert!((opt.gathered - (bucket + 4.0 * n / 8.0)).abs() < 1.0);
+        assert!((opt.state - (8.0 * n + 12.0 * n / 8.0 + opt.gathered)).abs() < 1.0);
         let grads = p.mode(Shard::Gradients);
-        assert!((grads.state - (4.0 * n + 16.0 * n / 8.0)).abs() < 1.0);
+        assert_eq!(grads.gathered, bucket);
+        assert!((grads.state - (4.0 * n + 16.0 * n / 8.0 + bucket)).abs() < 1.0);
+        // A bucket larger than the model is the model.
+        let mut whole = i.clone();
+        whole.bucket_mb = 1e6;
+        assert!((plan(&whole).mode(Shard::Gradients).gathered - 4.0 * n).abs() < 1.0);
         // "full": the slices (16 bytes per parameter over 8 ranks) and the units a pass
         // gathers; rank 0 keeps the bf16 parameters in host memory.
         let full = p.mode(Shard::Full);
@@ -432,8 +460,8 @@ mod tests {
         let f32_plan = plan(&i);
         assert!((f32_plan.mode(Shard::None).state - 16.0 * n).abs() < 1.0);
         let opt = f32_plan.mode(Shard::Optimizer);
-        assert!((opt.state - (8.0 * n + 12.0 * n / 8.0)).abs() < 1.0);
+        assert!((opt.state - (8.0 * n + 12.0 * n / 8.0 + bucket + 4.0 * n / 8.0)).abs() < 1.0);
         let grads = f32_plan.mode(Shard::Gradients);
-        assert!((grads.state - (8.0 * n + 16.0 * n / 8.0)).abs() < 1.0);
+        assert!((grads.state - (8.0 * n + 16.0 * n / 8.0 + bucket)).abs() < 1.0);
     }
 }

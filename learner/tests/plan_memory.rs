@@ -110,6 +110,7 @@ fn the_plan_matches_the_cpu_learners_peak_memory() {
             logits_budget_mb: budget,
             gpu_memory: None,
             shard: Shard::None,
+            bucket_mb: 64.0,
         });
         let m = p.mode(Shard::None);
         // What the first step allocates: everything but the weights.

@@ -5,13 +5,15 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
-use tutor_collective::{CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
+use tutor_collective::{CollectiveError, CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
 use tutor_learner::config::{Precision, Shard};
 use tutor_learner::trainer::{rank_shard, StepError};
 use tutor_learner::{checkpoint, Collective, LearnerConfig, Trainer};
@@ -294,6 +296,145 @@ fn fully_sharded_ranks_hold_a_layer_at_a_time_and_train_the_weights_of_one_rank(
     }
 }
 
+/// A collective that records the largest tensor a rank's reduce-scatters and
+/// all-gathers move in one call (elements of the whole exchange: the reduce-scatter's
+/// input, the all-gather's output), and how many calls it made.
+struct Recording {
+    inner: Box<dyn Collective>,
+    largest: Arc<AtomicI64>,
+    calls: Arc<AtomicI64>,
+    /// Elements of the largest broadcast (all its tensors together).
+    largest_broadcast: Arc<AtomicI64>,
+}
+
+impl Recording {
+    fn record(&self, t: &Tensor) {
+        self.largest.fetch_max(t.numel() as i64, Ordering::Relaxed);
+        self.calls.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl Collective for Recording {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_reduce_sum(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError> {
+        self.inner.all_reduce_sum(tensors)
+    }
+    fn broadcast(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError> {
+        let n: i64 = tensors.iter().map(|t| t.numel() as i64).sum();
+        self.largest_broadcast.fetch_max(n, Ordering::Relaxed);
+        self.inner.broadcast(tensors)
+    }
+    fn broadcast_bytes_max(
+        &mut self,
+        data: &mut Vec<u8>,
+        max: usize,
+    ) -> Result<(), CollectiveError> {
+        self.inner.broadcast_bytes_max(data, max)
+    }
+    fn barrier(&mut self) -> Result<(), CollectiveError> {
+        self.inner.barrier()
+    }
+    fn reduce_scatter_sum(
+        &mut self,
+        input: &Tensor,
+        output: &mut Tensor,
+    ) -> Result<(), CollectiveError> {
+        self.record(input);
+        self.inner.reduce_scatter_sum(input, output)
+    }
+    fn all_gather(&mut self, input: &Tensor, output: &mut Tensor) -> Result<(), CollectiveError> {
+        self.record(output);
+        self.inner.all_gather(input, output)
+    }
+}
+
+/// `[learner] bucket_mb`: with buckets a fifth of this model (`"optimizer"` and
+/// `"gradients"`, f32 and bf16), no reduce-scatter or all-gather of a step moves more
+/// than a bucket, or a parameter larger than one, at once (measured at the collective),
+/// and 3 ranks train the weights they train with the default bucket (64 MiB, larger than
+/// this model: one call moves the whole flat vector, as every call did before buckets),
+/// in f32 those of one rank.
+#[test]
+fn exchanges_move_one_bucket_at_a_time_and_train_the_same_weights() {
+    let batches = batches(2);
+    let mut single = Trainer::new(tiny_policy(3), config(Shard::None, Precision::F32)).unwrap();
+    for b in &batches {
+        single.step(b).unwrap();
+    }
+    let want = params(&single);
+    let sizes: Vec<i64> = single
+        .named_parameters()
+        .map(|(_, p)| p.numel() as i64)
+        .collect();
+    let n: i64 = sizes.iter().sum();
+    let largest_param = *sizes.iter().max().unwrap();
+    let bucket = n / 5;
+    assert!(largest_param < n / 2, "{sizes:?}");
+    let small_mb = bucket as f64 * 4.0 / (1u64 << 20) as f64;
+    // Each rank's parameters, largest exchange (elements) and exchange calls.
+    let run = |mode, precision, bucket_mb| {
+        let cfg = LearnerConfig {
+            bucket_mb,
+            ..config(mode, precision)
+        };
+        group(3, |rank, c| {
+            let largest = Arc::new(AtomicI64::new(0));
+            let calls = Arc::new(AtomicI64::new(0));
+            let c = Box::new(Recording {
+                inner: c,
+                largest: largest.clone(),
+                calls: calls.clone(),
+                largest_broadcast: Default::default(),
+            });
+            let policy = tiny_policy(3 + rank as i64 * 10);
+            let mut t = Trainer::with_collective(policy, cfg.clone(), c).unwrap();
+            for batch in &batches {
+                let r = t.step(&rank_shard(batch, rank, 3)).unwrap();
+                assert!(r.skipped.is_none());
+            }
+            let largest = largest.load(Ordering::Relaxed);
+            (params(&t), largest, calls.load(Ordering::Relaxed))
+        })
+    };
+    for mode in [Shard::Optimizer, Shard::Gradients] {
+        for precision in [Precision::F32, Precision::Bf16] {
+            let whole = run(mode, precision, 64.0);
+            let bucketed = run(mode, precision, small_mb);
+            for (rank, ((got, largest, calls), (_, before, _))) in
+                bucketed.iter().zip(&whole).enumerate()
+            {
+                println!(
+                    "{mode:?} {precision:?} rank {rank}: largest exchange {largest} elements \
+                     in {calls} calls with {bucket}-element buckets, {before} with one bucket \
+                     ({n} parameters)"
+                );
+                assert!(*before >= n, "one call moved the whole model: {before}");
+                assert!(
+                    *largest <= bucket.max(largest_param) + 2, // padded to a multiple of 3
+                    "{mode:?} {precision:?} rank {rank}: an exchange of {largest} elements, \
+                     buckets of {bucket} (largest parameter {largest_param})"
+                );
+                // A reduce-scatter and an all-gather of each of at least 4 buckets a step.
+                assert!(*calls >= 2 * 4 * batches.len() as i64, "{calls}");
+                assert_eq!(got, &bucketed[0].0, "rank {rank} differs from rank 0");
+            }
+            let (d, limit) = match precision {
+                // Rounding of sums in another order (the clipping norm's, by slice).
+                Precision::F32 => (max_rel_diff(&bucketed[0].0, &want), 1e-5),
+                // One bf16 step (2⁻⁸) of the tensor's scale, as the other bf16 tests.
+                _ => (max_rel_diff(&bucketed[0].0, &whole[0].0), 4e-3),
+            };
+            println!("{mode:?} {precision:?}: max relative diff {d:e}");
+            assert!(d <= limit, "{mode:?} {precision:?}: {d}");
+        }
+    }
+}
+
 fn single_start() -> Trainer {
     Trainer::new(tiny_policy(3), config(Shard::None, Precision::F32)).unwrap()
 }
@@ -408,6 +549,98 @@ fn a_late_rank_gets_its_slice_and_the_group_goes_on_exactly() {
     assert!(bytes.moments * 2 <= alone_bytes.moments + 16, "{bytes:?}");
     let d = max_rel_diff(&theirs, &params(&single));
     assert!(d <= 1e-4, "max relative diff to one rank: {d}");
+}
+
+/// `"full"`: rank 0 trains alone, then leads a group with a bucket a fifth of the
+/// model. The weights go out a bucket at a time (no broadcast of either rank moves more
+/// than a bucket, a larger parameter, or one moment's slice), the late rank keeps no
+/// parameters and no host copy, and the group trains the weights of one rank; with one
+/// bucket the weights went out in one call of the whole model.
+#[test]
+fn a_late_rank_of_a_full_group_receives_the_weights_a_bucket_at_a_time() {
+    let batches = batches(4);
+    let mut single = Trainer::new(tiny_policy(3), config(Shard::None, Precision::F32)).unwrap();
+    for b in &batches {
+        single.step(b).unwrap();
+    }
+    let n: i64 = single
+        .named_parameters()
+        .map(|(_, p)| p.numel() as i64)
+        .sum();
+    let largest_param = single
+        .named_parameters()
+        .map(|(_, p)| p.numel() as i64)
+        .max()
+        .unwrap();
+    let units = unit_elements(&single);
+    let share: i64 = units.iter().map(|&u| u.div_ceil(2) as i64).sum();
+    let bucket = n / 5;
+    assert!(
+        largest_param.max(share) < n * 3 / 5,
+        "{largest_param} {share} {n}"
+    );
+    let recording = |c: Box<dyn Collective>, largest: &Arc<AtomicI64>| {
+        Box::new(Recording {
+            inner: c,
+            largest: Default::default(),
+            calls: Default::default(),
+            largest_broadcast: largest.clone(),
+        })
+    };
+    for bucket_mb in [bucket as f64 * 4.0 / (1u64 << 20) as f64, 64.0] {
+        let cfg = LearnerConfig {
+            checkpoint_activations: true,
+            bucket_mb,
+            ..config(Shard::Full, Precision::F32)
+        };
+        let mut lead = Trainer::new(tiny_policy(3), cfg).unwrap();
+        for b in &batches[..2] {
+            lead.step(b).unwrap();
+        }
+        let rdv = CpuRendezvous::bind("127.0.0.1:0").unwrap();
+        let addr = rdv.local_addr();
+        let theirs = batches[2..].to_vec();
+        let follower = std::thread::spawn(move || {
+            let largest = Arc::new(AtomicI64::new(0));
+            let c = CpuCollective::connect(addr, 1, 2, timeouts()).unwrap();
+            let mut t = Trainer::join_group(recording(Box::new(c), &largest)).unwrap();
+            assert!(t.is_sharded() && t.steps() == 2);
+            let joined = largest.load(Ordering::Relaxed);
+            for b in &theirs {
+                t.step(&rank_shard(b, 1, 2)).unwrap();
+            }
+            (t.state_bytes(), joined)
+        });
+        let largest = Arc::new(AtomicI64::new(0));
+        lead.lead_group(recording(
+            Box::new(rdv.accept(2, timeouts()).unwrap()),
+            &largest,
+        ))
+        .unwrap();
+        let led = largest.load(Ordering::Relaxed);
+        for b in &batches[2..] {
+            lead.step(&rank_shard(b, 0, 2)).unwrap();
+        }
+        let (bytes, joined) = follower.join().unwrap();
+        println!(
+            "bucket {bucket_mb:.4} MiB: largest broadcast {led} (rank 0) and {joined} (rank 1) \
+             elements of {n}; rank 1 {bytes:?}"
+        );
+        if bucket_mb >= 64.0 {
+            assert!(led >= n && joined >= n, "one call of the whole model");
+        } else {
+            let limit = bucket.max(largest_param).max(share);
+            assert!(led <= limit && joined <= limit, "{led} {joined} > {limit}");
+        }
+        assert_eq!(
+            bytes.parameters + bytes.host_parameters,
+            0,
+            "the late rank keeps no parameters between steps, on its device or in host memory"
+        );
+        assert_eq!(bytes.moments, 8 * share as u64);
+        let d = max_rel_diff(&params(&lead), &params(&single));
+        assert!(d <= 1e-4, "max relative diff to one rank: {d}");
+    }
 }
 
 /// A sharded group that breaks leaves rank 0 with a third of the optimizer state: it

@@ -92,6 +92,7 @@ pub fn run_plan(cfg: &RunConfig, model: ModelConfig, gpu_memory_gib: Option<f64>
         logits_budget_mb: l.logits_budget_mb,
         gpu_memory: (gib > 0.0).then_some((gib * (1u64 << 30) as f64) as u64),
         shard: l.shard,
+        bucket_mb: l.bucket_mb,
     }))
 }
 
@@ -129,9 +130,10 @@ pub fn memory_refusal(plan: &Plan) -> Option<String> {
         let usable = gpu as f64 * USABLE_FRACTION;
         if plan.world_size > 1 && plan.group_start > usable {
             return Some(format!(
-                "with shard = \"{}\" rank 0 needs {} on its GPU while its group forms (the \
-                 fp32 weights it sends the other ranks, its slices and the model the mode \
-                 keeps) but {} are usable: use GPUs with more memory or a smaller model",
+                "with shard = \"{}\" rank 0 needs {} on its GPU while its group forms (a \
+                 bucket of the fp32 weights it sends the other ranks, its slices and the model \
+                 the mode keeps) but {} are usable: use GPUs with more memory, a smaller \
+                 [learner] bucket_mb or a smaller model",
                 plan.shard.name(),
                 gib(plan.group_start),
                 gib(usable)
@@ -265,8 +267,8 @@ pub fn render(plan: &Plan, model_source: &str, model: &ModelConfig) -> String {
     );
     if plan.world_size > 1 && plan.shard != Shard::None {
         s += &format!(
-            "rank 0 while its group forms (its solo state waits in host memory; on the GPU the \
-             fp32 weights it sends, then its slices): {}\n",
+            "rank 0 while its group forms (its solo state waits in host memory; on the GPU one \
+             bucket at a time of the fp32 weights it sends, then its slices): {}\n",
             gib(plan.group_start)
         );
     }
@@ -353,7 +355,7 @@ mod tests {
         );
         // With the optimizer state and gradient sums sharded over the 8 GPUs it fits,
         // the group's start included (rank 0 keeps its solo state on the host until the
-        // group forms: 15 GiB of fp32 weights to send and its slices then).
+        // group forms, then one bucket of the fp32 weights it sends and its slices).
         let mut sharded = cfg.clone();
         sharded.learner.shard = Shard::Gradients;
         let p = run_plan(&sharded, model.clone(), Some(80.0)).unwrap();
@@ -365,9 +367,31 @@ mod tests {
             render(&p, &source, &model)
         );
         assert!(render(&p, &source, &model).contains("gradients <"));
-        // On a 24 GB GPU the start alone does not: refused, naming it.
+        // The start holds one bucket of the weights (here the embedding, 151,936 × 2,560
+        // f32: larger than the 64 MiB bucket), not all 15 GiB of them.
+        let embedding = 4.0 * 151_936.0 * 2560.0;
+        let m = p.configured();
+        assert!((p.group_start - (m.state - m.grads + embedding)).abs() < 1.0);
+        // On a 24 GB GPU it does not fit: refused, pointing at "full".
         let p = run_plan(&sharded, model.clone(), Some(24.0)).unwrap();
-        let why = refusal(&sharded, &model, &p).expect("the start does not fit 24 GB");
+        let why = refusal(&sharded, &model, &p).expect("24 GB is too small");
+        assert!(why.contains("shard = \"full\""), "{why}");
+        // A start that does not fit where the steps would is refused, naming it: with
+        // "full" and 8k-token passes the steps need 18 GiB, and a bucket of 15 GiB (the
+        // whole model) on top of the state does not fit.
+        let mut huge_bucket = sharded.clone();
+        huge_bucket.learner.shard = Shard::Full;
+        huge_bucket.coordinator.max_seq_len = 8192;
+        huge_bucket.learner.micro_batch_tokens = 8192;
+        huge_bucket.learner.bucket_mb = 16.0 * 1024.0;
+        let p = run_plan(&huge_bucket, model.clone(), Some(24.0)).unwrap();
+        assert_eq!(
+            p.configured().fits,
+            Some(true),
+            "{}",
+            render(&p, &source, &model)
+        );
+        let why = refusal(&huge_bucket, &model, &p).expect("the start does not fit 24 GB");
         assert!(why.contains("while its group forms"), "{why}");
 
         let mut plain = cfg.clone();

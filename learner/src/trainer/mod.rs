@@ -184,14 +184,14 @@ impl Trainer {
         named.sort_by(|a, b| a.0.cmp(&b.0));
         let (param_names, mut params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
         if collective.world_size() > 1 {
-            collective
-                .broadcast(&mut params)
+            broadcast_in_buckets(&mut *collective, &mut params, config.bucket_elements())
                 .context("broadcasting rank 0's initial weights")?;
         }
         let mixed = config.mixed_precision(target);
         let sharded = (config.shard != Shard::None).then(|| {
             Sharded::new(
                 config.shard,
+                config.bucket_elements(),
                 &param_names,
                 &params,
                 collective.world_size(),
@@ -265,7 +265,10 @@ impl Trainer {
             return;
         };
         if self.is_fully_sharded() {
-            self.keep_weights_on_host();
+            // Rank 0 publishes and checkpoints from its host copy; the others keep none.
+            if self.collective.rank() == 0 {
+                self.keep_weights_on_host();
+            }
             shard::release_all(&mut self.params, Device::Cpu);
         }
         self.policy.var_store_mut().set_device(target);
@@ -419,6 +422,34 @@ fn adamw_config(c: &LearnerConfig) -> AdamWConfig {
         eps: c.eps,
         weight_decay: c.weight_decay,
     }
+}
+
+/// Rank 0's `tensors` broadcast to every rank (in place), in calls of consecutive tensors
+/// of at most `bucket` elements each (a larger tensor alone): a collective that stages
+/// host tensors through its GPU (NCCL) then holds one bucket there, not the whole model.
+/// Every rank must pass tensors of the same shapes and the same `bucket`.
+pub(crate) fn broadcast_in_buckets(
+    collective: &mut dyn Collective,
+    tensors: &mut [Tensor],
+    bucket: i64,
+) -> Result<(), tutor_collective::CollectiveError> {
+    let mut rest = tensors;
+    while !rest.is_empty() {
+        let mut take = 0;
+        let mut filled = 0i64;
+        for t in rest.iter() {
+            let n = t.numel() as i64;
+            if take > 0 && filled + n > bucket {
+                break;
+            }
+            take += 1;
+            filled += n;
+        }
+        let (now, later) = rest.split_at_mut(take);
+        collective.broadcast(now)?;
+        rest = later;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -58,20 +58,38 @@ pub(crate) struct Unit {
 
 impl FlatLayout {
     /// One unit: every parameter, in order.
+    #[cfg(test)]
     pub(crate) fn new(params: &[Tensor], world: usize, rank: usize) -> Self {
         Self::with_units(params, &[(0..params.len()).collect()], world, rank)
     }
 
-    /// The layout a sharding mode uses for parameters named `names` (name order).
+    /// The layout a sharding mode uses for parameters named `names` (name order):
+    /// `"full"` a unit per decoder layer and one for the rest; the other modes units of
+    /// consecutive parameters up to `bucket` elements each (a larger parameter alone), so
+    /// no exchange of a step moves more than a bucket, or that parameter, at once.
     pub(crate) fn for_mode(
         mode: Shard,
+        bucket: i64,
         names: &[String],
         params: &[Tensor],
         world: usize,
         rank: usize,
     ) -> Self {
         if mode != Shard::Full {
-            return Self::new(params, world, rank);
+            let mut units: Vec<Vec<usize>> = Vec::new();
+            let mut filled = 0i64;
+            for (i, p) in params.iter().enumerate() {
+                let n = p.numel() as i64;
+                match units.last_mut() {
+                    Some(last) if filled + n <= bucket => last.push(i),
+                    _ => {
+                        units.push(vec![i]);
+                        filled = 0;
+                    }
+                }
+                filled += n;
+            }
+            return Self::with_units(params, &units, world, rank);
         }
         let mut units: Vec<Vec<usize>> = Vec::new();
         for (i, name) in names.iter().enumerate() {
@@ -158,6 +176,7 @@ impl FlatLayout {
 
     /// The flat vector of `tensors` (shaped like the parameters) in `kind`, padded: one
     /// buffer that each tensor is copied (and cast) into, no intermediate copies.
+    #[cfg(test)]
     pub(crate) fn flatten(&self, tensors: &[Tensor], kind: Kind) -> Tensor {
         let device = tensors.first().map_or(Device::Cpu, Tensor::device);
         let flat = Tensor::zeros([self.padded()], (kind, device));
@@ -167,6 +186,19 @@ impl FlatLayout {
             }
         });
         flat
+    }
+
+    /// Unit `unit` of the flat vector of `tensors` (shaped like the parameters) in
+    /// `kind`, padded: one buffer of the unit's size.
+    pub(crate) fn flatten_unit(&self, unit: &Unit, tensors: &[Tensor], kind: Kind) -> Tensor {
+        let device = tensors.first().map_or(Device::Cpu, Tensor::device);
+        let buffer = Tensor::zeros([unit.padded], (kind, device));
+        tch::no_grad(|| {
+            for (j, mut view) in self.unit_views(unit, &buffer) {
+                view.copy_(&tensors[j]);
+            }
+        });
+        buffer
     }
 
     /// This rank's slice (fp32, a copy) of `tensors` shaped like the parameters, without
@@ -200,15 +232,6 @@ impl FlatLayout {
             return Tensor::zeros([0], (Kind::Float, device));
         }
         Tensor::cat(&parts, 0).copy()
-    }
-
-    /// Copies the flat vector `flat` into `params` (cast to each parameter's kind).
-    pub(crate) fn unflatten_into(&self, flat: &Tensor, params: &mut [Tensor]) {
-        tch::no_grad(|| {
-            for (p, view) in params.iter_mut().zip(self.split(flat)) {
-                p.copy_(&view);
-            }
-        });
     }
 
     /// The flat vector cut back into tensors shaped like the parameters (views of it).
@@ -248,21 +271,23 @@ impl FlatLayout {
         Ok(self.split(&host))
     }
 
-    /// This rank's slice of the sum over the ranks of the flat vectors `flat` (one
-    /// reduce-scatter per unit).
+    /// This rank's slice of the sum over the ranks of a flat vector given unit by unit:
+    /// `unit_input(unit)` is the unit's padded fp32 elements (a view of a flat vector
+    /// held anyway, or a buffer made for the call and freed after it). One reduce-scatter
+    /// per unit.
     pub(crate) fn reduce_scatter(
         &self,
-        flat: &Tensor,
+        device: Device,
+        mut unit_input: impl FnMut(&Unit) -> Tensor,
         collective: &mut dyn Collective,
     ) -> Result<Tensor, CollectiveError> {
-        let mine = Tensor::zeros([self.share], (Kind::Float, flat.device()));
+        let mine = Tensor::zeros([self.share], (Kind::Float, device));
         for unit in &self.units {
             if unit.part == 0 {
                 continue;
             }
-            let mut part = Tensor::zeros([unit.part], (Kind::Float, flat.device()));
-            collective.reduce_scatter_sum(&flat.narrow(0, unit.start, unit.padded), &mut part)?;
-            mine.narrow(0, unit.in_slice, unit.part).copy_(&part);
+            let mut part = mine.narrow(0, unit.in_slice, unit.part);
+            collective.reduce_scatter_sum(&unit_input(unit), &mut part)?;
         }
         Ok(mine)
     }
@@ -304,9 +329,11 @@ pub(crate) struct Sharded {
 
 impl Sharded {
     /// Rank `rank` of `world`'s share of the fp32 weights `weights` (shaped like the
-    /// parameters), on `device`.
+    /// parameters), on `device`; `bucket` as `FlatLayout::for_mode`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         mode: Shard,
+        bucket: i64,
         names: &[String],
         weights: &[Tensor],
         world: usize,
@@ -314,7 +341,7 @@ impl Sharded {
         mixed_precision: bool,
         device: Device,
     ) -> Self {
-        let layout = FlatLayout::for_mode(mode, names, weights, world, rank);
+        let layout = FlatLayout::for_mode(mode, bucket, names, weights, world, rank);
         let slice = tch::no_grad(|| layout.slice_of(weights)).to_device(device);
         let grad_sums = match mode {
             Shard::Gradients | Shard::Full => {
@@ -383,8 +410,13 @@ impl Sharded {
             return Ok(());
         }
         let grads: Vec<Tensor> = params.iter().map(grad_or_zeros).collect();
-        let flat = self.layout.flatten(&grads, Kind::Float);
-        let mine = self.layout.reduce_scatter(&flat, collective)?;
+        let device = self.weights.device();
+        let layout = &self.layout;
+        let mine = layout.reduce_scatter(
+            device,
+            |unit| layout.flatten_unit(unit, &grads, Kind::Float),
+            collective,
+        )?;
         tch::no_grad(|| {
             let sums = self
                 .grad_sums
@@ -415,14 +447,24 @@ impl Sharded {
                 .expect("\"gradients\" and \"full\" keep slice sums")
                 .shallow_clone());
         }
-        let flat = match &self.grad_sums {
-            Some(sums) => sums.shallow_clone(),
+        let device = self.weights.device();
+        let layout = &self.layout;
+        match &self.grad_sums {
+            // bf16: the passes' fp32 sums, a flat vector held anyway.
+            Some(sums) => layout.reduce_scatter(
+                device,
+                |unit| sums.narrow(0, unit.start, unit.padded),
+                collective,
+            ),
             None => {
                 let grads: Vec<Tensor> = params.iter().map(grad_or_zeros).collect();
-                self.layout.flatten(&grads, Kind::Float)
+                layout.reduce_scatter(
+                    device,
+                    |unit| layout.flatten_unit(unit, &grads, Kind::Float),
+                    collective,
+                )
             }
-        };
-        self.layout.reduce_scatter(&flat, collective)
+        }
     }
 
     /// After AdamW updated this rank's slice: every rank's slice gathered into the
@@ -451,10 +493,17 @@ impl Sharded {
             }
             return Ok(());
         }
-        let mine = self.weights.to_kind(kind);
-        let mut all = Tensor::zeros([self.layout.padded()], (kind, mine.device()));
-        collective.all_gather(&mine, &mut all)?;
-        self.layout.unflatten_into(&all, params);
+        // Bucket by bucket, each copied into its parameters.
+        for unit in self.layout.units() {
+            let all = self
+                .layout
+                .all_gather_unit(unit, &self.weights, kind, collective)?;
+            tch::no_grad(|| {
+                for (j, view) in self.layout.unit_views(unit, &all) {
+                    params[j].copy_(&view);
+                }
+            });
+        }
         Ok(())
     }
 
@@ -757,5 +806,57 @@ mod tests {
         assert_eq!((l.share(), l.padded()), (3, 12));
         let last: Vec<f32> = Vec::try_from(l.slice_of(&ps)).unwrap();
         assert_eq!(last, vec![103.0, 104.0, 0.0]);
+    }
+
+    /// Outside `"full"`, units are buckets of consecutive parameters of at most `bucket`
+    /// elements each, a larger parameter alone; `flatten_unit` is that unit of the flat
+    /// vector.
+    #[test]
+    fn buckets_group_consecutive_parameters_up_to_their_size() {
+        let sizes = [3i64, 4, 2, 9, 1, 1, 5];
+        let ps: Vec<Tensor> = sizes
+            .iter()
+            .scan(0.0, |at, &n| {
+                let t = Tensor::arange(n, (Kind::Float, Device::Cpu)) + *at;
+                *at += 100.0;
+                Some(t)
+            })
+            .collect();
+        let names: Vec<String> = (0..ps.len()).map(|i| format!("p{i}")).collect();
+        let groups = |bucket: i64| -> Vec<Vec<usize>> {
+            FlatLayout::for_mode(Shard::Gradients, bucket, &names, &ps, 3, 0)
+                .units()
+                .iter()
+                .map(|u| u.params.clone())
+                .collect()
+        };
+        assert_eq!(
+            groups(1 << 24),
+            vec![vec![0, 1, 2, 3, 4, 5, 6]],
+            "one bucket"
+        );
+        assert_eq!(
+            groups(7),
+            vec![vec![0, 1], vec![2], vec![3], vec![4, 5, 6]],
+            "9 > 7 is a bucket alone"
+        );
+        assert_eq!(groups(1).len(), sizes.len());
+        for world in 1..=4 {
+            let layouts: Vec<FlatLayout> = (0..world)
+                .map(|r| FlatLayout::for_mode(Shard::Optimizer, 7, &names, &ps, world, r))
+                .collect();
+            let flat = layouts[0].flatten(&ps, Kind::Float);
+            let slices: Vec<Tensor> = layouts.iter().map(|l| l.slice_of(&ps)).collect();
+            for unit in layouts[0].units() {
+                assert!(unit.padded <= 9 + world as i64, "{}", unit.padded);
+                let whole = layouts[0].flatten_unit(unit, &ps, Kind::Float);
+                assert!(whole.equal(&flat.narrow(0, unit.start, unit.padded)));
+                let parts: Vec<Tensor> = slices
+                    .iter()
+                    .map(|s| s.narrow(0, unit.in_slice, unit.part))
+                    .collect();
+                assert!(Tensor::cat(&parts, 0).equal(&whole), "world {world}");
+            }
+        }
     }
 }

@@ -231,21 +231,25 @@ impl Trainer {
         collective
             .broadcast_bytes(&mut header)
             .context("sending the training state to the other ranks")?;
-        // The fp32 weights: a joining rank casts them as `with_collective` does here. On
-        // the collective's device (a trainer built for the group still has its state in
-        // host memory).
+        // The fp32 weights: a joining rank casts them as `with_collective` does here.
+        // Bucket by bucket, as the joining rank receives them (`broadcast_in_buckets`):
+        // where they are in host memory (a trainer built for the group, the gathered
+        // masters) the collective stages one bucket at a time on the device.
         let device = collective.device();
         let mut weights: Vec<Tensor> = match &full.master {
             // Sharded, the gathered masters are in host memory.
-            Some(m) => m.iter().map(|w| w.to_device(device)).collect(),
+            Some(m) => m.iter().map(Tensor::shallow_clone).collect(),
             None => self
                 .named_parameters()
-                .map(|(_, p)| p.to_device(device))
+                .map(|(_, p)| p.shallow_clone())
                 .collect(),
         };
-        collective
-            .broadcast(&mut weights)
-            .context("sending the weights to the other ranks")?;
+        super::broadcast_in_buckets(
+            &mut *collective,
+            &mut weights,
+            self.config.bucket_elements(),
+        )
+        .context("sending the weights to the other ranks")?;
         if self.sharded.is_none() {
             let mut moments: Vec<Tensor> = full
                 .exp_avg
@@ -264,15 +268,21 @@ impl Trainer {
         // a slice long, so no rank ever holds the whole state on its device).
         let world = collective.world_size();
         for r in 1..world {
-            let layout =
-                FlatLayout::for_mode(self.config.shard, &self.param_names, &weights, world, r);
-            let mut pair = [
-                layout.slice_of(&full.exp_avg).to_device(device),
-                layout.slice_of(&full.exp_avg_sq).to_device(device),
-            ];
-            collective
-                .broadcast(&mut pair)
-                .with_context(|| format!("sending rank {r} its slice of the optimizer state"))?;
+            let layout = FlatLayout::for_mode(
+                self.config.shard,
+                self.config.bucket_elements(),
+                &self.param_names,
+                &weights,
+                world,
+                r,
+            );
+            // One moment at a time: a slice on the device at once.
+            for moment in [&full.exp_avg, &full.exp_avg_sq] {
+                let mut one = [layout.slice_of(moment).to_device(device)];
+                collective.broadcast(&mut one).with_context(|| {
+                    format!("sending rank {r} its slice of the optimizer state")
+                })?;
+            }
         }
         self.collective = collective;
         let mode = self.config.shard;
@@ -283,6 +293,7 @@ impl Trainer {
             .unwrap_or_else(|| self.params[0].device());
         self.sharded = Some(Sharded::new(
             mode,
+            self.config.bucket_elements(),
             &self.param_names,
             &weights,
             world,
@@ -315,7 +326,10 @@ impl Trainer {
         if let (Ok(Device::Cuda(_)), Device::Cuda(own)) = (config.device(0), collective.device()) {
             config.device = format!("cuda:{own}");
         }
-        let mut trainer = Self::with_collective(policy, config, collective)
+        // Sharded, built in host memory (the weights arrive there bucket by bucket) and
+        // moved to the device once it keeps its slices only: the joining rank never holds
+        // the whole fp32 model on its device.
+        let mut trainer = Self::build(policy, config, collective, true)
             .with_context(|| format!("rank {rank}: receiving rank 0's weights"))?;
         if trainer.param_names != state.parameters {
             bail!("rank {rank}: the model's parameters differ from rank 0's list");
@@ -327,14 +341,13 @@ impl Trainer {
             let (share, device) = (s.layout.share(), s.weights.device());
             let mut mine = None;
             for r in 1..trainer.collective.world_size() {
-                let mut pair = [
-                    Tensor::zeros([share], (tch::Kind::Float, device)),
-                    Tensor::zeros([share], (tch::Kind::Float, device)),
-                ];
-                trainer
-                    .collective
-                    .broadcast(&mut pair)
-                    .with_context(receiving)?;
+                let mut pair = [(); 2].map(|_| Tensor::zeros([share], (tch::Kind::Float, device)));
+                for one in pair.iter_mut() {
+                    trainer
+                        .collective
+                        .broadcast(std::slice::from_mut(one))
+                        .with_context(receiving)?;
+                }
                 if r == rank {
                     mine = Some(pair);
                 }
@@ -348,6 +361,7 @@ impl Trainer {
             );
             trainer.steps = state.steps;
             trainer.rng = rng;
+            trainer.unstage();
             return Ok(trainer);
         }
         let mut moments: Vec<Tensor> = trainer
