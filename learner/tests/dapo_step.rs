@@ -156,7 +156,7 @@ fn sampled_logprobs_line_up_with_the_learners() {
         }
         assert_eq!(trained, 12, "two turns of 6 sampled tokens");
     }
-    let (_, cf) = t.eval_dapo(&batch);
+    let (_, cf) = t.eval_dapo(&batch).unwrap();
     assert_eq!(cf.total(), 0.0, "nothing clipped at ratio 1");
 }
 
@@ -186,7 +186,7 @@ fn one_dapo_step_equals_the_hand_computed_loss_and_moves_towards_the_better_traj
     }
 
     let want = hand_dapo_loss(t.policy(), &batch, 0.2, 0.28);
-    let (before, cf) = t.eval_dapo(&batch);
+    let (before, cf) = t.eval_dapo(&batch).unwrap();
     assert!(
         (cf.low - 0.25).abs() < 1e-9 && (cf.high - 0.25).abs() < 1e-9,
         "{cf:?}"
@@ -206,7 +206,7 @@ fn one_dapo_step_equals_the_hand_computed_loss_and_moves_towards_the_better_traj
 
     // Gradient ascent on the surrogate: the loss on the same batch goes down, the good
     // trajectory becomes more likely and the bad one less.
-    let (after, _) = t.eval_dapo(&batch);
+    let (after, _) = t.eval_dapo(&batch).unwrap();
     assert!(after < before, "loss {before} -> {after}");
     let good_after = mean_trained_logprob(t.policy(), &batch[gi]);
     let bad_after = mean_trained_logprob(t.policy(), &batch[bi]);

@@ -315,13 +315,15 @@ impl Trainer {
     }
 
     /// Mean label-token cross-entropy of a batch under the current weights, no update.
-    pub fn eval_loss(&self, examples: &[(Vec<u32>, Vec<bool>)]) -> f64 {
+    /// An error with `shard = "full"` (no parameters between steps).
+    pub fn eval_loss(&self, examples: &[(Vec<u32>, Vec<bool>)]) -> anyhow::Result<f64> {
+        self.check_whole_parameters("eval_loss")?;
         let _guard = tch::no_grad_guard();
         let batch = PaddedBatch::new(examples, self.policy().device());
         let logits = self
             .policy()
             .forward(&batch.input_ids, &batch.attention_mask);
-        masked_cross_entropy(&logits, &batch.input_ids, &batch.loss_mask).double_value(&[])
+        Ok(masked_cross_entropy(&logits, &batch.input_ids, &batch.loss_mask).double_value(&[]))
     }
 }
 

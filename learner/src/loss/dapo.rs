@@ -251,8 +251,9 @@ impl Trainer {
     }
 
     /// DAPO's surrogate loss and clip fractions of a batch under the current weights, no
-    /// update (one pass).
-    pub fn eval_dapo(&self, examples: &[RlExample]) -> (f64, ClipFraction) {
+    /// update (one pass). An error with `shard = "full"` (no parameters between steps).
+    pub fn eval_dapo(&self, examples: &[RlExample]) -> anyhow::Result<(f64, ClipFraction)> {
+        self.check_whole_parameters("eval_dapo")?;
         let _guard = tch::no_grad_guard();
         let batch = RlBatch::new(examples, self.policy().device());
         let logits = self
@@ -276,7 +277,7 @@ impl Trainer {
             lo,
             hi,
         );
-        (loss.double_value(&[]), cf)
+        Ok((loss.double_value(&[]), cf))
     }
 }
 

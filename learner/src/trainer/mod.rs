@@ -770,8 +770,31 @@ mod tests {
         let t = tiny_trainer();
         let a = vec![(vec![1u32, 5, 9, 13], vec![false, false, false, true])];
         let b = vec![(vec![1u32, 5, 9, 13], vec![false, false, false, true])];
-        assert_eq!(t.eval_loss(&a), t.eval_loss(&b));
+        assert_eq!(t.eval_loss(&a).unwrap(), t.eval_loss(&b).unwrap());
         let c = vec![(vec![1u32, 5, 9, 13], vec![false, true, false, true])];
-        assert_ne!(t.eval_loss(&a), t.eval_loss(&c));
+        assert_ne!(t.eval_loss(&a).unwrap(), t.eval_loss(&c).unwrap());
+    }
+
+    /// With `shard = "full"` the parameters are released between steps: an evaluation
+    /// forward is a clear error naming the setting, before and after a step, not a
+    /// shape panic in the model.
+    #[test]
+    fn evaluations_under_a_full_shard_are_refused_naming_the_setting() {
+        let config = LearnerConfig {
+            shard: Shard::Full,
+            checkpoint_activations: true,
+            ..Default::default()
+        };
+        let policy = Policy::new(ModelConfig::tiny(64), Device::Cpu, 0);
+        let mut t = Trainer::new(policy, config).unwrap();
+        let examples = vec![(vec![1u32, 5, 9, 13], vec![false, false, true, true])];
+        for stepped in [false, true] {
+            let e = t.eval_loss(&examples).unwrap_err().to_string();
+            assert!(e.contains("learner.shard") && e.contains("full"), "{e}");
+            if !stepped {
+                let r = t.step(&examples).unwrap();
+                assert!(r.skipped.is_none() && r.label_tokens == 2);
+            }
+        }
     }
 }

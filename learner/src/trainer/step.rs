@@ -126,6 +126,20 @@ impl Trainer {
             .is_some_and(|s| s.mode == crate::config::Shard::Full)
     }
 
+    /// For a forward outside the training step (the evaluations): refused with
+    /// `shard = "full"`, whose parameters are released between steps (each pass gathers
+    /// them layer by layer; only rank 0 keeps a copy, in host memory).
+    pub(crate) fn check_whole_parameters(&self, what: &str) -> anyhow::Result<()> {
+        if self.is_fully_sharded() {
+            anyhow::bail!(
+                "{what} runs the model's forward outside a training step, which learner.shard \
+                 = \"full\" does not keep between steps: evaluate a published version or a \
+                 checkpoint instead"
+            );
+        }
+        Ok(())
+    }
+
     /// `shard = "full"`: releases the parameters and lends the collective to a gate the
     /// policy calls during the passes (`shard::FullGate`). `None` in other modes. Rank 0
     /// first copies the weights to host memory if it holds none there yet (its first
