@@ -752,6 +752,12 @@ impl Collective for CpuCollective {
         output: &mut Tensor,
     ) -> Result<(), CollectiveError> {
         crate::check_shares("reduce_scatter_sum", input, output, self.world_size)?;
+        if self.world_size == 1 {
+            // The sum over one rank is its input, wherever it lives (a lone trainer on a
+            // GPU with a sharded state makes this call every step).
+            tch::no_grad(|| output.copy_(&input.reshape(output.size())));
+            return Ok(());
+        }
         let flat = [input.reshape([-1])];
         let layout = WireLayout::of(&flat)?;
         let share = WireLayout::of(std::slice::from_ref(output))?;
@@ -784,6 +790,10 @@ impl Collective for CpuCollective {
     /// Rank 0 concatenates the ranks' inputs and sends the whole to every rank.
     fn all_gather(&mut self, input: &Tensor, output: &mut Tensor) -> Result<(), CollectiveError> {
         crate::check_shares("all_gather", output, input, self.world_size)?;
+        if self.world_size == 1 {
+            tch::no_grad(|| output.copy_(&input.reshape(output.size())));
+            return Ok(());
+        }
         let share = WireLayout::of(std::slice::from_ref(input))?;
         let whole = WireLayout::of(std::slice::from_ref(output))?;
         if share.items[0].1 != whole.items[0].1 {

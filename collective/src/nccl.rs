@@ -156,10 +156,13 @@ impl NcclCollective {
 
     /// `each` on tensors that may live on the host: those are staged through this
     /// rank's GPU and copied back (the trainer keeps its tensors on the CPU today).
+    /// `copy_back`: whether the results go back into host tensors (not for the root of a
+    /// broadcast, whose values do not change).
     fn staged(
         &self,
         tensors: &mut [Tensor],
         what: &str,
+        copy_back: bool,
         f: impl Fn(*mut c_void, usize, sys::ncclDataType_t) -> sys::ncclResult_t,
     ) -> Result<(), CollectiveError> {
         let gpu = Device::Cuda(self.ordinal);
@@ -177,6 +180,9 @@ impl NcclCollective {
             })
             .collect();
         self.each(&mut work, what, f)?;
+        if !copy_back {
+            return Ok(());
+        }
         tch::no_grad(|| {
             for (t, w) in tensors.iter_mut().zip(&work) {
                 if t.device() != gpu {
@@ -245,7 +251,7 @@ impl Collective for NcclCollective {
 
     fn all_reduce_sum(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError> {
         let comm = self.comm;
-        self.staged(tensors, "ncclAllReduce", |ptr, n, kind| unsafe {
+        self.staged(tensors, "ncclAllReduce", true, |ptr, n, kind| unsafe {
             sys::ncclAllReduce(
                 ptr as *const c_void,
                 ptr,
@@ -260,17 +266,22 @@ impl Collective for NcclCollective {
 
     fn broadcast(&mut self, tensors: &mut [Tensor]) -> Result<(), CollectiveError> {
         let comm = self.comm;
-        self.staged(tensors, "ncclBroadcast", |ptr, n, kind| unsafe {
-            sys::ncclBroadcast(
-                ptr as *const c_void,
-                ptr,
-                n,
-                kind,
-                0,
-                comm,
-                std::ptr::null_mut(),
-            )
-        })
+        self.staged(
+            tensors,
+            "ncclBroadcast",
+            self.rank != 0,
+            |ptr, n, kind| unsafe {
+                sys::ncclBroadcast(
+                    ptr as *const c_void,
+                    ptr,
+                    n,
+                    kind,
+                    0,
+                    comm,
+                    std::ptr::null_mut(),
+                )
+            },
+        )
     }
 
     fn broadcast_bytes_max(

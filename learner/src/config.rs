@@ -89,13 +89,15 @@ pub struct LearnerConfig {
     /// and after a step only rank 0 keeps the gathered weights, in host memory (it
     /// publishes them).
     pub shard: Shard,
-    /// With `shard = "optimizer"` or `"gradients"`, the most MiB of parameters one
-    /// collective call exchanges: a step's gradients are reduce-scattered, and the updated
-    /// parameters all-gathered, bucket by bucket (consecutive whole parameters; one larger
-    /// than a bucket, such as a large vocabulary's embedding, is a bucket alone), so a
-    /// rank holds one bucket's fp32 buffer at a time instead of a flat copy of the whole
-    /// model (4 bytes per parameter). `"full"` exchanges one layer at a time whatever
-    /// this says. Every rank of a group uses rank 0's value.
+    /// The most MiB of parameters (as f32) one collective call moves. With `shard =
+    /// "optimizer"` or `"gradients"` a step's gradients are reduce-scattered, and the
+    /// updated parameters all-gathered, bucket by bucket (consecutive whole parameters;
+    /// one larger than a bucket, such as a large vocabulary's embedding, is a bucket
+    /// alone), so a rank holds one bucket's fp32 buffer at a time instead of a flat copy
+    /// of the whole model (4 bytes per parameter); `"full"` exchanges one layer at a time
+    /// whatever this says. In every mode, rank 0 sends the weights to the ranks joining
+    /// its group in buckets of this size. Ranks joining with `tutor learner` take rank
+    /// 0's value; every rank must use the same one.
     pub bucket_mb: f64,
     /// Memory of each rank's GPU in GiB (80 for an H100, 141 for an H200): `tutor plan`
     /// says whether the run fits, and a learner on a GPU refuses to start a run whose plan

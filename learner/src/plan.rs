@@ -229,8 +229,11 @@ pub fn plan(input: &PlanInput) -> Plan {
     };
     // One exchange bucket: consecutive whole parameters, a larger one (the embedding or
     // the head: vocabulary × hidden) alone.
+    let largest_param = (m.vocab_size as f64 * h)
+        .max(m.intermediate_size as f64 * h)
+        .max((m.num_attention_heads * m.head_dim) as f64 * h);
     let bucket = (input.bucket_mb * (1u64 << 20) as f64)
-        .max(4.0 * m.vocab_size as f64 * h)
+        .max(4.0 * largest_param)
         .min(4.0 * n);
     let usable = input.gpu_memory.map(|b| b as f64 * USABLE_FRACTION);
     let memory: Vec<Memory> = Shard::ALL
@@ -343,7 +346,7 @@ pub fn plan(input: &PlanInput) -> Plan {
     // No `.grad` yet; the fp32 weights go out to the other ranks one bucket at a time
     // (staged on the device from host memory).
     let m = plan.configured();
-    plan.group_start = m.state - m.grads + bucket;
+    plan.group_start = m.state - m.grads - m.gathered + bucket;
     plan
 }
 

@@ -128,7 +128,8 @@ pub struct TrainLogEntry {
 }
 
 /// Reads `out_dir/train-log.jsonl`: one entry per (iteration, step), the last line of a
-/// repeated one kept.
+/// repeated one kept; a torn last line (no newline: the learner was killed while it
+/// appended) is not read.
 pub fn read_train_log(out_dir: &Path) -> Result<BTreeMap<(u32, u32), TrainLogEntry>> {
     let path = out_dir.join(TRAIN_LOG);
     let text = match std::fs::read_to_string(&path) {
@@ -137,7 +138,13 @@ pub fn read_train_log(out_dir: &Path) -> Result<BTreeMap<(u32, u32), TrainLogEnt
         Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
     };
     let mut out = BTreeMap::new();
-    for (i, line) in text.lines().enumerate() {
+    // A last line without its newline is an append a kill cut short (the next append
+    // removes it): not an entry, whatever it holds.
+    let whole = match text.rfind('\n') {
+        Some(i) => &text[..=i],
+        None => "",
+    };
+    for (i, line) in whole.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }

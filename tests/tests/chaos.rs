@@ -93,8 +93,11 @@ struct Applied {
 /// crash between the log and the checkpoint counts once).
 fn read_train_log(learner_dir: &Path) -> BTreeMap<(u32, u32), Applied> {
     let text = std::fs::read_to_string(learner_dir.join("train-log.jsonl")).unwrap_or_default();
+    // A last line without its newline is an append cut short by the kill, not an entry
+    // (the learner cuts it before its next append).
+    let whole = text.rfind('\n').map_or("", |i| &text[..=i]);
     let mut out = BTreeMap::new();
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+    for line in whole.lines().filter(|l| !l.trim().is_empty()) {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
         let n = |k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k} in {line}"));
         out.insert(

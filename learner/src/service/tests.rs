@@ -460,9 +460,11 @@ fn an_append_after_a_torn_line_cuts_it_and_the_log_reads() {
         .unwrap();
     f.write_all(&torn.as_bytes()[..torn.len() / 2]).unwrap();
     drop(f);
-    assert!(
-        read_train_log(dir.path()).is_err(),
-        "the torn line is unreadable"
+    let log = read_train_log(dir.path()).unwrap();
+    assert_eq!(
+        log.keys().copied().collect::<Vec<_>>(),
+        [(0, 0)],
+        "the torn line is no entry"
     );
     // Restarted: step 1 is trained and logged again, then step 2.
     append_log_line(&path, &json(1)).unwrap();

@@ -151,8 +151,9 @@ impl Trainer {
     }
 
     /// `with_collective`; with `stage` and a sharded `[learner] shard`, everything is
-    /// built in host memory and moves to the configured device at `lead_group` (or at a
-    /// step taken before any group: `unstage`).
+    /// built in host memory and moves to the configured device at `lead_group` (rank 0),
+    /// at the end of `join_group` (a joining rank) or at a step taken before any group
+    /// (`unstage`).
     pub(crate) fn build(
         mut policy: Policy,
         config: LearnerConfig,

@@ -3,12 +3,15 @@
 //! so each holds 1/K of them; every rank keeps the whole model for its passes.
 //!
 //! The split is over one flat vector: every parameter flattened, in name order (the
-//! order of `Trainer::params`), concatenated, zero-padded to a multiple of the world size
-//! K. Rank r owns elements `r·share .. (r+1)·share`. A step reduce-scatters the summed
-//! gradients into the slices (each rank gets the sum over the ranks of its slice), each
-//! rank runs AdamW on its slice (elementwise, so the same arithmetic as on the whole),
-//! and all-gathers the updated slices into the parameters. The padding stays zero: its
-//! gradient is zero, so weight decay and AdamW leave it there.
+//! order of `Trainer::params`), concatenated and cut into units (`FlatLayout`: buckets
+//! of consecutive whole parameters up to `[learner] bucket_mb`, or with `"full"` one
+//! unit per decoder layer and one for the rest), each zero-padded to a multiple of the
+//! world size K. Rank r owns the r-th K-th of every unit; its slice is those parts, unit
+//! after unit. A step reduce-scatters the summed gradients into the slices unit by unit
+//! (each rank gets the sum over the ranks of its parts), each rank runs AdamW on its
+//! slice (elementwise, so the same arithmetic as on the whole), and all-gathers the
+//! updated slices into the parameters unit by unit. The padding stays zero: its gradient
+//! is zero, so weight decay and AdamW leave it there.
 
 use anyhow::{bail, Result};
 use tch::{Device, Kind, Tensor};
@@ -22,8 +25,9 @@ const GATHER_CHUNK: i64 = 1 << 24;
 
 /// Where each parameter sits in the flat vector and which slice is this rank's.
 ///
-/// The flat vector is cut into units (one for `"optimizer"` and `"gradients"`: every
-/// parameter; with `"full"` the embedding/head unit and one per decoder layer, as
+/// The flat vector is cut into units (for `"optimizer"` and `"gradients"` buckets of
+/// consecutive whole parameters of at most `[learner] bucket_mb`, a larger parameter
+/// alone; with `"full"` the embedding/head unit and one per decoder layer, as
 /// `tutor_policy::param_unit` groups them), each zero-padded to a multiple of the world
 /// size K and split into K equal parts. Rank r's slice is its part of every unit, unit
 /// after unit: so one unit is gathered, or its gradients reduce-scattered, with one
@@ -410,19 +414,24 @@ impl Sharded {
             return Ok(());
         }
         let grads: Vec<Tensor> = params.iter().map(grad_or_zeros).collect();
-        let device = self.weights.device();
-        let layout = &self.layout;
-        let mine = layout.reduce_scatter(
-            device,
-            |unit| layout.flatten_unit(unit, &grads, Kind::Float),
-            collective,
-        )?;
+        let sums = self
+            .grad_sums
+            .as_ref()
+            .expect("\"gradients\" keeps slice sums");
+        // Bucket by bucket: the bucket's fp32 buffer and this rank's part of its sum are
+        // all a pass adds to the resident state.
+        for unit in self.layout.units() {
+            if unit.part == 0 {
+                continue;
+            }
+            let input = self.layout.flatten_unit(unit, &grads, Kind::Float);
+            let mut part = Tensor::zeros([unit.part], (Kind::Float, sums.device()));
+            collective.reduce_scatter_sum(&input, &mut part)?;
+            tch::no_grad(|| {
+                let _ = sums.narrow(0, unit.in_slice, unit.part).g_add_(&part);
+            });
+        }
         tch::no_grad(|| {
-            let sums = self
-                .grad_sums
-                .as_mut()
-                .expect("\"gradients\" keeps slice sums");
-            let _ = sums.g_add_(&mine);
             for p in params {
                 let mut g = p.grad();
                 if g.defined() {
