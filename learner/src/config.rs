@@ -99,6 +99,11 @@ pub struct LearnerConfig {
     /// its group in buckets of this size. Ranks joining with `tutor learner` take rank
     /// 0's value; every rank must use the same one.
     pub bucket_mb: f64,
+    /// With `shard = "full"`: gather the next layer's parameters while the current one
+    /// computes, and wait for a layer's gradient reduce-scatter only at the end of the
+    /// pass (the collective calls run on a thread of their own), for one more layer's
+    /// parameters in memory. Same results either way. On by default.
+    pub prefetch: bool,
     /// Memory of each rank's GPU in GiB (80 for an H100, 141 for an H200): `tutor plan`
     /// says whether the run fits, and a learner on a GPU refuses to start a run whose plan
     /// does not fit (`learner::plan`). 0: unknown (no check).
@@ -209,6 +214,7 @@ impl Default for LearnerConfig {
             pack_row_tokens: 4096,
             logits_budget_mb: 1024,
             bucket_mb: 64.0,
+            prefetch: true,
             checkpoint_activations: false,
             shard: Shard::None,
             gpu_memory_gib: 0.0,

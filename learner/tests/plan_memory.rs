@@ -111,6 +111,7 @@ fn the_plan_matches_the_cpu_learners_peak_memory() {
             gpu_memory: None,
             shard: Shard::None,
             bucket_mb: 64.0,
+            prefetch: true,
         });
         let m = p.mode(Shard::None);
         // What the first step allocates: everything but the weights.

@@ -227,8 +227,9 @@ fn unit_elements(t: &Trainer) -> Vec<u64> {
 /// `"full"` (ZeRO-3) on 3 ranks, f32 and bf16: rank 0 ends with the weights of one
 /// unsharded rank (f32 rounding) or of the unsharded bf16 group, after steps whose ranks
 /// ran different numbers of passes. During the passes a rank holds, of the parameters,
-/// exactly the embedding/head unit and one layer (measured by the gate, padding
-/// included); between steps no rank holds them on its device (rank 0 keeps a host copy,
+/// exactly the embedding/head unit and one layer, or two with `prefetch` (the next one
+/// gathered while one computes; measured by the gate, padding included), and prefetching
+/// trains the same weights to the bit; between steps no rank holds them on its device (rank 0 keeps a host copy,
 /// which it publishes), and every rank a third of the fp32 weights, gradient sums and
 /// moments.
 #[test]
@@ -255,19 +256,33 @@ fn fully_sharded_ranks_hold_a_layer_at_a_time_and_train_the_weights_of_one_rank(
     let largest_layer = units[1..].iter().copied().max().unwrap();
 
     let plain_bf16 = train_group(3, &checkpointed(Shard::None, Precision::Bf16), &batches);
-    for precision in [Precision::F32, Precision::Bf16] {
-        let ranks = train_group(3, &checkpointed(Shard::Full, precision), &batches);
+    let mut f32_weights: Option<Snapshot> = None;
+    for (precision, prefetch) in [
+        (Precision::F32, true),
+        (Precision::F32, false),
+        (Precision::Bf16, true),
+    ] {
+        let config = LearnerConfig {
+            prefetch,
+            ..checkpointed(Shard::Full, precision)
+        };
+        let ranks = train_group(3, &config, &batches);
         let elt = if precision == Precision::F32 { 4 } else { 2 };
+        // With `prefetch` the next layer is gathered while one computes.
+        let layers = if prefetch { 2 } else { 1 };
         for (rank, (got, bytes, _)) in ranks.iter().enumerate() {
-            println!("full {precision:?} rank {rank}: {bytes:?}; one rank f32 {whole:?}");
+            println!(
+                "full {precision:?} prefetch {prefetch} rank {rank}: {bytes:?}; one rank f32 \
+                 {whole:?}"
+            );
             assert_eq!(bytes.moments, 8 * share, "rank {rank}");
             assert_eq!(bytes.masters, 4 * share, "rank {rank}");
             assert_eq!(bytes.grad_sums, 4 * share, "rank {rank}");
             assert!(bytes.moments * 3 <= whole.moments + 8 * 3 * units.len() as u64);
             assert_eq!(
                 bytes.parameters_in_passes,
-                elt * (pad3(units[0]) + pad3(largest_layer)),
-                "rank {rank}: the embedding/head unit and one layer at a time"
+                elt * (pad3(units[0]) + layers * pad3(largest_layer)),
+                "rank {rank}: the embedding/head unit and {layers} layer(s) at a time"
             );
             if rank > 0 {
                 assert_eq!(bytes.parameters + bytes.host_parameters, 0, "rank {rank}");
@@ -287,8 +302,14 @@ fn fully_sharded_ranks_hold_a_layer_at_a_time_and_train_the_weights_of_one_rank(
             // One bf16 step (2⁻⁸) of the tensor's scale, as the other modes.
             _ => (max_rel_diff(got, &plain_bf16[0].0), 4e-3),
         };
-        println!("full {precision:?}: max relative diff {d:e}");
+        println!("full {precision:?} prefetch {prefetch}: max relative diff {d:e}");
         assert!(d <= limit, "full {precision:?}: {d}");
+        if precision == Precision::F32 {
+            match &f32_weights {
+                None => f32_weights = Some(got.clone()),
+                Some(w) => assert!(w == got, "prefetching changed the weights"),
+            }
+        }
         let start = params(&single_start());
         assert!(max_rel_diff(got, &start) > 1e-3, "the weights moved");
         let passes: Vec<usize> = ranks.iter().map(|r| r.2).collect();

@@ -1,7 +1,8 @@
 //! Peak memory and time of a sharded training step (`[learner] shard = "optimizer"` and
 //! `"gradients"`) with its exchanges in buckets (`[learner] bucket_mb`) against one
 //! exchange of the whole flat vector (a bucket larger than the model: how every step
-//! exchanged before buckets), on the CPU collective.
+//! exchanged before buckets), on the CPU collective; and `"full"` without and with
+//! `[learner] prefetch` (the next layer gathered while one computes).
 //!
 //! `cargo run --release -p tutor-bench --bin sharded_memory [-- --ranks 3 --hidden 768
 //! --layers 6 --vocab 16384 --buckets 1000000,64,16]`
@@ -12,7 +13,8 @@
 //! The figure is the process's peak resident memory during the measured step above its
 //! resident memory just before it (`/proc/self/status` VmHWM after the peak is reset
 //! through `/proc/self/clear_refs`), all ranks together, and the step's seconds. Every
-//! run prints rank 0's loss and gradient norm, which must agree across bucket sizes.
+//! run prints rank 0's loss and gradient norm, which must agree across bucket sizes (and
+//! with and without prefetching).
 
 use std::process::Command;
 use std::sync::{Barrier, Mutex};
@@ -42,8 +44,14 @@ struct Args {
     /// than the model: one exchange of everything).
     #[arg(long, value_delimiter = ',', default_value = "1000000,64,16")]
     buckets: Vec<f64>,
-    /// Sharding modes.
-    #[arg(long, value_delimiter = ',', default_value = "optimizer,gradients")]
+    /// Sharding modes: `optimizer` and `gradients` run with each bucket size; `full`
+    /// (which exchanges one layer at a time whatever the bucket) runs without, then with,
+    /// `[learner] prefetch`.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "optimizer,gradients,full"
+    )]
     modes: Vec<String>,
     /// Internal: run one measurement (mode, bucket MiB) and print it as JSON.
     #[arg(long, hide = true, num_args = 2)]
@@ -70,20 +78,23 @@ fn model(args: &Args) -> ModelConfig {
     mc
 }
 
-fn parse_mode(name: &str) -> Result<Shard> {
+/// The sharding mode a `--modes` name means, and whether `"full"` prefetches.
+fn parse_mode(name: &str) -> Result<(Shard, bool)> {
     Ok(match name {
-        "optimizer" => Shard::Optimizer,
-        "gradients" => Shard::Gradients,
-        "full" => Shard::Full,
-        other => bail!("--modes: {other:?} is not optimizer, gradients or full"),
+        "optimizer" => (Shard::Optimizer, true),
+        "gradients" => (Shard::Gradients, true),
+        "full" => (Shard::Full, true),
+        "full-no-prefetch" => (Shard::Full, false),
+        other => bail!("--modes: {other:?} is not optimizer, gradients, full or full-no-prefetch"),
     })
 }
 
 fn child(mode: &str, bucket_mb: f64, args: &Args) -> Result<()> {
-    let shard = parse_mode(mode)?;
+    let (shard, prefetch) = parse_mode(mode)?;
     let config = LearnerConfig {
         shard,
         bucket_mb,
+        prefetch,
         checkpoint_activations: shard == Shard::Full,
         warmup_steps: 0,
         ..Default::default()
@@ -190,9 +201,15 @@ fn main() -> Result<()> {
         "mode", "bucket MiB", "peak MiB", "ratio", "step s", "ratio"
     );
     for mode in &args.modes {
-        parse_mode(mode)?;
+        let (shard, _) = parse_mode(mode)?;
         let mut reference: Option<(f64, f64)> = None;
-        for &bucket in &args.buckets {
+        // "full": the same bucket, prefetch off (the reference), then on.
+        let runs: Vec<(&str, f64)> = if shard == Shard::Full {
+            vec![("full-no-prefetch", 64.0), ("full", 64.0)]
+        } else {
+            args.buckets.iter().map(|&b| (mode.as_str(), b)).collect()
+        };
+        for (mode, bucket) in runs {
             let out = Command::new(&exe)
                 .args(["--child", mode, &bucket.to_string()])
                 .args(["--ranks", &args.ranks.to_string()])

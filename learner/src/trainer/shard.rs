@@ -558,40 +558,135 @@ enum GateOp {
     Reduce(usize),
 }
 
+/// One collective call of a `FullGate`, run by its communication thread.
+enum CommJob {
+    /// All-gather unit `unit` of the weights' slices.
+    Gather { unit: usize },
+    /// Reduce-scatter `flat` (a unit's padded fp32 gradients) into this rank's part.
+    Reduce { unit: usize, flat: Tensor },
+}
+
+/// What a job gives back: the gathered unit or this rank's part of the reduced one;
+/// `Err(Some(e))` the call failed, `Err(None)` it was skipped after an earlier failure.
+type CommResult = Result<Tensor, Option<CollectiveError>>;
+
+/// The thread that owns the collective while a step's passes run: it makes the gate's
+/// calls one after another, in the order the gate submits them (every rank submits the
+/// same sequence), so a gather submitted ahead of its use runs while the policy computes.
+struct CommThread {
+    jobs: std::sync::mpsc::Sender<(CommJob, std::sync::mpsc::Sender<CommResult>)>,
+    thread: std::thread::JoinHandle<Box<dyn Collective>>,
+}
+
+impl CommThread {
+    fn start(
+        layout: FlatLayout,
+        weights: Tensor,
+        kind: Kind,
+        mut collective: Box<dyn Collective>,
+    ) -> Self {
+        let (jobs, queue) =
+            std::sync::mpsc::channel::<(CommJob, std::sync::mpsc::Sender<CommResult>)>();
+        let thread = std::thread::Builder::new()
+            .name("tutor-full-shard-comm".into())
+            .spawn(move || {
+                let mut failed = false;
+                for (job, reply) in queue {
+                    let result = if failed {
+                        Err(None)
+                    } else {
+                        tch::no_grad(|| match job {
+                            CommJob::Gather { unit } => layout
+                                .all_gather_unit(
+                                    &layout.units()[unit],
+                                    &weights,
+                                    kind,
+                                    &mut *collective,
+                                )
+                                .map_err(Some),
+                            CommJob::Reduce { unit, flat } => {
+                                let unit = &layout.units()[unit];
+                                let mut mine =
+                                    Tensor::zeros([unit.part], (Kind::Float, flat.device()));
+                                collective
+                                    .reduce_scatter_sum(&flat, &mut mine)
+                                    .map(|()| mine)
+                                    .map_err(Some)
+                            }
+                        })
+                    };
+                    failed |= result.is_err();
+                    // The gate may have stopped waiting (it is closing): nothing to do.
+                    let _ = reply.send(result);
+                }
+                collective
+            })
+            .expect("starting the shard's communication thread");
+        Self { jobs, thread }
+    }
+
+    fn submit(&self, job: CommJob) -> std::sync::mpsc::Receiver<CommResult> {
+        let (reply, answer) = std::sync::mpsc::channel();
+        // The thread lives until `finish`: a send cannot fail before.
+        let _ = self.jobs.send((job, reply));
+        answer
+    }
+
+    /// Waits for the jobs submitted so far and takes the collective back.
+    fn finish(self) -> Box<dyn Collective> {
+        drop(self.jobs);
+        match self.thread.join() {
+            Ok(c) => c,
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
+}
+
 /// `[learner] shard = "full"` (ZeRO-3) during a step's passes: the parameters are
 /// released (shape `[0]`) except the units a pass is using, each gathered from the
 /// ranks' fp32 slices when the policy asks (`tutor_policy::ParamGate`) and released after
 /// its forward or its backward; each unit's gradients are reduce-scattered into this
-/// rank's slice of the sums as soon as its backward ends. Every rank makes the same
-/// collective calls in the same order: a rank short of a batch, or whose loss did not
-/// reach the model, completes the pass with zeros (`complete_pass`). A failed collective
-/// is kept (`failed`) and ends every later one at once (the units then hold zeros, so the
-/// pass runs out harmlessly); the step then fails with it.
+/// rank's slice of the sums as soon as its backward ends. The collective calls run on a
+/// thread of their own (`CommThread`), in the order the gate submits them; with
+/// `[learner] prefetch` the gather of the next unit is submitted as soon as one is
+/// taken, so it runs while the policy computes (one more unit in memory), and a unit's
+/// reduce-scatter is waited for only at the end of the pass. Every rank submits the same
+/// calls in the same order: a rank short of a batch, or whose loss did not reach the
+/// model, completes the pass with zeros (`complete_pass`). A failed collective is kept
+/// (`failed`) and every later one skipped (the units then hold zeros, so the pass runs
+/// out harmlessly); the step then fails with it.
 pub(crate) struct FullGate {
     layout: FlatLayout,
     params: Vec<Tensor>,
-    /// This rank's fp32 slice of the weights and of the step's gradient sums (handles
-    /// sharing `Sharded`'s storage).
-    weights: Tensor,
+    /// This rank's fp32 slice of the step's gradient sums (a handle sharing `Sharded`'s
+    /// storage).
     sums: Tensor,
     kind: Kind,
+    device: Device,
     empty: Tensor,
-    pub(crate) collective: Box<dyn Collective>,
+    comm: Option<CommThread>,
+    prefetch: bool,
     order: Vec<GateOp>,
     next: usize,
+    /// Gathers submitted and not yet taken, by their position in `order`.
+    gathers: std::collections::HashMap<usize, std::sync::mpsc::Receiver<CommResult>>,
+    /// Reduce-scatters submitted and not yet added into `sums`.
+    reduces: Vec<(usize, std::sync::mpsc::Receiver<CommResult>)>,
     pub(crate) failed: Option<(&'static str, CollectiveError)>,
     bytes: u64,
-    /// The most parameter bytes present at once.
+    /// The most parameter bytes present at once (gathered or being gathered).
     pub(crate) peak_bytes: u64,
 }
 
 impl FullGate {
-    /// Releases every parameter: from here on a unit is present only while a pass uses it.
+    /// Releases every parameter: from here on a unit is present only while a pass uses it
+    /// (and, with `prefetch`, while the one before it computes).
     pub(crate) fn open(
         sharded: &Sharded,
         params: &[Tensor],
         kind: Kind,
         collective: Box<dyn Collective>,
+        prefetch: bool,
     ) -> Self {
         let units = sharded.layout.units().len();
         let mut order = vec![GateOp::Gather(0)];
@@ -606,20 +701,29 @@ impl FullGate {
         let empty = Tensor::zeros([0], (kind, device));
         let mut params: Vec<Tensor> = params.iter().map(Tensor::shallow_clone).collect();
         release_all(&mut params, device);
+        let comm = CommThread::start(
+            sharded.layout.clone(),
+            sharded.weights.shallow_clone(),
+            kind,
+            collective,
+        );
         Self {
             layout: sharded.layout.clone(),
             params,
-            weights: sharded.weights.shallow_clone(),
             sums: sharded
                 .grad_sums
                 .as_ref()
                 .expect("\"full\" keeps slice sums")
                 .shallow_clone(),
             kind,
+            device,
             empty,
-            collective,
+            comm: Some(comm),
+            prefetch,
             order,
             next: 0,
+            gathers: Default::default(),
+            reduces: Vec::new(),
             failed: None,
             bytes: 0,
             peak_bytes: 0,
@@ -627,14 +731,32 @@ impl FullGate {
     }
 
     /// Runs what is left of the current pass's order with zero gradients (a rank without
-    /// a batch this round, or a loss that did not reach the model) and starts the next.
+    /// a batch this round, or a loss that did not reach the model), waits for the pass's
+    /// reduce-scatters, and starts the next pass.
     pub(crate) fn complete_pass(&mut self) {
         while self.next < self.order.len() {
             let op = self.order[self.next];
             self.next += 1;
             self.run(op, None);
         }
+        self.drain_reduces();
         self.next = 0;
+    }
+
+    /// Ends the passes: the collective back (after every submitted call), the first
+    /// failure and the most parameter bytes present at once.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn finish(
+        mut self,
+    ) -> (
+        Box<dyn Collective>,
+        Option<(&'static str, CollectiveError)>,
+        u64,
+    ) {
+        self.drain_reduces();
+        self.gathers.clear();
+        let comm = self.comm.take().expect("the gate finishes once");
+        (comm.finish(), self.failed.take(), self.peak_bytes)
     }
 
     fn expect(&mut self, op: GateOp) {
@@ -659,52 +781,95 @@ impl FullGate {
         })
     }
 
+    fn comm(&self) -> &CommThread {
+        self.comm.as_ref().expect("the gate is open")
+    }
+
+    fn unit_bytes(&self, u: usize) -> u64 {
+        self.layout.units()[u].padded as u64 * self.kind.elt_size_in_bytes() as u64
+    }
+
+    /// Submits the gather at `order[at]` unless it is submitted already; its buffer
+    /// counts from here.
+    fn submit_gather(&mut self, at: usize) {
+        if self.gathers.contains_key(&at) {
+            return;
+        }
+        let GateOp::Gather(u) = self.order[at] else {
+            unreachable!("only gathers are submitted ahead")
+        };
+        let answer = self.comm().submit(CommJob::Gather { unit: u });
+        self.gathers.insert(at, answer);
+        self.bytes += self.unit_bytes(u);
+        self.peak_bytes = self.peak_bytes.max(self.bytes);
+    }
+
+    /// The gather at `order[self.next - 1]`: submitted now unless it was ahead of time,
+    /// then (with `prefetch`) the next gather of the pass submitted, then waited for.
     fn gather(&mut self, u: usize) {
-        let unit = &self.layout.units()[u];
-        let all = match &self.failed {
-            Some(_) => Tensor::zeros([unit.padded], (self.kind, self.weights.device())),
-            None => {
-                let got = self.layout.all_gather_unit(
-                    unit,
-                    &self.weights,
-                    self.kind,
-                    &mut *self.collective,
-                );
-                got.unwrap_or_else(|e| {
-                    self.failed = Some(("all-gathering a layer's parameters", e));
-                    Tensor::zeros([unit.padded], (self.kind, self.weights.device()))
-                })
+        let at = self.next - 1;
+        self.submit_gather(at);
+        if self.prefetch {
+            if let Some(ahead) =
+                (at + 1..self.order.len()).find(|&j| matches!(self.order[j], GateOp::Gather(_)))
+            {
+                self.submit_gather(ahead);
             }
+        }
+        let unit = &self.layout.units()[u];
+        let zeros = || Tensor::zeros([unit.padded], (self.kind, self.device));
+        let answer = self.gathers.remove(&at).expect("submitted above");
+        let all = match answer.recv() {
+            Ok(Ok(all)) => all,
+            Ok(Err(Some(e))) => {
+                self.failed
+                    .get_or_insert(("all-gathering a layer's parameters", e));
+                zeros()
+            }
+            Ok(Err(None)) | Err(_) => zeros(),
         };
         set_unit(&self.layout, unit, &all, &mut self.params);
-        self.bytes += tensor_bytes(&all);
-        self.peak_bytes = self.peak_bytes.max(self.bytes);
     }
 
     fn release(&mut self, u: usize) {
         let unit = &self.layout.units()[u];
         release_unit(unit, &mut self.params, &self.empty);
-        let elt = self.kind.elt_size_in_bytes() as u64;
-        self.bytes = self.bytes.saturating_sub(unit.padded as u64 * elt);
+        self.bytes = self.bytes.saturating_sub(self.unit_bytes(u));
     }
 
-    /// Unit `u`'s gradients (`None`: zeros) reduce-scattered into this rank's sums.
+    /// Unit `u`'s gradients (`None`: zeros) reduce-scattered into this rank's sums:
+    /// submitted now, added when it is done (at once without `prefetch`).
     fn reduce(&mut self, u: usize, grads: Option<&[Tensor]>) {
         let unit = &self.layout.units()[u];
-        let device = self.weights.device();
-        let flat = Tensor::zeros([unit.padded], (Kind::Float, device));
+        let flat = Tensor::zeros([unit.padded], (Kind::Float, self.device));
         if let Some(grads) = grads {
             for (g, (_, mut view)) in grads.iter().zip(self.layout.unit_views(unit, &flat)) {
                 view.copy_(g);
             }
         }
-        if self.failed.is_none() && unit.part > 0 {
-            let mut mine = Tensor::zeros([unit.part], (Kind::Float, device));
-            match self.collective.reduce_scatter_sum(&flat, &mut mine) {
-                Ok(()) => {
+        if unit.part == 0 {
+            return;
+        }
+        let answer = self.comm().submit(CommJob::Reduce { unit: u, flat });
+        self.reduces.push((u, answer));
+        if !self.prefetch {
+            self.drain_reduces();
+        }
+    }
+
+    /// Waits for the submitted reduce-scatters and adds each into the sums.
+    fn drain_reduces(&mut self) {
+        for (u, answer) in std::mem::take(&mut self.reduces) {
+            let unit = &self.layout.units()[u];
+            match answer.recv() {
+                Ok(Ok(mine)) => tch::no_grad(|| {
                     let _ = self.sums.narrow(0, unit.in_slice, unit.part).g_add_(&mine);
+                }),
+                Ok(Err(Some(e))) => {
+                    self.failed
+                        .get_or_insert(("reduce-scattering a layer's gradients", e));
                 }
-                Err(e) => self.failed = Some(("reduce-scattering a layer's gradients", e)),
+                Ok(Err(None)) | Err(_) => {}
             }
         }
     }
@@ -815,6 +980,152 @@ mod tests {
         assert_eq!((l.share(), l.padded()), (3, 12));
         let last: Vec<f32> = Vec::try_from(l.slice_of(&ps)).unwrap();
         assert_eq!(last, vec![103.0, 104.0, 0.0]);
+    }
+
+    /// A collective that fails from its `fail_at`-th call on (0-based), else a lone rank.
+    struct FailingAt {
+        inner: tutor_collective::CpuCollective,
+        calls: usize,
+        fail_at: usize,
+    }
+
+    impl FailingAt {
+        fn tick(&mut self) -> Result<(), CollectiveError> {
+            self.calls += 1;
+            if self.calls > self.fail_at {
+                return Err(CollectiveError::Setup(format!(
+                    "injected failure {}",
+                    self.calls
+                )));
+            }
+            Ok(())
+        }
+    }
+
+    impl Collective for FailingAt {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn world_size(&self) -> usize {
+            1
+        }
+        fn all_reduce_sum(&mut self, t: &mut [Tensor]) -> Result<(), CollectiveError> {
+            self.inner.all_reduce_sum(t)
+        }
+        fn broadcast(&mut self, t: &mut [Tensor]) -> Result<(), CollectiveError> {
+            self.inner.broadcast(t)
+        }
+        fn broadcast_bytes_max(
+            &mut self,
+            d: &mut Vec<u8>,
+            m: usize,
+        ) -> Result<(), CollectiveError> {
+            self.inner.broadcast_bytes_max(d, m)
+        }
+        fn barrier(&mut self) -> Result<(), CollectiveError> {
+            Ok(())
+        }
+        fn reduce_scatter_sum(
+            &mut self,
+            i: &Tensor,
+            o: &mut Tensor,
+        ) -> Result<(), CollectiveError> {
+            self.tick()?;
+            self.inner.reduce_scatter_sum(i, o)
+        }
+        fn all_gather(&mut self, i: &Tensor, o: &mut Tensor) -> Result<(), CollectiveError> {
+            self.tick()?;
+            self.inner.all_gather(i, o)
+        }
+    }
+
+    /// `"full"`'s gate on its communication thread: whatever call fails (a gather ahead
+    /// of its use, a reduce-scatter in flight), the pass runs out on zeros without
+    /// hanging, the first failure is kept, the collective comes back, and later calls
+    /// are skipped; with no failure the reduced sums arrive by the end of the pass.
+    #[test]
+    fn a_failing_collective_ends_the_full_gates_pass_and_the_collective_comes_back() {
+        use tutor_policy::ParamGate;
+        // Unit 0 and two layers: three units of two parameters each.
+        let ps: Vec<Tensor> = (0..6)
+            .map(|i| Tensor::ones([4], (Kind::Float, Device::Cpu)) * (i + 1) as f64)
+            .collect();
+        let names: Vec<String> = [
+            "lm_head.weight",
+            "model.embed_tokens.weight",
+            "model.layers.0.a",
+            "model.layers.0.b",
+            "model.layers.1.a",
+            "model.layers.1.b",
+        ]
+        .iter()
+        .map(|n| n.to_string())
+        .collect();
+        let sharded = Sharded::new(Shard::Full, 1 << 20, &names, &ps, 1, 0, false, Device::Cpu);
+        assert_eq!(sharded.layout.units().len(), 3);
+        // Calls in a pass: 5 gathers and 3 reduce-scatters.
+        for (prefetch, fail_at) in [(true, 100), (true, 1), (true, 6), (false, 1), (false, 6)] {
+            let c = FailingAt {
+                inner: tutor_collective::CpuCollective::solo(),
+                calls: 0,
+                fail_at,
+            };
+            let gate = std::sync::Arc::new(std::sync::Mutex::new(FullGate::open(
+                &sharded,
+                &ps,
+                Kind::Float,
+                Box::new(c),
+                prefetch,
+            )));
+            let mut handle = GateHandle(gate.clone());
+            let grads = |n: usize| -> Vec<Tensor> {
+                (0..n)
+                    .map(|_| Tensor::ones([4], (Kind::Float, Device::Cpu)))
+                    .collect()
+            };
+            // The forward, then the backward of layer 1 only; the rest is completed.
+            handle.gather(0);
+            for u in 1..3 {
+                handle.gather(u);
+                handle.release(u);
+            }
+            handle.gather(2);
+            handle.reduce(2, &grads(2));
+            drop(handle);
+            let mut gate = std::sync::Arc::try_unwrap(gate)
+                .ok()
+                .unwrap()
+                .into_inner()
+                .unwrap();
+            gate.complete_pass();
+            let sums: Vec<f32> = Vec::try_from(gate.sums.shallow_clone()).unwrap();
+            let (back, failed, _) = gate.finish();
+            assert_eq!(back.world_size(), 1);
+            if fail_at >= 8 {
+                assert!(failed.is_none(), "{prefetch} {fail_at}");
+                // Layer 1's gradients (ones) reduced into its part; the rest zeros.
+                let unit = &sharded.layout.units()[2];
+                let want: Vec<f32> = (0..sums.len() as i64)
+                    .map(|i| {
+                        let inside = i >= unit.in_slice && i < unit.in_slice + unit.part;
+                        if inside {
+                            1.0
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                assert_eq!(sums, want, "{prefetch}");
+            } else {
+                let (during, e) = failed.expect("the failure is kept");
+                assert!(
+                    e.to_string()
+                        .contains(&format!("injected failure {}", fail_at + 1)),
+                    "{e}"
+                );
+                assert!(during.contains("layer"), "{during}");
+            }
+        }
     }
 
     /// Outside `"full"`, units are buckets of consecutive parameters of at most `bucket`

@@ -159,6 +159,7 @@ impl Trainer {
             &self.params,
             kind,
             collective,
+            self.config.prefetch,
         )));
         self.policy
             .set_param_gate(Some(Box::new(GateHandle(gate.clone()))));
@@ -174,9 +175,10 @@ impl Trainer {
             .expect("the policy dropped its handle of the gate")
             .into_inner()
             .unwrap_or_else(|e| e.into_inner());
-        self.collective = gate.collective;
-        self.pass_parameter_peak = Some(gate.peak_bytes);
-        match gate.failed {
+        let (collective, failed, peak) = gate.finish();
+        self.collective = collective;
+        self.pass_parameter_peak = Some(peak);
+        match failed {
             Some((during, source)) => Err(StepError::Collective { during, source }),
             None => Ok(()),
         }
