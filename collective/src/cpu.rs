@@ -24,6 +24,7 @@ enum Op {
     BroadcastBytes = 4,
     ReduceScatter = 5,
     AllGather = 6,
+    GatherToRoot = 7,
 }
 
 impl Op {
@@ -40,6 +41,7 @@ impl Op {
             Op::BroadcastBytes => "a byte broadcast",
             Op::ReduceScatter => "a reduce-scatter",
             Op::AllGather => "an all-gather",
+            Op::GatherToRoot => "a gather to rank 0",
         }
     }
 }
@@ -787,6 +789,58 @@ impl Collective for CpuCollective {
         Ok(())
     }
 
+    /// Rank 0 concatenates the ranks' inputs and keeps them; the others get nothing back
+    /// (an empty acknowledgement), so rank 0 sends nothing of the whole.
+    fn gather_to_root(
+        &mut self,
+        input: &Tensor,
+        output: Option<&mut Tensor>,
+    ) -> Result<(), CollectiveError> {
+        let share = WireLayout::of(std::slice::from_ref(input))?;
+        let whole = match (&output, self.rank) {
+            (Some(out), 0) => {
+                crate::check_shares("gather_to_root", out, input, self.world_size)?;
+                let whole = WireLayout::of(std::slice::from_ref(*out))?;
+                if share.items[0].1 != whole.items[0].1 {
+                    return Err(CollectiveError::Setup(
+                        "gather_to_root: input and output must both be f64 or both not".into(),
+                    ));
+                }
+                Some(whole)
+            }
+            (None, 0) => {
+                return Err(CollectiveError::Setup(
+                    "gather_to_root: rank 0 must pass an output".into(),
+                ))
+            }
+            _ => None,
+        };
+        if self.world_size == 1 {
+            if let Some(out) = output {
+                tch::no_grad(|| out.copy_(&input.reshape(out.size())));
+            }
+            return Ok(());
+        }
+        let world = self.world_size;
+        let data = self.exchange_each(
+            Op::GatherToRoot,
+            share.encode(std::slice::from_ref(input)),
+            Limits {
+                from_peer: share.bytes,
+                from_root: 0,
+            },
+            |parts| {
+                let mut each = vec![Vec::new(); world];
+                each[0] = parts.concat();
+                Results::PerRank(each)
+            },
+        )?;
+        if let (Some(whole), Some(out)) = (whole, output) {
+            whole.decode_into(&data, std::slice::from_mut(out));
+        }
+        Ok(())
+    }
+
     /// Rank 0 concatenates the ranks' inputs and sends the whole to every rank.
     fn all_gather(&mut self, input: &Tensor, output: &mut Tensor) -> Result<(), CollectiveError> {
         crate::check_shares("all_gather", output, input, self.world_size)?;
@@ -1110,6 +1164,45 @@ mod tests {
         assert!(out.equal(&x));
         let mut out = Tensor::zeros([2], (tch::Kind::Float, Device::Cpu));
         solo.all_gather(&x, &mut out).unwrap();
+        assert!(out.equal(&x));
+    }
+
+    /// A gather to rank 0: rank 0 gets every rank's input in rank order; the others get
+    /// nothing (they accept no byte from rank 0: anything sent would fail their read),
+    /// and the group stays in step. A rank 0 without an output is refused before it
+    /// sends anything; a solo rank copies its input.
+    #[test]
+    fn a_gather_to_root_gives_rank_zero_the_parts_and_the_others_nothing() {
+        let ranks = group(3);
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|mut c| {
+                std::thread::spawn(move || {
+                    let r = c.rank() as f32;
+                    let mine = Tensor::from_slice(&[r, r + 0.5]);
+                    if c.rank() == 0 {
+                        let e = c.gather_to_root(&mine, None).unwrap_err().to_string();
+                        assert!(e.contains("rank 0 must pass an output"), "{e}");
+                        let mut all = Tensor::zeros([6], (tch::Kind::Float, Device::Cpu));
+                        c.gather_to_root(&mine, Some(&mut all)).unwrap();
+                        let v: Vec<f32> = Vec::try_from(all).unwrap();
+                        assert_eq!(v, vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5]);
+                    } else {
+                        c.gather_to_root(&mine, None).unwrap();
+                    }
+                    let mut sum = [Tensor::from_slice(&[1.0f32])];
+                    c.all_reduce_sum(&mut sum).unwrap();
+                    assert_eq!(f32::try_from(&sum[0]).unwrap(), 3.0);
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        let mut solo = CpuCollective::solo();
+        let x = Tensor::from_slice(&[1.5f32, 2.5]);
+        let mut out = Tensor::zeros([2], (tch::Kind::Float, Device::Cpu));
+        solo.gather_to_root(&x, Some(&mut out)).unwrap();
         assert!(out.equal(&x));
     }
 

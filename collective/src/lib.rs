@@ -193,6 +193,27 @@ pub trait Collective: Send {
     /// all-gather).
     fn all_gather(&mut self, input: &Tensor, output: &mut Tensor) -> Result<(), CollectiveError>;
 
+    /// Every rank's `input` (n elements on every rank), in rank order, into rank 0's
+    /// `output` (`world_size × n` elements); the other ranks pass `None` and receive
+    /// nothing. By default an all-gather whose result the other ranks drop (NCCL); the CPU
+    /// collective sends rank 0 the parts only.
+    fn gather_to_root(
+        &mut self,
+        input: &Tensor,
+        output: Option<&mut Tensor>,
+    ) -> Result<(), CollectiveError> {
+        match output {
+            Some(out) => self.all_gather(input, out),
+            None => {
+                let mut dropped = Tensor::empty(
+                    [input.numel() as i64 * self.world_size() as i64],
+                    (input.kind(), input.device()),
+                );
+                self.all_gather(input, &mut dropped)
+            }
+        }
+    }
+
     /// Sums host scalars over the ranks (counts, loss sums), exactly in f64.
     fn all_reduce_sum_f64(&mut self, values: &mut [f64]) -> Result<(), CollectiveError> {
         if self.world_size() == 1 {

@@ -99,10 +99,14 @@ pub struct LearnerConfig {
     /// its group in buckets of this size. Ranks joining with `tutor learner` take rank
     /// 0's value; every rank must use the same one.
     pub bucket_mb: f64,
-    /// With `shard = "full"`: gather the next layer's parameters while the current one
-    /// computes, and wait for a layer's gradient reduce-scatter only at the end of the
-    /// pass (the collective calls run on a thread of their own), for one more layer's
-    /// parameters in memory. Same results either way. On by default.
+    /// With `shard = "full"` over the CPU collective: gather the next layer's parameters
+    /// while the current one computes, and let a layer's gradient reduce-scatter run
+    /// while the next computes (the collective calls run on a thread of their own), for
+    /// one more layer's parameters and one more fp32 gradient buffer of a layer in
+    /// memory. Same results either way. On by default. Over NCCL it has no effect yet:
+    /// NCCL's calls run on the compute stream and wait for the device, so there would be
+    /// nothing to overlap. Every rank must use the same value (ranks joining with `tutor
+    /// learner` take rank 0's).
     pub prefetch: bool,
     /// Memory of each rank's GPU in GiB (80 for an H100, 141 for an H200): `tutor plan`
     /// says whether the run fits, and a learner on a GPU refuses to start a run whose plan

@@ -372,6 +372,13 @@ impl Collective for Recording {
         self.record(output);
         self.inner.all_gather(input, output)
     }
+    fn gather_to_root(
+        &mut self,
+        input: &Tensor,
+        output: Option<&mut Tensor>,
+    ) -> Result<(), CollectiveError> {
+        self.inner.gather_to_root(input, output)
+    }
 }
 
 /// `[learner] bucket_mb`: with buckets a fifth of this model (`"optimizer"` and

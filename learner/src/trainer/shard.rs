@@ -489,15 +489,25 @@ impl Sharded {
         collective: &mut dyn Collective,
     ) -> Result<(), CollectiveError> {
         if self.mode == Shard::Full {
+            // Rank 0 alone keeps them: a gather to it, the others only send their parts.
             for unit in self.layout.units() {
-                let all = self
-                    .layout
-                    .all_gather_unit(unit, &self.weights, kind, collective)?;
-                if let Some(host) = host.as_deref_mut() {
-                    let all = all.to_device(Device::Cpu);
-                    for (j, view) in self.layout.unit_views(unit, &all) {
-                        host[j] = view.copy();
+                if unit.part == 0 {
+                    continue;
+                }
+                let mine = self
+                    .weights
+                    .narrow(0, unit.in_slice, unit.part)
+                    .to_kind(kind);
+                match host.as_deref_mut() {
+                    Some(host) => {
+                        let mut all = Tensor::empty([unit.padded], (kind, mine.device()));
+                        collective.gather_to_root(&mine, Some(&mut all))?;
+                        let all = all.to_device(Device::Cpu);
+                        for (j, view) in self.layout.unit_views(unit, &all) {
+                            host[j] = view.copy();
+                        }
                     }
+                    None => collective.gather_to_root(&mine, None)?,
                 }
             }
             return Ok(());
@@ -816,8 +826,9 @@ impl FullGate {
                 self.submit_gather(ahead);
             }
         }
-        let unit = &self.layout.units()[u];
-        let zeros = || Tensor::zeros([unit.padded], (self.kind, self.device));
+        let padded = self.layout.units()[u].padded;
+        let (kind, device) = (self.kind, self.device);
+        let zeros = || Tensor::zeros([padded], (kind, device));
         let answer = self.gathers.remove(&at).expect("submitted above");
         let all = match answer.recv() {
             Ok(Ok(all)) => all,
@@ -826,9 +837,56 @@ impl FullGate {
                     .get_or_insert(("all-gathering a layer's parameters", e));
                 zeros()
             }
-            Ok(Err(None)) | Err(_) => zeros(),
+            Ok(Err(None)) => zeros(),
+            Err(_) => {
+                self.comm_stopped();
+                zeros()
+            }
         };
+        let unit = &self.layout.units()[u];
         set_unit(&self.layout, unit, &all, &mut self.params);
+        // The thread runs its jobs in order: the reduce-scatters submitted before this
+        // gather are done; their parts go into the sums now rather than wait in memory.
+        self.add_finished_reduces();
+    }
+
+    /// The communication thread ended before answering (it panicked): the step fails.
+    fn comm_stopped(&mut self) {
+        self.failed.get_or_insert((
+            "running the shard's collective calls",
+            CollectiveError::Setup("the communication thread stopped (it panicked)".into()),
+        ));
+    }
+
+    /// Adds into the sums the reduce-scatters that are done, in submission order,
+    /// stopping at the first still running.
+    fn add_finished_reduces(&mut self) {
+        while let Some((u, answer)) = self.reduces.first() {
+            let result = match answer.try_recv() {
+                Ok(result) => Ok(result),
+                Err(std::sync::mpsc::TryRecvError::Empty) => return,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => Err(()),
+            };
+            let u = *u;
+            self.reduces.remove(0);
+            self.add_reduced(u, result);
+        }
+    }
+
+    /// One reduce-scatter's answer (`Err(())`: the thread stopped) into the sums.
+    fn add_reduced(&mut self, u: usize, result: Result<CommResult, ()>) {
+        let unit = &self.layout.units()[u];
+        match result {
+            Ok(Ok(mine)) => tch::no_grad(|| {
+                let _ = self.sums.narrow(0, unit.in_slice, unit.part).g_add_(&mine);
+            }),
+            Ok(Err(Some(e))) => {
+                self.failed
+                    .get_or_insert(("reduce-scattering a layer's gradients", e));
+            }
+            Ok(Err(None)) => {}
+            Err(()) => self.comm_stopped(),
+        }
     }
 
     fn release(&mut self, u: usize) {
@@ -860,17 +918,8 @@ impl FullGate {
     /// Waits for the submitted reduce-scatters and adds each into the sums.
     fn drain_reduces(&mut self) {
         for (u, answer) in std::mem::take(&mut self.reduces) {
-            let unit = &self.layout.units()[u];
-            match answer.recv() {
-                Ok(Ok(mine)) => tch::no_grad(|| {
-                    let _ = self.sums.narrow(0, unit.in_slice, unit.part).g_add_(&mine);
-                }),
-                Ok(Err(Some(e))) => {
-                    self.failed
-                        .get_or_insert(("reduce-scattering a layer's gradients", e));
-                }
-                Ok(Err(None)) | Err(_) => {}
-            }
+            let result = answer.recv().map_err(|_| ());
+            self.add_reduced(u, result);
         }
     }
 }
@@ -982,21 +1031,19 @@ mod tests {
         assert_eq!(last, vec![103.0, 104.0, 0.0]);
     }
 
-    /// A collective that fails from its `fail_at`-th call on (0-based), else a lone rank.
+    /// A lone rank whose gathers and reduce-scatters fail from call `fail_at` (0-based)
+    /// on; `calls` counts every one attempted (shared, so the test sees it).
     struct FailingAt {
         inner: tutor_collective::CpuCollective,
-        calls: usize,
+        calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
         fail_at: usize,
     }
 
     impl FailingAt {
         fn tick(&mut self) -> Result<(), CollectiveError> {
-            self.calls += 1;
-            if self.calls > self.fail_at {
-                return Err(CollectiveError::Setup(format!(
-                    "injected failure {}",
-                    self.calls
-                )));
+            let n = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            if n > self.fail_at {
+                return Err(CollectiveError::Setup(format!("injected failure {n}")));
             }
             Ok(())
         }
@@ -1039,12 +1086,15 @@ mod tests {
         }
     }
 
-    /// `"full"`'s gate on its communication thread: whatever call fails (a gather ahead
-    /// of its use, a reduce-scatter in flight), the pass runs out on zeros without
-    /// hanging, the first failure is kept, the collective comes back, and later calls
-    /// are skipped; with no failure the reduced sums arrive by the end of the pass.
+    /// `"full"`'s gate on its communication thread, with and without prefetching: with
+    /// no failure, two passes' reduced gradients are in the sums when the passes end;
+    /// when a call fails (a gather, or a reduce-scatter in flight), every later call is
+    /// skipped (exactly `fail_at + 1` attempted), the pass runs out on zeros without
+    /// hanging, the first failure is kept naming what failed, and the collective the
+    /// gate was lent comes back.
     #[test]
     fn a_failing_collective_ends_the_full_gates_pass_and_the_collective_comes_back() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
         use tutor_policy::ParamGate;
         // Unit 0 and two layers: three units of two parameters each.
         let ps: Vec<Tensor> = (0..6)
@@ -1061,13 +1111,30 @@ mod tests {
         .iter()
         .map(|n| n.to_string())
         .collect();
-        let sharded = Sharded::new(Shard::Full, 1 << 20, &names, &ps, 1, 0, false, Device::Cpu);
+        let mut sharded = Sharded::new(Shard::Full, 1 << 20, &names, &ps, 1, 0, false, Device::Cpu);
         assert_eq!(sharded.layout.units().len(), 3);
-        // Calls in a pass: 5 gathers and 3 reduce-scatters.
-        for (prefetch, fail_at) in [(true, 100), (true, 1), (true, 6), (false, 1), (false, 6)] {
+        let layer2 = sharded.layout.units()[2].clone();
+        let grads = || -> Vec<Tensor> {
+            (0..2)
+                .map(|_| Tensor::ones([4], (Kind::Float, Device::Cpu)))
+                .collect()
+        };
+        // A pass makes 8 calls: gathers of units 0, 1, 2, then 2 and 1 again, and the
+        // reduce-scatters of units 2, 1, 0; the 7th is unit 1's reduce-scatter (with or
+        // without prefetching), the 2nd unit 1's gather.
+        for (prefetch, fail_at, passes) in [
+            (true, usize::MAX, 2),
+            (false, usize::MAX, 2),
+            (true, 1, 1),
+            (false, 1, 1),
+            (true, 6, 1),
+            (false, 6, 1),
+        ] {
+            sharded.zero_grad_sums();
+            let calls = std::sync::Arc::new(AtomicUsize::new(0));
             let c = FailingAt {
                 inner: tutor_collective::CpuCollective::solo(),
-                calls: 0,
+                calls: calls.clone(),
                 fail_at,
             };
             let gate = std::sync::Arc::new(std::sync::Mutex::new(FullGate::open(
@@ -1077,54 +1144,65 @@ mod tests {
                 Box::new(c),
                 prefetch,
             )));
-            let mut handle = GateHandle(gate.clone());
-            let grads = |n: usize| -> Vec<Tensor> {
-                (0..n)
-                    .map(|_| Tensor::ones([4], (Kind::Float, Device::Cpu)))
-                    .collect()
-            };
-            // The forward, then the backward of layer 1 only; the rest is completed.
-            handle.gather(0);
-            for u in 1..3 {
-                handle.gather(u);
-                handle.release(u);
+            for _ in 0..passes {
+                // The forward, then the backward of layer 2 alone (unit 2 was the last
+                // layer); the rest of the pass is completed with zeros.
+                let mut handle = GateHandle(gate.clone());
+                handle.gather(0);
+                for u in 1..3 {
+                    handle.gather(u);
+                    handle.release(u);
+                }
+                handle.gather(2);
+                handle.reduce(2, &grads());
+                gate.lock().unwrap().complete_pass();
             }
-            handle.gather(2);
-            handle.reduce(2, &grads(2));
-            drop(handle);
-            let mut gate = std::sync::Arc::try_unwrap(gate)
+            let gate = std::sync::Arc::try_unwrap(gate)
                 .ok()
                 .unwrap()
                 .into_inner()
                 .unwrap();
-            gate.complete_pass();
             let sums: Vec<f32> = Vec::try_from(gate.sums.shallow_clone()).unwrap();
-            let (back, failed, _) = gate.finish();
-            assert_eq!(back.world_size(), 1);
-            if fail_at >= 8 {
-                assert!(failed.is_none(), "{prefetch} {fail_at}");
-                // Layer 1's gradients (ones) reduced into its part; the rest zeros.
-                let unit = &sharded.layout.units()[2];
-                let want: Vec<f32> = (0..sums.len() as i64)
-                    .map(|i| {
-                        let inside = i >= unit.in_slice && i < unit.in_slice + unit.part;
-                        if inside {
-                            1.0
-                        } else {
-                            0.0
-                        }
-                    })
-                    .collect();
-                assert_eq!(sums, want, "{prefetch}");
-            } else {
-                let (during, e) = failed.expect("the failure is kept");
-                assert!(
-                    e.to_string()
-                        .contains(&format!("injected failure {}", fail_at + 1)),
-                    "{e}"
-                );
-                assert!(during.contains("layer"), "{during}");
+            let (mut back, failed, _) = gate.finish();
+            let case = format!("prefetch {prefetch}, failing at {fail_at}");
+            // Layer 2's part holds what its reduce-scatters added (ones each pass).
+            let added = if fail_at == 1 { 0.0 } else { passes as f32 };
+            let want: Vec<f32> = (0..sums.len() as i64)
+                .map(|i| {
+                    let inside = i >= layer2.in_slice && i < layer2.in_slice + layer2.part;
+                    if inside {
+                        added
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            assert_eq!(sums, want, "{case}");
+            let made = calls.load(Ordering::SeqCst);
+            match fail_at {
+                usize::MAX => {
+                    assert!(failed.is_none(), "{case}");
+                    assert_eq!(made, 8 * passes, "{case}");
+                }
+                _ => {
+                    assert_eq!(made, fail_at + 1, "{case}: later calls are skipped");
+                    let (during, e) = failed.expect("the failure is kept");
+                    assert!(
+                        e.to_string().contains(&format!("injected failure {made}")),
+                        "{e}"
+                    );
+                    let want = if fail_at == 1 {
+                        "all-gathering a layer's parameters"
+                    } else {
+                        "reduce-scattering a layer's gradients"
+                    };
+                    assert_eq!(during, want, "{case}");
+                }
             }
+            // The collective that comes back is the one lent (its counter moves).
+            let one = Tensor::ones([1], (Kind::Float, Device::Cpu));
+            let _ = back.all_gather(&one, &mut one.zeros_like());
+            assert_eq!(calls.load(Ordering::SeqCst), made + 1, "{case}");
         }
     }
 

@@ -154,12 +154,15 @@ impl Trainer {
         let s = self.sharded.as_ref()?;
         let collective = std::mem::replace(&mut self.collective, Box::new(CpuCollective::solo()));
         let kind = self.param_kind();
+        // NCCL's calls wait for the whole device (nccl.rs) on the compute stream: a
+        // prefetch there would only hold one more layer.
+        let prefetch = self.config.prefetch && collective.device() == tch::Device::Cpu;
         let gate = Arc::new(Mutex::new(FullGate::open(
             s,
             &self.params,
             kind,
             collective,
-            self.config.prefetch,
+            prefetch,
         )));
         self.policy
             .set_param_gate(Some(Box::new(GateHandle(gate.clone()))));
