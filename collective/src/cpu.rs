@@ -630,8 +630,10 @@ fn oversized(
         };
     }
     // Both sides know the exact size of tensors (rank 0's broadcast ones included).
-    let exact = matches!(op, Op::AllReduceSum | Op::ReduceScatter | Op::AllGather)
-        || (op == Op::Broadcast && peer == 0);
+    let exact = matches!(
+        op,
+        Op::AllReduceSum | Op::ReduceScatter | Op::AllGather | Op::GatherToRoot
+    ) || (op == Op::Broadcast && peer == 0);
     if exact {
         return CollectiveError::Mismatch {
             rank,

@@ -99,11 +99,11 @@ pub struct LearnerConfig {
     /// its group in buckets of this size. Ranks joining with `tutor learner` take rank
     /// 0's value; every rank must use the same one.
     pub bucket_mb: f64,
-    /// With `shard = "full"` over the CPU collective: gather the next layer's parameters
+    /// With `shard = "full"` over the CPU collective on the CPU: gather the next layer's parameters
     /// while the current one computes, and let a layer's gradient reduce-scatter run
     /// while the next computes (the collective calls run on a thread of their own), for
     /// one more layer's parameters and one more fp32 gradient buffer of a layer in
-    /// memory. Same results either way. On by default. Over NCCL it has no effect yet:
+    /// memory. Same results either way. On by default. On a GPU it has no effect yet:
     /// NCCL's calls run on the compute stream and wait for the device, so there would be
     /// nothing to overlap. Every rank must use the same value (ranks joining with `tutor
     /// learner` take rank 0's).

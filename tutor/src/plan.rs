@@ -93,8 +93,11 @@ pub fn run_plan(cfg: &RunConfig, model: ModelConfig, gpu_memory_gib: Option<f64>
         gpu_memory: (gib > 0.0).then_some((gib * (1u64 << 30) as f64) as u64),
         shard: l.shard,
         bucket_mb: l.bucket_mb,
-        // The learner prefetches over the CPU collective only (see `[learner] prefetch`).
-        prefetch: l.prefetch && l.collective == tutor_learner::config::CollectiveChoice::Cpu,
+        // The learner prefetches over the CPU collective, on the CPU, only (see
+        // `[learner] prefetch`).
+        prefetch: l.prefetch
+            && l.collective == tutor_learner::config::CollectiveChoice::Cpu
+            && device == tch::Device::Cpu,
     }))
 }
 

@@ -660,7 +660,8 @@ impl CommThread {
 /// thread of their own (`CommThread`), in the order the gate submits them; with
 /// `[learner] prefetch` the gather of the next unit is submitted as soon as one is
 /// taken, so it runs while the policy computes (one more unit in memory), and a unit's
-/// reduce-scatter is waited for only at the end of the pass. Every rank submits the same
+/// reduce-scatter runs while the next unit computes (its part is added once a later
+/// gather returns, at the latest when the pass ends). Every rank submits the same
 /// calls in the same order: a rank short of a batch, or whose loss did not reach the
 /// model, completes the pass with zeros (`complete_pass`). A failed collective is kept
 /// (`failed`) and every later one skipped (the units then hold zeros, so the pass runs
@@ -846,7 +847,8 @@ impl FullGate {
         let unit = &self.layout.units()[u];
         set_unit(&self.layout, unit, &all, &mut self.params);
         // The thread runs its jobs in order: the reduce-scatters submitted before this
-        // gather are done; their parts go into the sums now rather than wait in memory.
+        // gather are done (with prefetch a reduce submitted after it is usually added
+        // at the next gather); their parts go into the sums now rather than wait.
         self.add_finished_reduces();
     }
 

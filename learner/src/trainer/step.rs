@@ -154,9 +154,12 @@ impl Trainer {
         let s = self.sharded.as_ref()?;
         let collective = std::mem::replace(&mut self.collective, Box::new(CpuCollective::solo()));
         let kind = self.param_kind();
-        // NCCL's calls wait for the whole device (nccl.rs) on the compute stream: a
-        // prefetch there would only hold one more layer.
-        let prefetch = self.config.prefetch && collective.device() == tch::Device::Cpu;
+        // NCCL's calls wait for the whole device (nccl.rs) on the compute stream, and a
+        // lone rank on a GPU has nothing to overlap: a prefetch there would only hold
+        // one more layer. Over the CPU collective, training on the CPU.
+        let prefetch = self.config.prefetch
+            && collective.device() == tch::Device::Cpu
+            && s.weights.device() == tch::Device::Cpu;
         let gate = Arc::new(Mutex::new(FullGate::open(
             s,
             &self.params,
@@ -392,7 +395,7 @@ impl Trainer {
                 };
                 s.gather_into_params(&mut self.params, host, kind, &mut *self.collective)
                     .map_err(|source| StepError::Collective {
-                        during: "all-gathering the updated weights",
+                        during: "gathering the updated weights",
                         source,
                     })?;
             }
