@@ -248,31 +248,39 @@ impl FlatLayout {
             .collect()
     }
 
-    /// Every rank's slice gathered, in host memory, as tensors shaped like the parameters.
-    /// Every rank of the group must call it together (a collective per chunk).
+    /// Every rank's slice gathered to rank 0, in its host memory, as tensors shaped like
+    /// the parameters (`None` on the other ranks, which only send theirs and hold no
+    /// copy of the whole). Every rank of the group must call it together (a collective
+    /// per chunk).
     pub(crate) fn gather_to_host(
         &self,
         slice: &Tensor,
         collective: &mut dyn Collective,
-    ) -> Result<Vec<Tensor>, CollectiveError> {
-        let host = Tensor::zeros([self.padded()], (Kind::Float, Device::Cpu));
+    ) -> Result<Option<Vec<Tensor>>, CollectiveError> {
+        let root = self.rank == 0;
+        let host = root.then(|| Tensor::zeros([self.padded()], (Kind::Float, Device::Cpu)));
         let world = self.world as i64;
         for unit in &self.units {
             let mut at = 0;
             while at < unit.part {
                 let len = GATHER_CHUNK.min(unit.part - at);
                 let mine = slice.narrow(0, unit.in_slice + at, len);
-                let mut all = Tensor::zeros([world * len], (Kind::Float, slice.device()));
-                collective.all_gather(&mine, &mut all)?;
-                let all = all.to_device(Device::Cpu);
-                for r in 0..world {
-                    host.narrow(0, unit.start + r * unit.part + at, len)
-                        .copy_(&all.narrow(0, r * len, len));
+                match &host {
+                    Some(host) => {
+                        let mut all = Tensor::zeros([world * len], (Kind::Float, slice.device()));
+                        collective.gather_to_root(&mine, Some(&mut all))?;
+                        let all = all.to_device(Device::Cpu);
+                        for r in 0..world {
+                            host.narrow(0, unit.start + r * unit.part + at, len)
+                                .copy_(&all.narrow(0, r * len, len));
+                        }
+                    }
+                    None => collective.gather_to_root(&mine, None)?,
                 }
                 at += len;
             }
         }
-        Ok(self.split(&host))
+        Ok(host.map(|h| self.split(&h)))
     }
 
     /// This rank's slice of the sum over the ranks of a flat vector given unit by unit:

@@ -156,9 +156,9 @@ impl Trainer {
         let full = self
             .full_optimizer_state()
             .context("gathering the sharded optimizer state for the checkpoint")?;
-        if self.collective.rank() != 0 {
+        let Some(full) = full.filter(|_| self.collective.rank() == 0) else {
             return Ok(());
-        }
+        };
         checkpoint::write_atomically(dir, |tmp| {
             self.policy
                 .save_dir_with(tmp, self.named_parameters())
@@ -226,7 +226,9 @@ impl Trainer {
             }
         }
         // Alone, a sharded trainer's slice is the whole state.
-        let full = self.full_optimizer_state()?;
+        let full = self
+            .full_optimizer_state()?
+            .context("lead_group: rank 0 of its own group holds the whole state")?;
         let mut header = serde_json::to_vec(&state)?;
         collective
             .broadcast_bytes(&mut header)
@@ -442,12 +444,12 @@ impl Trainer {
     }
 
     /// The whole optimizer state, shaped like the parameters: AdamW's moments and, in
-    /// bf16, the fp32 master weights. Sharded, the slices are gathered from every rank
-    /// into host memory (every rank of the group must call it together); else views of
-    /// the trainer's own tensors.
-    fn full_optimizer_state(&mut self) -> Result<FullState> {
+    /// bf16, the fp32 master weights. Sharded, the slices are gathered to rank 0's host
+    /// memory (every rank of the group must call it together; the others get `None`);
+    /// else views of the trainer's own tensors.
+    fn full_optimizer_state(&mut self) -> Result<Option<FullState>> {
         let Some(s) = &self.sharded else {
-            return Ok(FullState {
+            return Ok(Some(FullState {
                 exp_avg: self
                     .optimizer
                     .exp_avg()
@@ -464,7 +466,7 @@ impl Trainer {
                     .master
                     .as_ref()
                     .map(|m| m.weights.iter().map(Tensor::shallow_clone).collect()),
-            });
+            }));
         };
         s.check_whole()?;
         let bf16 = self.trains_in_bf16();
@@ -474,15 +476,17 @@ impl Trainer {
             .layout
             .gather_to_host(&self.optimizer.exp_avg_sq()[0], c)?;
         let master = if bf16 {
-            Some(s.layout.gather_to_host(&s.weights, c)?)
+            s.layout.gather_to_host(&s.weights, c)?
         } else {
             None
         };
-        Ok(FullState {
-            exp_avg,
-            exp_avg_sq,
-            master,
-        })
+        Ok(exp_avg
+            .zip(exp_avg_sq)
+            .map(|(exp_avg, exp_avg_sq)| FullState {
+                exp_avg,
+                exp_avg_sq,
+                master,
+            }))
     }
 
     /// Leaves a broken group: the trainer goes on alone (rank 0 keeps its state and
