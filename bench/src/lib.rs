@@ -17,6 +17,32 @@ pub fn read_json(path: &Path) -> Result<serde_json::Value> {
     serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
 }
 
+/// A field of `/proc/self/status` in KiB (`"VmRSS:"`, `"VmHWM:"`), for the benchmarks
+/// that measure peak memory in a child process (reset through `/proc/self/clear_refs`).
+pub fn status_kib(field: &str) -> Result<u64> {
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .with_context(|| format!("no {field} in /proc/self/status"))
+}
+
+/// Runs `command` (a benchmark's own binary measuring one case in a child process) and
+/// parses the JSON it prints; `what` names the case in the error when it fails.
+pub fn child_json(command: &mut std::process::Command, what: &str) -> Result<serde_json::Value> {
+    let out = command.output()?;
+    if !out.status.success() {
+        bail!(
+            "{what} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    serde_json::from_slice(&out.stdout)
+        .with_context(|| String::from_utf8_lossy(&out.stdout).to_string())
+}
+
 /// The middle value (the upper one of an even count).
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());

@@ -173,20 +173,15 @@ fn append_log_line(path: &Path, line: &str) -> Result<()> {
         f.seek(SeekFrom::Start(len - 1))?;
         f.read_exact(&mut last)?;
         if last[0] != b'\n' {
-            // Where the last whole line ends (0: none is whole).
-            let mut keep = 0u64;
-            let mut at = len;
-            let mut buf = vec![0u8; 64 * 1024];
-            'scan: while at > 0 {
-                let n = (at as usize).min(buf.len());
-                at -= n as u64;
-                f.seek(SeekFrom::Start(at))?;
-                f.read_exact(&mut buf[..n])?;
-                if let Some(i) = buf[..n].iter().rposition(|&b| b == b'\n') {
-                    keep = at + i as u64 + 1;
-                    break 'scan;
-                }
-            }
+            // Rare (after a kill): the whole log read once to find where its last whole
+            // line ends (0: none is whole).
+            let mut text = Vec::new();
+            f.seek(SeekFrom::Start(0))?;
+            f.read_to_end(&mut text)?;
+            let keep = text
+                .iter()
+                .rposition(|&b| b == b'\n')
+                .map_or(0, |i| i as u64 + 1);
             tracing::warn!(
                 path = %path.display(),
                 torn_bytes = len - keep,

@@ -16,9 +16,10 @@
 use std::process::Command;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Parser;
 use tch::Device;
+use tutor_bench::{child_json, status_kib};
 use tutor_learner::config::LearnerConfig;
 use tutor_learner::trainer::Trainer;
 use tutor_policy::{ModelConfig, Policy};
@@ -42,15 +43,6 @@ struct Args {
     /// Internal: run one measurement ("full" or "chunked") and print it as JSON.
     #[arg(long, hide = true)]
     child: Option<String>,
-}
-
-fn status_kib(field: &str) -> Result<u64> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .with_context(|| format!("no {field} in /proc/self/status"))
 }
 
 fn child(mode: &str, args: &Args) -> Result<()> {
@@ -111,21 +103,14 @@ fn main() -> Result<()> {
     for &tokens in &args.tokens {
         let mut runs = Vec::new();
         for mode in ["full", "chunked"] {
-            let out = Command::new(&exe)
-                .args(["--child", mode, "--tokens", &tokens.to_string()])
-                .args(["--vocab", &args.vocab.to_string()])
-                .args(["--labels", &args.labels.to_string()])
-                .args(["--budget-mb", &args.budget_mb.to_string()])
-                .output()?;
-            if !out.status.success() {
-                bail!(
-                    "the {mode} step at {tokens} tokens failed ({}): {}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-                .with_context(|| String::from_utf8_lossy(&out.stdout).to_string())?;
+            let v = child_json(
+                Command::new(&exe)
+                    .args(["--child", mode, "--tokens", &tokens.to_string()])
+                    .args(["--vocab", &args.vocab.to_string()])
+                    .args(["--labels", &args.labels.to_string()])
+                    .args(["--budget-mb", &args.budget_mb.to_string()]),
+                &format!("the {mode} step at {tokens} tokens"),
+            )?;
             runs.push(v);
         }
         let mib = |v: &serde_json::Value| v["extra_kib"].as_f64().unwrap_or(0.0) / 1024.0;

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use tch::Device;
+use tutor_bench::{child_json, status_kib};
 use tutor_collective::{CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
 use tutor_learner::config::{LearnerConfig, Shard};
 use tutor_learner::trainer::{rank_shard, Trainer};
@@ -56,15 +57,6 @@ struct Args {
     /// Internal: run one measurement (mode, bucket MiB) and print it as JSON.
     #[arg(long, hide = true, num_args = 2)]
     child: Option<Vec<String>>,
-}
-
-fn status_kib(field: &str) -> Result<u64> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .with_context(|| format!("no {field} in /proc/self/status"))
 }
 
 fn model(args: &Args) -> ModelConfig {
@@ -210,22 +202,15 @@ fn main() -> Result<()> {
             args.buckets.iter().map(|&b| (mode.as_str(), b)).collect()
         };
         for (mode, bucket) in runs {
-            let out = Command::new(&exe)
-                .args(["--child", mode, &bucket.to_string()])
-                .args(["--ranks", &args.ranks.to_string()])
-                .args(["--hidden", &args.hidden.to_string()])
-                .args(["--layers", &args.layers.to_string()])
-                .args(["--vocab", &args.vocab.to_string()])
-                .output()?;
-            if !out.status.success() {
-                bail!(
-                    "{mode} with {bucket} MiB buckets failed ({}): {}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-                .with_context(|| String::from_utf8_lossy(&out.stdout).to_string())?;
+            let v = child_json(
+                Command::new(&exe)
+                    .args(["--child", mode, &bucket.to_string()])
+                    .args(["--ranks", &args.ranks.to_string()])
+                    .args(["--hidden", &args.hidden.to_string()])
+                    .args(["--layers", &args.layers.to_string()])
+                    .args(["--vocab", &args.vocab.to_string()]),
+                &format!("{mode} with {bucket} MiB buckets"),
+            )?;
             let mib = v["extra_kib"].as_f64().unwrap_or(0.0) / 1024.0;
             let secs = v["seconds"].as_f64().unwrap_or(0.0);
             if reference.is_none() {

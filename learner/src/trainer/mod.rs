@@ -434,21 +434,8 @@ pub(crate) fn broadcast_in_buckets(
     tensors: &mut [Tensor],
     bucket: i64,
 ) -> Result<(), tutor_collective::CollectiveError> {
-    let mut rest = tensors;
-    while !rest.is_empty() {
-        let mut take = 0;
-        let mut filled = 0i64;
-        for t in rest.iter() {
-            let n = t.numel() as i64;
-            if take > 0 && filled + n > bucket {
-                break;
-            }
-            take += 1;
-            filled += n;
-        }
-        let (now, later) = rest.split_at_mut(take);
-        collective.broadcast(now)?;
-        rest = later;
+    for range in shard::buckets(tensors, bucket) {
+        collective.broadcast(&mut tensors[range])?;
     }
     Ok(())
 }

@@ -23,6 +23,26 @@ use crate::config::Shard;
 /// bounds the device memory of the gather to world × this many f32 values.
 const GATHER_CHUNK: i64 = 1 << 24;
 
+/// `tensors` cut into runs of consecutive tensors of at most `bucket` elements each (a
+/// larger tensor alone), as index ranges: the units of the bucketed layouts and the
+/// calls of `broadcast_in_buckets`.
+pub(crate) fn buckets(tensors: &[Tensor], bucket: i64) -> Vec<std::ops::Range<usize>> {
+    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut filled = 0i64;
+    for (i, t) in tensors.iter().enumerate() {
+        let n = t.numel() as i64;
+        match out.last_mut() {
+            Some(last) if filled + n <= bucket => last.end = i + 1,
+            _ => {
+                out.push(i..i + 1);
+                filled = 0;
+            }
+        }
+        filled += n;
+    }
+    out
+}
+
 /// Where each parameter sits in the flat vector and which slice is this rank's.
 ///
 /// The flat vector is cut into units (for `"optimizer"` and `"gradients"` buckets of
@@ -80,19 +100,10 @@ impl FlatLayout {
         rank: usize,
     ) -> Self {
         if mode != Shard::Full {
-            let mut units: Vec<Vec<usize>> = Vec::new();
-            let mut filled = 0i64;
-            for (i, p) in params.iter().enumerate() {
-                let n = p.numel() as i64;
-                match units.last_mut() {
-                    Some(last) if filled + n <= bucket => last.push(i),
-                    _ => {
-                        units.push(vec![i]);
-                        filled = 0;
-                    }
-                }
-                filled += n;
-            }
+            let units: Vec<Vec<usize>> = buckets(params, bucket)
+                .into_iter()
+                .map(|r| r.collect())
+                .collect();
             return Self::with_units(params, &units, world, rank);
         }
         let mut units: Vec<Vec<usize>> = Vec::new();
