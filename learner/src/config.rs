@@ -141,6 +141,19 @@ pub struct LearnerConfig {
     /// The collective of that broadcast: `"cpu"` (TCP) or `"nccl"` (GPU workers sharing
     /// a communicator with rank 0).
     pub broadcast_collective: CollectiveChoice,
+    /// External student engines (base urls) this learner (rank 0) loads every published
+    /// version into, as `[worker.student]` says how (api, reload, api key,
+    /// reload_timeout_s, weights_dir): straight from the learner, once per engine. Workers
+    /// then only wait for their engine to serve the leased version (`[worker.student]
+    /// loaded_by = "learner"`). Empty: with `loaded_by = "learner"`, `[worker.student]
+    /// base_url`; else none (the workers load the versions).
+    pub engines: Vec<String>,
+    /// `[worker.student] reload = "distributed"`: where the learner listens for an engine
+    /// to join each weight-update group, ip:port (port 0: any free port).
+    pub engine_group_listen: String,
+    /// The host engines dial to reach `engine_group_listen` (the learner's address as they
+    /// see it). Default: `engine_group_listen`'s ip, which must then not be 0.0.0.0.
+    pub engine_group_address: Option<String>,
 }
 
 /// How the training state is split across the data-parallel ranks (see
@@ -230,6 +243,9 @@ impl Default for LearnerConfig {
             precision: Precision::Auto,
             weight_receivers: 0,
             broadcast_collective: CollectiveChoice::Cpu,
+            engines: Vec::new(),
+            engine_group_listen: "127.0.0.1:0".into(),
+            engine_group_address: None,
         }
     }
 }

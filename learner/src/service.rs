@@ -1021,7 +1021,15 @@ pub struct ServeOptions {
     /// Listen on a non-loopback address with no token and no client certificates.
     /// Without it that is refused at start (`--insecure` on the command line).
     pub insecure: bool,
+    /// Called once, at start, with the newest published version now and as each newer
+    /// one is published (`tutor learner` loads them into the student engines of
+    /// `[learner] engines`). `None`: nothing to call.
+    pub on_versions: Option<VersionsHook>,
 }
+
+/// See [`ServeOptions::on_versions`].
+pub type VersionsHook =
+    Box<dyn FnOnce(tokio::sync::watch::Receiver<Option<PublishedVersion>>) + Send>;
 
 /// Runs the learner until `shutdown` resolves.
 /// A learner rank's token must be the learner's or the run's: a worker's could neither
@@ -1065,6 +1073,9 @@ pub async fn serve(
             Err(_) => anyhow::anyhow!("the trainer thread stopped before the group formed"),
         }
     };
+    if let Some(hook) = opts.on_versions {
+        hook(store.subscribe());
+    }
     let stopper = handle.clone();
     let broadcast_stop = Arc::new(AtomicBool::new(false));
     if let Some(b) = opts.broadcast {

@@ -19,10 +19,12 @@ pub use tutor_collective::broadcast::VersionFile as PublishedVersion;
 
 /// The versions this learner has published. Shared read-mostly between the trainer
 /// (which adds versions) and the Weights service (which streams them).
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct WeightsStore {
     dir: PathBuf,
     versions: Arc<RwLock<BTreeMap<u64, PublishedVersion>>>,
+    /// The newest version, for those who act on each one as it is published.
+    newest: Arc<tokio::sync::watch::Sender<Option<PublishedVersion>>>,
 }
 
 impl WeightsStore {
@@ -31,7 +33,13 @@ impl WeightsStore {
         Ok(Self {
             dir: dir.to_path_buf(),
             versions: Default::default(),
+            newest: Arc::new(tokio::sync::watch::Sender::new(None)),
         })
+    }
+
+    /// The newest registered version, now and as each newer one is registered.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<Option<PublishedVersion>> {
+        self.newest.subscribe()
     }
 
     /// Where version `v` is written before `register` makes it visible.
@@ -54,6 +62,13 @@ impl WeightsStore {
             .write()
             .expect("weights store lock")
             .insert(version, pv.clone());
+        self.newest.send_if_modified(|newest| {
+            let newer = newest.as_ref().is_none_or(|n| n.version <= version);
+            if newer {
+                *newest = Some(pv.clone());
+            }
+            newer
+        });
         Ok(pv)
     }
 
@@ -160,6 +175,30 @@ mod tests {
     use tokio_stream::StreamExt;
 
     use super::*;
+
+    /// A subscriber sees the newest version at once and each newer one as it is
+    /// registered; registering an older one again (a resume re-registers them all) does
+    /// not take it back.
+    #[tokio::test]
+    async fn subscribers_see_the_newest_version_and_never_an_older_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = WeightsStore::new(dir.path()).unwrap();
+        let mut newest = store.subscribe();
+        assert!(newest.borrow().is_none());
+        for v in [0, 1, 2] {
+            std::fs::write(store.path_for(v), vec![v as u8; 10]).unwrap();
+        }
+        store.register(0).unwrap();
+        store.register(2).unwrap();
+        assert!(newest.has_changed().unwrap());
+        assert_eq!(newest.borrow_and_update().as_ref().unwrap().version, 2);
+        store.register(1).unwrap();
+        assert!(!newest.has_changed().unwrap());
+        let late = store.subscribe();
+        let seen = late.borrow().clone().unwrap();
+        assert_eq!((seen.version, seen.bytes), (2, 10));
+        assert_eq!(seen.sha256, store.get(2).unwrap().sha256);
+    }
 
     /// A published file cut short afterwards (a full disk, an operator's cleanup) makes
     /// the stream end with an error naming the file and where it ends. Before, the

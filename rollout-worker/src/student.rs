@@ -23,7 +23,8 @@ use tutor_proto::auth::ClientAuth;
 use tutor_proto::PolicyVersion;
 
 use crate::student_engine::{
-    stage_version, version_label, EngineError, ReloadKind, RemoteEngine, StudentConfig,
+    keep_newest_staged, stage_version, version_label, EngineError, LoadedBy, ReloadKind,
+    RemoteEngine, StudentConfig,
 };
 
 /// Reloads of an external engine refused in a row after which the worker stops leasing:
@@ -298,6 +299,25 @@ impl StudentHost {
                     Err(e @ EngineError::Down { .. }) => return Err(e.into()),
                     _ => {}
                 }
+                if engine.config().loaded_by == LoadedBy::Learner {
+                    // The learner loads it: wait for the engine to serve it.
+                    let waited = engine.await_version(policy.version, &label).await;
+                    if let Err(e) = &waited {
+                        if !matches!(e, EngineError::Down { .. }) {
+                            self.reload_failures.fetch_add(1, Ordering::SeqCst);
+                        }
+                        self.set_current(NO_VERSION, String::new());
+                    }
+                    waited?;
+                    self.reload_failures.store(0, Ordering::SeqCst);
+                    self.set_current(policy.version, label);
+                    tracing::info!(
+                        version = policy.version,
+                        seconds = t.elapsed().as_secs_f64(),
+                        "the student engine serves the policy version (the learner loaded it)"
+                    );
+                    return Ok(());
+                }
             }
         }
         let pushed = match &self.broadcast {
@@ -467,14 +487,7 @@ impl StudentHost {
     /// Remembers a directory this worker staged; the oldest beyond the two newest are
     /// removed (the engine has copied them in). Only this worker's own.
     fn keep_staged(&self, dir: PathBuf) {
-        let mut staged = self.staged.lock().expect("staged");
-        staged.retain(|d| d != &dir);
-        staged.push_back(dir);
-        while staged.len() > 2 {
-            if let Some(old) = staged.pop_front() {
-                let _ = std::fs::remove_dir_all(old);
-            }
-        }
+        keep_newest_staged(&mut self.staged.lock().expect("staged"), dir);
     }
 
     /// Forgets that the engine serves `version` (it answered with another).

@@ -565,9 +565,9 @@ pub async fn run_worker(
             }
             if student.reload_failures() >= crate::student::RELOAD_FAILURES_TO_STOP {
                 engine_lost = Some(anyhow::anyhow!(
-                    "the student engine at {} refused {} policy versions in a row: stopping \
-                     (episodes would run on versions they were not leased for; the log says why \
-                     each reload failed)",
+                    "the student engine at {} refused (or, loaded by the learner, never served) \
+                     {} policy versions in a row: stopping (episodes would run on versions they \
+                     were not leased for; the log says why each reload failed)",
                     engine.url(),
                     student.reload_failures()
                 ));

@@ -108,7 +108,7 @@ fn dapo_run_across_processes_reports_groups_and_a_finite_loss() {
 /// disk is tested against the same server in engine_student.rs.
 #[test]
 fn dapo_run_with_tutor_serve_as_the_student_engine() {
-    run_on_tutor_serve("sglang");
+    run_on_tutor_serve("sglang", "");
 }
 
 /// The same run with the workers speaking vLLM's API to `tutor serve` (`api = "vllm"`):
@@ -117,12 +117,23 @@ fn dapo_run_with_tutor_serve_as_the_student_engine() {
 /// one of them waits (409) and then finds the version served.
 #[test]
 fn dapo_run_with_tutor_serve_speaking_vllms_api() {
-    run_on_tutor_serve("vllm");
+    run_on_tutor_serve("vllm", "");
+}
+
+/// The same run with the learner loading each version into `tutor serve` itself, through
+/// vLLM's control plane (`[worker.student] loaded_by = "learner"`; `[learner] engines`
+/// defaults to the workers' base_url): the weights go once, straight from the learner;
+/// the workers never load a version, they wait for the engine to serve the leased one; the
+/// learner's first step still sees ratio 1 on every token.
+#[test]
+fn dapo_run_with_the_learner_loading_tutor_serve() {
+    run_on_tutor_serve("vllm", "loaded_by = \"learner\"\n");
 }
 
 /// `dapo_run` with both workers' student on one `tutor serve`, speaking `api`, each
-/// version sent as tensors over the CPU collective; checks what such a run must show.
-fn run_on_tutor_serve(api: &str) {
+/// version sent as tensors over the CPU collective (`student` adds to `[worker.student]`);
+/// checks what such a run must show.
+fn run_on_tutor_serve(api: &str, student: &str) {
     let dir = tempfile::tempdir().unwrap();
     let model = common::make_model(&dir.path().join("student"), &["4096"]);
     let served = common::serve(
@@ -135,7 +146,7 @@ fn run_on_tutor_serve(api: &str) {
         dir.path(),
         &format!("[model]\ninit_from = \"{}\"\n", model.display()),
         &format!(
-            "[worker.student]\nkind = \"engine\"\napi = \"{api}\"\nbase_url = \"http://{}\"\nreload = \"distributed\"\n",
+            "[worker.student]\nkind = \"engine\"\napi = \"{api}\"\nbase_url = \"http://{}\"\nreload = \"distributed\"\n{student}",
             served.addr
         ),
     );
@@ -177,6 +188,34 @@ fn run_on_tutor_serve(api: &str) {
         .map(|e| std::fs::read_to_string(e.path()).unwrap())
         .collect::<String>();
     assert!(logs.contains("student engine answers"), "{logs}");
+    if student.contains("loaded_by = \"learner\"") {
+        // The learner loaded every version; no worker loaded one.
+        let learner_log = std::fs::read_dir(run.join("logs"))
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("learner"))
+            .map(|e| std::fs::read_to_string(e.path()).unwrap())
+            .collect::<String>();
+        for v in &versions {
+            assert!(
+                learner_log.contains("loaded the policy version into the student engine")
+                    && learner_log.contains(&format!("label=tutor-v{v}-")),
+                "the learner never loaded version {v}:\n{learner_log}"
+            );
+        }
+        assert!(!logs.contains("loaded policy version"), "{logs}");
+        // Once per version: the weights went to the engine once each, not once per worker.
+        for v in &versions {
+            let received = serve_log
+                .lines()
+                .filter(|l| {
+                    l.contains("received weights over the collective")
+                        && l.contains(&format!("group=\"tutor-v{v}-"))
+                })
+                .count();
+            assert_eq!(received, 1, "version {v}:\n{serve_log}");
+        }
+    }
     assert!(
         serve_log.contains("received weights over the collective"),
         "{serve_log}"
@@ -280,6 +319,15 @@ fn dapo_run(dir: &std::path::Path, model: &str, extra: &str) -> std::path::PathB
             }
             Event::Outcome(o) => {
                 statuses.insert(o.status);
+                if tutor_coordinator::rollouts::is_ungraded(o) {
+                    // No verdict (e.g. a sandbox that failed under load): the coordinator
+                    // leaves it out of its group, so the expected loss must too.
+                    eprintln!(
+                        "ungraded episode {}: status {} error {:?}",
+                        ev.episode_id, o.status, o.error
+                    );
+                    continue;
+                }
                 let resolved = o.status == OutcomeStatus::Resolved as i32;
                 rewards.insert(ev.episode_id.clone(), if resolved { 1.0 } else { 0.0 });
             }
@@ -345,13 +393,17 @@ fn dapo_run(dir: &std::path::Path, model: &str, extra: &str) -> std::path::PathB
             // token, and the loss is −Σ_i n_i Â_i / Σ_i n_i over the kept groups' episodes
             // (n_i sampled tokens, Â_i from the stored outcomes).
             let iteration = row["iteration"].as_u64().unwrap();
-            let want = loss_at_ratio_one(iteration, &rewards, &sampled);
+            let (want, examples) = loss_at_ratio_one(iteration, &rewards, &sampled);
             assert!(
                 (losses[0] - want).abs() < 1e-3,
                 "learner loss {} vs {want} at ratio 1: {row}",
                 losses[0]
             );
-            assert_eq!(row["train_examples"].as_u64(), Some(3 * kept), "{row}");
+            // One example per graded episode of a kept group (3 each unless one had no
+            // verdict).
+            assert_eq!(row["train_examples"].as_u64(), Some(examples), "{row}");
+            let ungraded = row["ungraded_train"].as_u64().unwrap();
+            assert!(examples + ungraded >= 3 * kept, "{row}");
             trained_rows += 1;
         } else {
             assert!(losses.is_empty(), "{row}");
@@ -363,13 +415,15 @@ fn dapo_run(dir: &std::path::Path, model: &str, extra: &str) -> std::path::PathB
     run.to_path_buf()
 }
 
-/// DAPO's loss at r = 1 over the groups of `iteration` whose rewards differ. Episode ids
-/// are `it{iteration:03}-train{slot:04}-…`; with no held-out slots, slot / G is the group.
+/// DAPO's loss at r = 1 over the groups of `iteration` whose rewards differ, and the
+/// number of episodes in those groups. `rewards` holds graded episodes only (an ungraded
+/// one is out of its group). Episode ids are `it{iteration:03}-train{slot:04}-…`; with no
+/// held-out slots, slot / G is the group.
 fn loss_at_ratio_one(
     iteration: u64,
     rewards: &BTreeMap<String, f64>,
     sampled: &BTreeMap<String, usize>,
-) -> f64 {
+) -> (f64, u64) {
     let prefix = format!("it{iteration:03}-train");
     let mut groups: BTreeMap<usize, Vec<(f64, usize)>> = BTreeMap::new();
     for (id, r) in rewards {
@@ -382,7 +436,7 @@ fn loss_at_ratio_one(
             .or_default()
             .push((*r, sampled.get(id).copied().unwrap_or(0)));
     }
-    let (mut sum, mut n) = (0.0, 0.0);
+    let (mut sum, mut n, mut examples) = (0.0, 0.0, 0);
     for members in groups.values() {
         let g = members.len() as f64;
         let mean = members.iter().map(|m| m.0).sum::<f64>() / g;
@@ -394,7 +448,8 @@ fn loss_at_ratio_one(
             let adv = (r - mean) / (std + 1e-6);
             sum += adv * *tokens as f64;
             n += *tokens as f64;
+            examples += 1;
         }
     }
-    -sum / n
+    (-sum / n, examples)
 }

@@ -354,6 +354,21 @@ async fn tutor_serve_takes_versions_as_tensors_over_the_collective() {
         .unwrap();
     let g = engine.generate(&prompt, &params, &v6).await.unwrap();
     assert_logprobs_of(&v6_policy, &prompt, &g, "version 6");
+    // Another client sharing the engine loading version 6 again sends nothing: the
+    // engine serves it already.
+    let received = || {
+        std::fs::read_to_string(dir.path().join("serve.log"))
+            .unwrap()
+            .matches("received weights over the collective")
+            .count()
+    };
+    let before = received();
+    RemoteEngine::new(&config, vocab)
+        .unwrap()
+        .load_distributed(std::sync::Arc::new(std::fs::read(&file6).unwrap()), 6, &v6)
+        .await
+        .unwrap();
+    assert_eq!(received(), before, "version 6 was sent again");
 
     // Weights of another shape: refused from the announcement, before a byte moves,
     // naming the engine, the version and the tensor; version 6 stays served and answers.
@@ -693,5 +708,216 @@ async fn tutor_serve_is_a_student_engine_through_vllms_api() {
     assert!((1..=3).contains(&swaps), "{swaps} swaps");
     let g = engine.generate(&prompt, &params, &v10).await.unwrap();
     assert_logprobs_of(&v6_policy, &prompt, &g, "version 10 (version 6's weights)");
+    // A worker that reloads the version the engine serves (another loaded it while it
+    // was getting the bytes) swaps nothing: a swap would change the count under other
+    // workers' turns of that version, which are then refused.
+    let swaps_before = weight_info().await;
+    let turn = {
+        let (engine, prompt, params, v10) =
+            (engine.clone(), prompt.clone(), params.clone(), v10.clone());
+        tokio::spawn(async move { engine.generate(&prompt, &params, &v10).await })
+    };
+    tensors
+        .load_distributed(bytes6.clone(), 10, &v10)
+        .await
+        .unwrap();
+    engine
+        .load_from_disk(&staging.join(&name7), 10, &v10)
+        .await
+        .unwrap();
+    assert_eq!(
+        weight_info().await,
+        swaps_before,
+        "version 10 was swapped in again"
+    );
+    turn.await.unwrap().unwrap();
     drop(served);
+}
+
+/// `[learner] engines` (workers: `[worker.student] loaded_by = "learner"`): the learner's
+/// loader puts each published version into every engine, one taking tensors over SGLang's
+/// routes, one reading a staged directory through vLLM's, and workers only wait for it. A
+/// worker waiting for a version nobody loads gets an error naming the engine, the version
+/// and the setting; an engine that lost the version (another client loaded other weights,
+/// as after a restart) gets it back within the check interval; a newer version replaces
+/// it everywhere; the loader ends when the learner drops its sender.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_learner_loads_each_version_into_every_engine_and_workers_wait_for_it() {
+    use tutor_rollout_worker::student_engine::push::{EnginePush, VersionFile};
+    use tutor_rollout_worker::student_engine::LoadedBy;
+
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::make_model(&dir.path().join("model"), &["512", "64"]);
+    let staging = dir.path().join("engine-weights");
+    let (a_dir, b_dir) = (dir.path().join("a"), dir.path().join("b"));
+    for d in [&staging, &a_dir, &b_dir] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let a = common::serve(&model, "student", &a_dir, &["--distributed-updates"]);
+    let b = common::serve(
+        &model,
+        "student",
+        &b_dir,
+        &["--weights-root", staging.to_str().unwrap()],
+    );
+    let vocab = ModelConfig::load(&model.join("config.json"))
+        .unwrap()
+        .vocab_size;
+    let a_config = StudentConfig {
+        kind: StudentKind::Engine,
+        base_url: format!("http://{}", a.addr),
+        timeout_s: 60.0,
+        reload_timeout_s: 60.0,
+        max_retries: 1,
+        down_s: 2.0,
+        reload: ReloadKind::Distributed,
+        loaded_by: LoadedBy::Learner,
+        ..Default::default()
+    };
+    let b_config = StudentConfig {
+        api: EngineApi::Vllm,
+        base_url: format!("http://{}", b.addr),
+        reload: ReloadKind::Disk,
+        ..a_config.clone()
+    };
+    let worker_a = RemoteEngine::new(&a_config, vocab).unwrap();
+    let worker_b = RemoteEngine::new(&b_config, vocab).unwrap();
+
+    let version = |v: u64, factor: f64| {
+        let policy = scaled(&model, factor);
+        let path = dir.path().join(format!("policy-v{v:06}.safetensors"));
+        policy.save_weights(&path).unwrap();
+        let sha256 = format!("{v}").repeat(64)[..64].to_string();
+        let pv = VersionFile {
+            version: v,
+            bytes: std::fs::metadata(&path).unwrap().len(),
+            sha256,
+            path,
+        };
+        (policy, version_label(v, &pv.sha256), pv)
+    };
+    let (v5_policy, v5, pv5) = version(5, 1.5);
+
+    // Nobody loads it: the worker's wait ends after reload_timeout_s with the reason.
+    let impatient = RemoteEngine::new(
+        &StudentConfig {
+            reload_timeout_s: 1.0,
+            ..a_config.clone()
+        },
+        vocab,
+    )
+    .unwrap();
+    let err = impatient
+        .await_version(5, &v5)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&a_config.base_url)
+            && err.contains("policy version 5")
+            && err.contains("[learner] engines"),
+        "{err}"
+    );
+
+    // A worker's student on engine a, leased an episode of version 5 before the learner
+    // loaded it: it waits (it never downloads: its weights endpoint leads nowhere).
+    let host = tutor_rollout_worker::student::StudentHost::remote(
+        &model,
+        &dir.path().join("worker-cache"),
+        &a_config,
+        tutor_proto::auth::ClientAuth::new(None),
+    )
+    .await
+    .unwrap();
+    let leased = tutor_proto::PolicyVersion {
+        version: 5,
+        weights_endpoint: "http://127.0.0.1:9".into(),
+        sha256: pv5.sha256.clone(),
+    };
+    let waiting =
+        tokio::spawn(async move { host.ensure(&leased).await.map(|()| host.loaded_version()) });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !waiting.is_finished(),
+        "the worker did not wait for the learner"
+    );
+
+    let (tx, rx) = tokio::sync::watch::channel(Some(pv5));
+    let push = EnginePush::new(
+        vec![
+            RemoteEngine::new(&a_config, vocab).unwrap(),
+            RemoteEngine::new(&b_config, vocab).unwrap(),
+        ],
+        model.clone(),
+        staging.clone(),
+        staging.clone(),
+    )
+    .unwrap()
+    .check_every(Duration::from_millis(200));
+    let pushing = tokio::spawn(push.run(rx));
+    worker_a.await_version(5, &v5).await.unwrap();
+    worker_b.await_version(5, &v5).await.unwrap();
+    assert_eq!(waiting.await.unwrap().unwrap(), 5);
+    let tok = ChatTokenizer::from_dir(&model).unwrap();
+    let prompt = tok
+        .render_prompt("You fix bugs.", "the test fails")
+        .unwrap();
+    let params = GenParams {
+        temperature: 1.0,
+        top_p: 1.0,
+        max_new_tokens: 12,
+        seed: 5,
+        stop_token_ids: tok.stop_ids().to_vec(),
+    };
+    for (engine, what) in [(&worker_a, "engine a"), (&worker_b, "engine b")] {
+        let g = engine.generate(&prompt, &params, &v5).await.unwrap();
+        assert_logprobs_of(&v5_policy, &prompt, &g, what);
+    }
+    let a_log = std::fs::read_to_string(a_dir.join("serve.log")).unwrap();
+    assert!(
+        a_log.contains("received weights over the collective"),
+        "{a_log}"
+    );
+
+    // Another client loads other weights into engine a: the learner puts version 5 back.
+    let (_, v6, pv6) = version(6, 0.5);
+    RemoteEngine::new(
+        &StudentConfig {
+            loaded_by: LoadedBy::Worker,
+            ..a_config.clone()
+        },
+        vocab,
+    )
+    .unwrap()
+    .load_distributed(
+        std::sync::Arc::new(std::fs::read(&pv6.path).unwrap()),
+        6,
+        &v6,
+    )
+    .await
+    .unwrap();
+    until("engine a serves version 5 again", || async {
+        worker_a.served_version().await.unwrap() == v5
+    })
+    .await;
+
+    // A newer version goes to both.
+    let (v7_policy, v7, pv7) = version(7, 0.75);
+    tx.send(Some(pv7)).unwrap();
+    worker_a.await_version(7, &v7).await.unwrap();
+    worker_b.await_version(7, &v7).await.unwrap();
+    for (engine, what) in [(&worker_a, "engine a"), (&worker_b, "engine b")] {
+        let g = engine.generate(&prompt, &params, &v7).await.unwrap();
+        assert_logprobs_of(&v7_policy, &prompt, &g, what);
+    }
+    // Staged for the disk engine under each version's label; the learner's files stay.
+    assert!(staging.join(&v7).join("model.safetensors").exists());
+    assert!(dir.path().join("policy-v000007.safetensors").exists());
+
+    drop(tx);
+    tokio::time::timeout(Duration::from_secs(10), pushing)
+        .await
+        .expect("the loader ends when the learner drops its sender")
+        .unwrap();
+    drop((a, b));
 }

@@ -281,7 +281,74 @@ impl RunConfig {
         if self.tasks.source == TaskSource::File && self.tasks.train_path.is_none() {
             bail!("tasks.train_path is required when tasks.source = \"file\"");
         }
+        self.learner_engines()?;
         Ok(())
+    }
+
+    /// The student engines the learner loads each version into: `[learner] engines`, or,
+    /// when there are none and `[worker.student] loaded_by = "learner"`, the workers'
+    /// `base_url`. Each is `[worker.student]` with its url and the learner's group address
+    /// (`engine_group_listen`, `engine_group_address`) in place of the worker's.
+    pub fn learner_engines(
+        &self,
+    ) -> Result<Vec<tutor_rollout_worker::student_engine::StudentConfig>> {
+        use tutor_rollout_worker::student_engine::{LoadedBy, ReloadKind, StudentKind};
+        let (s, l) = (&self.worker.student, &self.learner);
+        let learner_loads = s.loaded_by == LoadedBy::Learner;
+        if learner_loads && s.kind != StudentKind::Engine {
+            bail!(
+                "worker.student.loaded_by = \"learner\" is for an external student engine \
+                 (worker.student.kind = \"engine\"): the workers' in-process engines get each \
+                 version from the learner already"
+            );
+        }
+        for (i, url) in l.engines.iter().enumerate() {
+            let u = url.trim().trim_end_matches('/');
+            if !(u.starts_with("http://") || u.starts_with("https://")) || u.ends_with("/v1") {
+                bail!(
+                    "learner.engines[{i}] = {url:?}: give the engine's root url, starting with \
+                     http:// or https:// (not its OpenAI /v1 path)"
+                );
+            }
+        }
+        let urls = if !l.engines.is_empty() {
+            l.engines.clone()
+        } else if learner_loads {
+            vec![s.base_url.clone()]
+        } else {
+            return Ok(Vec::new());
+        };
+        if s.reload == ReloadKind::Distributed {
+            let listen: std::net::SocketAddr = l.engine_group_listen.parse().map_err(|e| {
+                anyhow::anyhow!(
+                    "learner.engine_group_listen = {:?}: not an ip:port ({e})",
+                    l.engine_group_listen
+                )
+            })?;
+            match &l.engine_group_address {
+                Some(a) if a.trim().is_empty() => bail!(
+                    "learner.engine_group_address is empty: name the host the engines dial, or \
+                     leave it out"
+                ),
+                None if listen.ip().is_unspecified() => bail!(
+                    "learner.engine_group_listen = {:?} listens on every address: set \
+                     learner.engine_group_address to the one the engines dial",
+                    l.engine_group_listen
+                ),
+                _ => {}
+            }
+        }
+        Ok(urls
+            .into_iter()
+            .map(
+                |base_url| tutor_rollout_worker::student_engine::StudentConfig {
+                    base_url,
+                    group_listen: l.engine_group_listen.clone(),
+                    group_address: l.engine_group_address.clone(),
+                    ..s.clone()
+                },
+            )
+            .collect())
     }
 }
 
@@ -311,6 +378,75 @@ mod tests {
         let (_d, p) = write("[coordinator.beta]\nkind = \"cosine\"\n");
         let e = format!("{:#}", RunConfig::load(&p).unwrap_err());
         assert!(e.contains("cosine") && e.contains("line 2"), "{e}");
+    }
+
+    /// `[learner] engines` and `[worker.student] loaded_by = "learner"`: the engines the
+    /// learner loads, each a `[worker.student]` with its url and the learner's group
+    /// address; settings that cannot work are refused naming the field.
+    #[test]
+    fn the_learners_engines_follow_the_student_settings_and_are_checked() {
+        let student = "[worker.student]\nkind = \"engine\"\nbase_url = \"http://e0:30000\"\n\
+                       api = \"vllm\"\nreload = \"distributed\"\n";
+        // Workers load (the default): the learner loads nothing.
+        let (_d, p) = write(student);
+        assert!(RunConfig::load(&p)
+            .unwrap()
+            .0
+            .learner_engines()
+            .unwrap()
+            .is_empty());
+        // loaded_by = "learner": the workers' engine by default.
+        let (_d, p) = write(&format!(
+            "{student}loaded_by = \"learner\"\n[learner]\nengine_group_listen = \
+             \"10.0.0.5:0\"\n"
+        ));
+        let engines = RunConfig::load(&p).unwrap().0.learner_engines().unwrap();
+        assert_eq!(engines.len(), 1);
+        let e = &engines[0];
+        assert_eq!(
+            (e.base_url.as_str(), e.group_listen.as_str()),
+            ("http://e0:30000", "10.0.0.5:0")
+        );
+        assert_eq!(e.api, tutor_rollout_worker::student_engine::EngineApi::Vllm);
+        // Or every engine named.
+        let (_d, p) = write(&format!(
+            "{student}loaded_by = \"learner\"\n[learner]\nengines = [\"http://e0:30000\", \
+             \"http://e1:30000\"]\n"
+        ));
+        let engines = RunConfig::load(&p).unwrap().0.learner_engines().unwrap();
+        assert_eq!(engines[1].base_url, "http://e1:30000");
+        for (text, key) in [
+            (
+                "[worker.student]\nloaded_by = \"learner\"\n".to_string(),
+                "worker.student.loaded_by",
+            ),
+            (
+                format!("{student}[learner]\nengines = [\"e1:30000\"]\n"),
+                "learner.engines[0]",
+            ),
+            (
+                format!("{student}[learner]\nengines = [\"http://e1:30000/v1\"]\n"),
+                "learner.engines[0]",
+            ),
+            (
+                format!(
+                    "{student}loaded_by = \"learner\"\n[learner]\nengine_group_listen = \
+                     \"0.0.0.0:0\"\n"
+                ),
+                "learner.engine_group_address",
+            ),
+            (
+                format!(
+                    "{student}loaded_by = \"learner\"\n[learner]\nengine_group_listen = \
+                     \"learner:0\"\n"
+                ),
+                "learner.engine_group_listen",
+            ),
+        ] {
+            let (_d, p) = write(&text);
+            let e = format!("{:#}", RunConfig::load(&p).unwrap_err());
+            assert!(e.contains(key), "{key}: {e}");
+        }
     }
 
     #[test]

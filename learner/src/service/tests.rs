@@ -365,6 +365,7 @@ async fn a_trainer_panic_ends_serve_with_an_error() {
         group: None,
         broadcast: None,
         insecure: false,
+        on_versions: None,
     };
     let served = tokio::spawn(serve(opts, std::future::pending()));
     let addr = tokio::time::timeout(LIMIT, async {

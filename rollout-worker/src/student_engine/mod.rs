@@ -34,6 +34,7 @@ use tutor_collective::{engine_update, CollectiveSecret, CpuCollectiveTimeouts, C
 
 use crate::teacher::endpoint::excerpt;
 
+pub mod push;
 mod vllm;
 
 /// `[worker.student]`: where the student generates.
@@ -81,6 +82,21 @@ pub struct StudentConfig {
     /// worker's address as the engine sees it, e.g. its pod's IP). Default:
     /// `group_listen`'s host, which must then not be 0.0.0.0.
     pub group_address: Option<String>,
+    /// Who loads each policy version into the engine: `worker` (each worker, when it
+    /// leases an episode of a version the engine does not serve) or `learner` (the
+    /// learner, as soon as it publishes the version, into every engine of `[learner]
+    /// engines`: the weights go once per engine, straight from the learner; workers only
+    /// wait, up to `reload_timeout_s`, for their engine to serve the leased version).
+    pub loaded_by: LoadedBy,
+}
+
+/// `[worker.student] loaded_by`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadedBy {
+    #[default]
+    Worker,
+    Learner,
 }
 
 /// `[worker.student] api`.
@@ -126,6 +142,7 @@ impl Default for StudentConfig {
             reload: ReloadKind::Disk,
             group_listen: "127.0.0.1:0".into(),
             group_address: None,
+            loaded_by: LoadedBy::Worker,
         }
     }
 }
@@ -380,6 +397,23 @@ impl RemoteEngine {
         Ok(self.weight_info().await?.0)
     }
 
+    /// Whether the engine serves weight version `label` already (another client sharing
+    /// it loaded it). A reload of what it serves is skipped: besides the wasted transfer,
+    /// vLLM's swap would refuse the turns other clients are running on that version (their
+    /// swap count changes under them). An engine that cannot say is reloaded (the reload
+    /// reports why it fails).
+    pub(super) async fn serves(&self, label: &str, version: u64) -> bool {
+        let serves = matches!(self.served_version().await, Ok(served) if served == label);
+        if serves {
+            tracing::debug!(
+                engine = %self.base,
+                version,
+                "the student engine serves this version already (another client loaded it)"
+            );
+        }
+        serves
+    }
+
     /// The weight version the engine serves and, where it reports one (`tutor serve`'s
     /// `weight_generation`), how many swaps it made so far: from SGLang's `/model_info`
     /// (else its older `/get_model_info`) or vLLM's `/weight_info`.
@@ -435,6 +469,9 @@ impl RemoteEngine {
         if self.config.api == EngineApi::Vllm {
             return self.vllm_load_from_disk(engine_path, version, label).await;
         }
+        if self.serves(label, version).await {
+            return Ok(());
+        }
         let body = json!({
             "model_path": engine_path.display().to_string(),
             "weight_version": label,
@@ -451,6 +488,42 @@ impl RemoteEngine {
             )));
         }
         self.check_served(version, label).await
+    }
+
+    /// `loaded_by = "learner"`: waits up to `reload_timeout_s` for the engine to serve
+    /// weight version `label` (policy version `version`), which the learner loads into it.
+    /// An engine that is down is an error at once (the worker leases nothing until it
+    /// answers again).
+    pub async fn await_version(&self, version: u64, label: &str) -> Result<(), EngineError> {
+        let limit = Duration::from_secs_f64(self.config.reload_timeout_s);
+        let start = Instant::now();
+        let mut logged = false;
+        loop {
+            let served = self.served_version().await?;
+            if served == label {
+                return Ok(());
+            }
+            if start.elapsed() >= limit {
+                return Err(self.refused(format!(
+                    "did not serve policy version {version} ({label}) within {:.0} s \
+                     (worker.student.reload_timeout_s); it serves {served:?}. With \
+                     worker.student.loaded_by = \"learner\" the learner loads each version into \
+                     it: is this engine among the learner's ([learner] engines), and does the \
+                     learner's log say why it could not load it?",
+                    start.elapsed().as_secs_f64()
+                )));
+            }
+            if !logged {
+                tracing::info!(
+                    engine = %self.base,
+                    version,
+                    serving = %served,
+                    "waiting for the learner to load the policy version into the student engine"
+                );
+                logged = true;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
     }
 
     /// After a reload: the engine must report weight version `label`.
@@ -514,6 +587,9 @@ impl RemoteEngine {
             return self
                 .vllm_load_distributed(file, metas, version, label)
                 .await;
+        }
+        if self.serves(label, version).await {
+            return Ok(());
         }
         let update_group = self.update_group(version, label)?;
         let init = update_group.init_fields();
@@ -910,6 +986,19 @@ impl RemoteEngine {
                 // It answers, if not as hoped: up.
                 Err(_) => return Ok(()),
             }
+        }
+    }
+}
+
+/// Adds `dir`, a directory this process staged, to `staged` (oldest first) and removes
+/// the oldest beyond the two newest (the engines have copied them in; the newer may still
+/// be loading). Only the caller's own directories are ever removed.
+pub fn keep_newest_staged(staged: &mut std::collections::VecDeque<PathBuf>, dir: PathBuf) {
+    staged.retain(|d| d != &dir);
+    staged.push_back(dir);
+    while staged.len() > 2 {
+        if let Some(old) = staged.pop_front() {
+            let _ = std::fs::remove_dir_all(old);
         }
     }
 }

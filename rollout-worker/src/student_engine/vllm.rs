@@ -112,8 +112,10 @@ impl RemoteEngine {
     }
 
     /// Runs `attempt` until it loads the version, or another client did (the engine
-    /// serves `label`), retrying after conflicts with other clients' updates for up to
-    /// `reload_timeout_s`; then checks that the engine serves `label`.
+    /// serves `label`: checked before every attempt, so a reload that waited for another
+    /// client's update of the same version does not swap it in again), retrying after
+    /// conflicts with other clients' updates for up to `reload_timeout_s`; then checks that
+    /// the engine serves `label`.
     async fn vllm_reload<F, Fut>(
         &self,
         version: u64,
@@ -127,14 +129,13 @@ impl RemoteEngine {
         let limit = Duration::from_secs_f64(self.config.reload_timeout_s);
         let start = Instant::now();
         loop {
+            if self.serves(label, version).await {
+                return Ok(());
+            }
             match attempt().await {
                 Ok(()) => break,
                 Err(Attempt::Failed(e)) => return Err(e),
                 Err(Attempt::Conflict(m)) => {
-                    if self.served_version().await? == label {
-                        tracing::debug!(version, "another client loaded this version");
-                        return Ok(());
-                    }
                     if start.elapsed() >= limit {
                         return Err(self.refused(format!(
                             "other clients kept updating its weights for {:.0} s \

@@ -214,6 +214,8 @@ pub async fn run(args: LearnerArgs) -> Result<()> {
             );
         }
     }
+    // Rank 0 loads every version into the student engines (`[learner] engines`).
+    let on_versions = engine_push(&cfg, &model_dir, &out_dir)?;
     tutor_learner::serve(
         tutor_learner::ServeOptions {
             listen,
@@ -226,8 +228,44 @@ pub async fn run(args: LearnerArgs) -> Result<()> {
             group,
             broadcast,
             insecure,
+            on_versions,
         },
         shutdown_signal(),
     )
     .await
+}
+
+/// The hook that loads every published version into the student engines of
+/// `[learner] engines` (see `RunConfig::learner_engines`); `None` when there are none.
+fn engine_push(
+    cfg: &RunConfig,
+    model_dir: &std::path::Path,
+    out_dir: &std::path::Path,
+) -> Result<Option<tutor_learner::service::VersionsHook>> {
+    use tutor_rollout_worker::student_engine::{push::EnginePush, RemoteEngine};
+    let engines = cfg.learner_engines()?;
+    if engines.is_empty() {
+        return Ok(None);
+    }
+    let model_config = model_dir.join("config.json");
+    let vocab = tutor_policy::ModelConfig::load(&model_config)
+        .with_context(|| format!("reading {}", model_config.display()))?
+        .vocab_size;
+    let clients = engines
+        .iter()
+        .map(|c| RemoteEngine::new(c, vocab))
+        .collect::<Result<Vec<_>>>()?;
+    let student = &cfg.worker.student;
+    let weights_dir = student
+        .weights_dir
+        .clone()
+        .unwrap_or_else(|| out_dir.join("engine-weights"));
+    let engine_dir = student
+        .engine_weights_dir
+        .clone()
+        .unwrap_or_else(|| weights_dir.clone());
+    let push = EnginePush::new(clients, model_dir.to_path_buf(), weights_dir, engine_dir)?;
+    Ok(Some(Box::new(move |versions| {
+        tokio::spawn(push.run(versions));
+    })))
 }
