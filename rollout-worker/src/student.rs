@@ -23,8 +23,8 @@ use tutor_proto::auth::ClientAuth;
 use tutor_proto::PolicyVersion;
 
 use crate::student_engine::{
-    keep_newest_staged, stage_version, version_label, EngineError, LoadedBy, ReloadKind,
-    RemoteEngine, StudentConfig,
+    keep_newest_staged, label_version, stage_version, version_label, EngineError, LoadedBy,
+    ReloadKind, RemoteEngine, StudentConfig,
 };
 
 /// Reloads of an external engine refused in a row after which the worker stops leasing:
@@ -292,6 +292,7 @@ impl StudentHost {
                 let label = version_label(policy.version, &policy.sha256);
                 match engine.served_version().await {
                     Ok(served) if served == label => {
+                        self.reload_failures.store(0, Ordering::SeqCst);
                         self.set_current(policy.version, label);
                         return Ok(());
                     }
@@ -302,11 +303,21 @@ impl StudentHost {
                 if engine.config().loaded_by == LoadedBy::Learner {
                     // The learner loads it: wait for the engine to serve it.
                     let waited = engine.await_version(policy.version, &label).await;
-                    if let Err(e) = &waited {
-                        if !matches!(e, EngineError::Down { .. }) {
-                            self.reload_failures.fetch_add(1, Ordering::SeqCst);
+                    match &waited {
+                        Ok(()) => {}
+                        // A newer version is served (no reload failed): the episode runs on
+                        // it and is reported under it, as after a failed load.
+                        Err(EngineError::Superseded { served, .. }) => {
+                            let newer = label_version(served).unwrap_or(NO_VERSION);
+                            self.set_current(newer, served.clone());
                         }
-                        self.set_current(NO_VERSION, String::new());
+                        // Down: waited for before leasing, not a refusal.
+                        Err(e) => {
+                            if !matches!(e, EngineError::Down { .. }) {
+                                self.reload_failures.fetch_add(1, Ordering::SeqCst);
+                            }
+                            self.set_current(NO_VERSION, String::new());
+                        }
                     }
                     waited?;
                     self.reload_failures.store(0, Ordering::SeqCst);

@@ -181,25 +181,17 @@ fn run_on_tutor_serve(api: &str, student: &str) {
             "the engine never loaded version {v}:\n{serve_log}"
         );
     }
-    let logs = std::fs::read_dir(run.join("logs"))
-        .unwrap()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with("worker"))
-        .map(|e| std::fs::read_to_string(e.path()).unwrap())
-        .collect::<String>();
+    let logs = role_logs(&run, "worker");
     assert!(logs.contains("student engine answers"), "{logs}");
     if student.contains("loaded_by = \"learner\"") {
         // The learner loaded every version; no worker loaded one.
-        let learner_log = std::fs::read_dir(run.join("logs"))
-            .unwrap()
-            .flatten()
-            .filter(|e| e.file_name().to_string_lossy().starts_with("learner"))
-            .map(|e| std::fs::read_to_string(e.path()).unwrap())
-            .collect::<String>();
+        let learner_log = role_logs(&run, "learner");
         for v in &versions {
             assert!(
-                learner_log.contains("loaded the policy version into the student engine")
-                    && learner_log.contains(&format!("label=tutor-v{v}-")),
+                learner_log.lines().any(|l| {
+                    l.contains("loaded the policy version into the student engine")
+                        && l.contains(&format!("label=tutor-v{v}-"))
+                }),
                 "the learner never loaded version {v}:\n{learner_log}"
             );
         }
@@ -227,6 +219,16 @@ fn run_on_tutor_serve(api: &str, student: &str) {
             "{serve_log}"
         );
     }
+}
+
+/// The logs of the run's processes whose file names start with `role`, one after another.
+fn role_logs(run: &std::path::Path, role: &str) -> String {
+    std::fs::read_dir(run.join("logs"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(role))
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .collect()
 }
 
 /// Runs DAPO on coin-flip toy tasks under `dir` and checks what every such run must show;
@@ -402,8 +404,6 @@ fn dapo_run(dir: &std::path::Path, model: &str, extra: &str) -> std::path::PathB
             // One example per graded episode of a kept group (3 each unless one had no
             // verdict).
             assert_eq!(row["train_examples"].as_u64(), Some(examples), "{row}");
-            let ungraded = row["ungraded_train"].as_u64().unwrap();
-            assert!(examples + ungraded >= 3 * kept, "{row}");
             trained_rows += 1;
         } else {
             assert!(losses.is_empty(), "{row}");

@@ -95,17 +95,7 @@ async fn tutor_serve_is_a_student_engine_with_checked_versions() {
 
     // A turn: the prompt as token ids, the sampled ids and their log-probabilities back,
     // equal to a fresh forward pass of version 5 on the same tokens.
-    let tok = ChatTokenizer::from_dir(&model).unwrap();
-    let prompt = tok
-        .render_prompt("You fix bugs.", "the test fails")
-        .unwrap();
-    let params = GenParams {
-        temperature: 1.0,
-        top_p: 1.0,
-        max_new_tokens: 12,
-        seed: 1,
-        stop_token_ids: tok.stop_ids().to_vec(),
-    };
+    let (prompt, params) = a_turn(&model, 1);
     let g = engine.generate(&prompt, &params, &v5).await.unwrap();
     assert!(!g.tokens.is_empty() && g.tokens.len() <= 12, "{g:?}");
     assert_eq!(g.logprobs.len(), g.tokens.len());
@@ -320,17 +310,7 @@ async fn tutor_serve_takes_versions_as_tensors_over_the_collective() {
     let v5 = version_label(5, "5555555555555555");
     engine.load_distributed(bytes, 5, &v5).await.unwrap();
     assert_eq!(engine.served_version().await.unwrap(), v5);
-    let tok = ChatTokenizer::from_dir(&model).unwrap();
-    let prompt = tok
-        .render_prompt("You fix bugs.", "the test fails")
-        .unwrap();
-    let params = GenParams {
-        temperature: 1.0,
-        top_p: 1.0,
-        max_new_tokens: 12,
-        seed: 3,
-        stop_token_ids: tok.stop_ids().to_vec(),
-    };
+    let (prompt, params) = a_turn(&model, 3);
     let g = engine.generate(&prompt, &params, &v5).await.unwrap();
     assert!(!g.tokens.is_empty());
     assert_logprobs_of(&policy, &prompt, &g, "version 5");
@@ -417,6 +397,23 @@ async fn tutor_serve_takes_versions_as_tensors_over_the_collective() {
         .to_string();
     assert!(err.contains("--distributed-updates"), "{err}");
     assert_eq!(closed_engine.served_version().await.unwrap(), "default");
+}
+
+/// The prompt every test's turns take, as token ids, and unbiased sampling of up to 12
+/// tokens with `seed`.
+fn a_turn(model: &Path, seed: u64) -> (Vec<u32>, GenParams) {
+    let tok = ChatTokenizer::from_dir(model).unwrap();
+    let prompt = tok
+        .render_prompt("You fix bugs.", "the test fails")
+        .unwrap();
+    let params = GenParams {
+        temperature: 1.0,
+        top_p: 1.0,
+        max_new_tokens: 12,
+        seed,
+        stop_token_ids: tok.stop_ids().to_vec(),
+    };
+    (prompt, params)
 }
 
 /// Waits up to 60 s for `what` to hold.
@@ -508,17 +505,7 @@ async fn tutor_serve_is_a_student_engine_through_vllms_api() {
         .unwrap();
     assert_eq!(engine.served_version().await.unwrap(), v5);
     assert!(!is_paused().await);
-    let tok = ChatTokenizer::from_dir(&model).unwrap();
-    let prompt = tok
-        .render_prompt("You fix bugs.", "the test fails")
-        .unwrap();
-    let params = GenParams {
-        temperature: 1.0,
-        top_p: 1.0,
-        max_new_tokens: 12,
-        seed: 1,
-        stop_token_ids: tok.stop_ids().to_vec(),
-    };
+    let (prompt, params) = a_turn(&model, 1);
     let g = engine.generate(&prompt, &params, &v5).await.unwrap();
     assert!(!g.tokens.is_empty() && g.tokens.len() <= 12, "{g:?}");
     assert_logprobs_of(&policy, &prompt, &g, "version 5");
@@ -834,8 +821,10 @@ async fn the_learner_loads_each_version_into_every_engine_and_workers_wait_for_i
         weights_endpoint: "http://127.0.0.1:9".into(),
         sha256: pv5.sha256.clone(),
     };
-    let waiting =
-        tokio::spawn(async move { host.ensure(&leased).await.map(|()| host.loaded_version()) });
+    let waiting = tokio::spawn(async move {
+        let loaded = host.ensure(&leased).await.map(|()| host.loaded_version());
+        (host, loaded)
+    });
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
         !waiting.is_finished(),
@@ -857,18 +846,9 @@ async fn the_learner_loads_each_version_into_every_engine_and_workers_wait_for_i
     let pushing = tokio::spawn(push.run(rx));
     worker_a.await_version(5, &v5).await.unwrap();
     worker_b.await_version(5, &v5).await.unwrap();
-    assert_eq!(waiting.await.unwrap().unwrap(), 5);
-    let tok = ChatTokenizer::from_dir(&model).unwrap();
-    let prompt = tok
-        .render_prompt("You fix bugs.", "the test fails")
-        .unwrap();
-    let params = GenParams {
-        temperature: 1.0,
-        top_p: 1.0,
-        max_new_tokens: 12,
-        seed: 5,
-        stop_token_ids: tok.stop_ids().to_vec(),
-    };
+    let (host, loaded) = waiting.await.unwrap();
+    assert_eq!(loaded.unwrap(), 5);
+    let (prompt, params) = a_turn(&model, 5);
     for (engine, what) in [(&worker_a, "engine a"), (&worker_b, "engine b")] {
         let g = engine.generate(&prompt, &params, &v5).await.unwrap();
         assert_logprobs_of(&v5_policy, &prompt, &g, what);
@@ -910,6 +890,21 @@ async fn the_learner_loads_each_version_into_every_engine_and_workers_wait_for_i
         let g = engine.generate(&prompt, &params, &v7).await.unwrap();
         assert_logprobs_of(&v7_policy, &prompt, &g, what);
     }
+    // A lease of version 5 now (an asynchronous run): the learner loads only the newest,
+    // so the episode runs on version 7 at once and is reported under it; no reload failed.
+    let old_lease = tutor_proto::PolicyVersion {
+        version: 5,
+        weights_endpoint: "http://127.0.0.1:9".into(),
+        sha256: "5".repeat(64),
+    };
+    let err = tokio::time::timeout(Duration::from_secs(10), host.ensure(&old_lease))
+        .await
+        .expect("a superseded lease does not wait")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("newer policy version"), "{err}");
+    assert_eq!((host.loaded_version(), host.reload_failures()), (7, 0));
+
     // Staged for the disk engine under each version's label; the learner's files stay.
     assert!(staging.join(&v7).join("model.safetensors").exists());
     assert!(dir.path().join("policy-v000007.safetensors").exists());

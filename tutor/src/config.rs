@@ -193,6 +193,9 @@ impl RunConfig {
                     .prefix_separator("_")
                     .separator("__")
                     .try_parsing(true)
+                    // TUTOR_LEARNER__ENGINES="http://e0:30000,http://e1:30000"
+                    .list_separator(",")
+                    .with_list_parse_key("learner.engines")
                     .source(Some(overrides)),
             )
             .build()
@@ -302,6 +305,22 @@ impl RunConfig {
                  version from the learner already"
             );
         }
+        if !l.engines.is_empty() && !learner_loads {
+            bail!(
+                "learner.engines names engines for the learner to load, but \
+                 worker.student.loaded_by is \"worker\": set it to \"learner\" (else workers \
+                 and the learner would both load versions into them)"
+            );
+        }
+        if learner_loads
+            && self.worker.weights_from == tutor_rollout_worker::worker::WeightsFrom::Broadcast
+        {
+            bail!(
+                "worker.weights_from = \"broadcast\" with worker.student.loaded_by = \
+                 \"learner\": the workers never load a version, so none should be sent to \
+                 them (leave weights_from at \"grpc\")"
+            );
+        }
         for (i, url) in l.engines.iter().enumerate() {
             let u = url.trim().trim_end_matches('/');
             if !(u.starts_with("http://") || u.starts_with("https://")) || u.ends_with("/v1") {
@@ -336,6 +355,14 @@ impl RunConfig {
                     l.engine_group_listen
                 ),
                 _ => {}
+            }
+            if listen.port() != 0 && urls.len() > 1 {
+                bail!(
+                    "learner.engine_group_listen = {:?}: the learner forms a group with each of \
+                     its {} engines at once, which cannot share one port: give port 0",
+                    l.engine_group_listen,
+                    urls.len()
+                );
             }
         }
         Ok(urls
@@ -421,12 +448,32 @@ mod tests {
                 "worker.student.loaded_by",
             ),
             (
-                format!("{student}[learner]\nengines = [\"e1:30000\"]\n"),
+                format!("{student}loaded_by = \"learner\"\n[learner]\nengines = [\"e1:30000\"]\n"),
                 "learner.engines[0]",
             ),
             (
-                format!("{student}[learner]\nengines = [\"http://e1:30000/v1\"]\n"),
+                format!(
+                    "{student}loaded_by = \"learner\"\n[learner]\nengines = \
+                     [\"http://e1:30000/v1\"]\n"
+                ),
                 "learner.engines[0]",
+            ),
+            (
+                format!("{student}[learner]\nengines = [\"http://e1:30000\"]\n"),
+                "worker.student.loaded_by",
+            ),
+            (
+                format!(
+                    "[worker]\nweights_from = \"broadcast\"\n{student}loaded_by = \"learner\"\n"
+                ),
+                "worker.weights_from",
+            ),
+            (
+                format!(
+                    "{student}loaded_by = \"learner\"\n[learner]\nengines = [\"http://e0:1\", \
+                     \"http://e1:1\"]\nengine_group_listen = \"10.0.0.5:7400\"\n"
+                ),
+                "give port 0",
             ),
             (
                 format!(

@@ -226,6 +226,19 @@ pub enum EngineError {
         served: String,
         expected: String,
     },
+    /// `loaded_by = "learner"`: the engine serves a newer policy version than the lease's,
+    /// and the learner loads only the newest (an asynchronous run leases older versions
+    /// while newer ones are published). Not the engine's fault: no reload failed.
+    #[error(
+        "the student engine at {url} serves {served:?}, a newer policy version than this \
+         lease's version {leased}: the learner loads only the newest version, so the \
+         episode runs on that one and is reported under it"
+    )]
+    Superseded {
+        url: String,
+        served: String,
+        leased: u64,
+    },
     /// The worker is stopping: the turn was abandoned while the engine had not answered.
     #[error("the turn on the student engine at {url} was abandoned: the worker is stopping")]
     Cancelled { url: String },
@@ -502,6 +515,13 @@ impl RemoteEngine {
             let served = self.served_version().await?;
             if served == label {
                 return Ok(());
+            }
+            if label_version(&served).is_some_and(|v| v > version) {
+                return Err(EngineError::Superseded {
+                    url: self.base.clone(),
+                    served,
+                    leased: version,
+                });
             }
             if start.elapsed() >= limit {
                 return Err(self.refused(format!(
@@ -990,6 +1010,14 @@ impl RemoteEngine {
     }
 }
 
+/// The policy version a weight version label names (`tutor-vN-…` or `tutor-vN`, see
+/// [`version_label`]); `None` for any other label (an engine's own weights).
+pub fn label_version(label: &str) -> Option<u64> {
+    let rest = label.strip_prefix("tutor-v")?;
+    let digits = rest.split_once('-').map_or(rest, |(n, _)| n);
+    digits.parse().ok()
+}
+
 /// Adds `dir`, a directory this process staged, to `staged` (oldest first) and removes
 /// the oldest beyond the two newest (the engines have copied them in; the newer may still
 /// be loading). Only the caller's own directories are ever removed.
@@ -1315,6 +1343,18 @@ mod tests {
             .filter(|e| e.file_name() != label)
             .count();
         assert_eq!(leftovers, 0, "temporary directories and downloads are gone");
+    }
+
+    #[test]
+    fn a_labels_policy_version_is_read_back() {
+        assert_eq!(
+            label_version(&version_label(12, "abcdef0123456789")),
+            Some(12)
+        );
+        assert_eq!(label_version(&version_label(3, "")), Some(3));
+        for other in ["default", "reload-4", "tutor-vx-12", "tutor-v"] {
+            assert_eq!(label_version(other), None, "{other}");
+        }
     }
 
     #[test]
