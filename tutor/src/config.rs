@@ -295,7 +295,9 @@ impl RunConfig {
     pub fn learner_engines(
         &self,
     ) -> Result<Vec<tutor_rollout_worker::student_engine::StudentConfig>> {
-        use tutor_rollout_worker::student_engine::{LoadedBy, ReloadKind, StudentKind};
+        use tutor_rollout_worker::student_engine::{
+            checked_base_url, checked_group_listen, LoadedBy, ReloadKind, StudentKind,
+        };
         let (s, l) = (&self.worker.student, &self.learner);
         let learner_loads = s.loaded_by == LoadedBy::Learner;
         if learner_loads && s.kind != StudentKind::Engine {
@@ -322,13 +324,7 @@ impl RunConfig {
             );
         }
         for (i, url) in l.engines.iter().enumerate() {
-            let u = url.trim().trim_end_matches('/');
-            if !(u.starts_with("http://") || u.starts_with("https://")) || u.ends_with("/v1") {
-                bail!(
-                    "learner.engines[{i}] = {url:?}: give the engine's root url, starting with \
-                     http:// or https:// (not its OpenAI /v1 path)"
-                );
-            }
+            checked_base_url(url, &format!("learner.engines[{i}]"))?;
         }
         let urls = if !l.engines.is_empty() {
             l.engines.clone()
@@ -338,24 +334,14 @@ impl RunConfig {
             return Ok(Vec::new());
         };
         if s.reload == ReloadKind::Distributed {
-            let listen: std::net::SocketAddr = l.engine_group_listen.parse().map_err(|e| {
-                anyhow::anyhow!(
-                    "learner.engine_group_listen = {:?}: not an ip:port ({e})",
-                    l.engine_group_listen
-                )
-            })?;
-            match &l.engine_group_address {
-                Some(a) if a.trim().is_empty() => bail!(
-                    "learner.engine_group_address is empty: name the host the engines dial, or \
-                     leave it out"
+            let listen = checked_group_listen(
+                &l.engine_group_listen,
+                l.engine_group_address.as_deref(),
+                (
+                    "learner.engine_group_listen",
+                    "learner.engine_group_address",
                 ),
-                None if listen.ip().is_unspecified() => bail!(
-                    "learner.engine_group_listen = {:?} listens on every address: set \
-                     learner.engine_group_address to the one the engines dial",
-                    l.engine_group_listen
-                ),
-                _ => {}
-            }
+            )?;
             if listen.port() != 0 && urls.len() > 1 {
                 bail!(
                     "learner.engine_group_listen = {:?}: the learner forms a group with each of \

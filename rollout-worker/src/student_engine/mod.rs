@@ -270,24 +270,7 @@ impl std::fmt::Debug for RemoteEngine {
 impl RemoteEngine {
     /// Checks `[worker.student]` (errors name the field) and reads the API key.
     pub fn new(config: &StudentConfig, vocab: usize) -> anyhow::Result<Self> {
-        let base = config.base_url.trim().trim_end_matches('/');
-        if base.is_empty() {
-            anyhow::bail!(
-                "worker.student.base_url is empty: with kind = \"engine\" name the engine, e.g. \
-                 http://127.0.0.1:30000 (SGLang's native API, or tutor serve)"
-            );
-        }
-        if !(base.starts_with("http://") || base.starts_with("https://")) {
-            anyhow::bail!(
-                "worker.student.base_url = {base:?}: must start with http:// or https://"
-            );
-        }
-        if base.ends_with("/v1") {
-            anyhow::bail!(
-                "worker.student.base_url = {base:?}: give the server's root, not its OpenAI \
-                 /v1 path (the student adds the routes it uses)"
-            );
-        }
+        let base = checked_base_url(&config.base_url, "worker.student.base_url")?;
         for (name, v) in [
             ("timeout_s", config.timeout_s),
             ("reload_timeout_s", config.reload_timeout_s),
@@ -300,24 +283,14 @@ impl RemoteEngine {
             }
         }
         if config.reload == ReloadKind::Distributed {
-            let listen: std::net::SocketAddr = config.group_listen.parse().map_err(|e| {
-                anyhow::anyhow!(
-                    "worker.student.group_listen = {:?}: not an ip:port ({e})",
-                    config.group_listen
-                )
-            })?;
-            match &config.group_address {
-                Some(a) if a.trim().is_empty() => anyhow::bail!(
-                    "worker.student.group_address is empty: name the host the engine dials, \
-                     or leave it out"
+            checked_group_listen(
+                &config.group_listen,
+                config.group_address.as_deref(),
+                (
+                    "worker.student.group_listen",
+                    "worker.student.group_address",
                 ),
-                None if listen.ip().is_unspecified() => anyhow::bail!(
-                    "worker.student.group_listen = {:?} listens on every address: set \
-                     worker.student.group_address to the one the engine dials",
-                    config.group_listen
-                ),
-                _ => {}
-            }
+            )?;
         }
         let mut key = std::env::var(&config.api_key_env).unwrap_or_default();
         if key.trim().is_empty() {
@@ -1007,6 +980,51 @@ impl RemoteEngine {
                 Err(_) => return Ok(()),
             }
         }
+    }
+}
+
+/// An engine's base url (the setting `field`) without trailing slashes, checked: not
+/// empty, http(s), the server's root rather than its OpenAI /v1 path. Errors name `field`.
+pub fn checked_base_url<'a>(url: &'a str, field: &str) -> anyhow::Result<&'a str> {
+    let base = url.trim().trim_end_matches('/');
+    if base.is_empty() {
+        anyhow::bail!(
+            "{field} is empty: with kind = \"engine\" name the engine, e.g. \
+             http://127.0.0.1:30000 (SGLang's native API, or tutor serve)"
+        );
+    }
+    if !(base.starts_with("http://") || base.starts_with("https://")) {
+        anyhow::bail!("{field} = {base:?}: must start with http:// or https://");
+    }
+    if base.ends_with("/v1") {
+        anyhow::bail!(
+            "{field} = {base:?}: give the server's root, not its OpenAI /v1 path (the \
+             student adds the routes it uses)"
+        );
+    }
+    Ok(base)
+}
+
+/// Where rank 0 of weight-update groups listens (`listen`, an ip:port) and the host
+/// engines dial to reach it (`address`; default the listen ip, which must then not be
+/// 0.0.0.0), checked; `fields` name the two settings in errors. Returns the listen address.
+pub fn checked_group_listen(
+    listen: &str,
+    address: Option<&str>,
+    (listen_field, address_field): (&str, &str),
+) -> anyhow::Result<std::net::SocketAddr> {
+    let at: std::net::SocketAddr = listen
+        .parse()
+        .map_err(|e| anyhow::anyhow!("{listen_field} = {listen:?}: not an ip:port ({e})"))?;
+    match address {
+        Some(a) if a.trim().is_empty() => anyhow::bail!(
+            "{address_field} is empty: name the host the engine dials, or leave it out"
+        ),
+        None if at.ip().is_unspecified() => anyhow::bail!(
+            "{listen_field} = {listen:?} listens on every address: set {address_field} to the \
+             one the engine dials"
+        ),
+        _ => Ok(at),
     }
 }
 
