@@ -123,8 +123,11 @@ fn dapo_run_with_tutor_serve_speaking_vllms_api() {
 /// The same run with the learner loading each version into `tutor serve` itself, through
 /// vLLM's control plane (`[worker.student] loaded_by = "learner"`; `[learner] engines`
 /// defaults to the workers' base_url): the weights go once, straight from the learner;
-/// the workers never load a version, they wait for the engine to serve the leased one; the
-/// learner's first step still sees ratio 1 on every token.
+/// the workers never load a version, they wait for the engine to serve the leased one. The
+/// engine starts from random weights (`--load-format dummy`, as the Kubernetes overlay
+/// `engine` starts it, from a prepared run directory with no checkpoint): the learner's
+/// first step still sees ratio 1 on every token, so every turn came from the learner's
+/// weights, none from the engine's own.
 #[test]
 fn dapo_run_with_the_learner_loading_tutor_serve() {
     run_on_tutor_serve("vllm", "loaded_by = \"learner\"\n");
@@ -136,12 +139,11 @@ fn dapo_run_with_the_learner_loading_tutor_serve() {
 fn run_on_tutor_serve(api: &str, student: &str) {
     let dir = tempfile::tempdir().unwrap();
     let model = common::make_model(&dir.path().join("student"), &["4096"]);
-    let served = common::serve(
-        &model,
-        "student",
-        dir.path(),
-        &["--max-batch", "4", "--distributed-updates"],
-    );
+    let mut serve_args = vec!["--max-batch", "4", "--distributed-updates"];
+    if student.contains("loaded_by = \"learner\"") {
+        serve_args.extend(["--load-format", "dummy"]);
+    }
+    let served = common::serve(&model, "student", dir.path(), &serve_args);
     let run = dapo_run(
         dir.path(),
         &format!("[model]\ninit_from = \"{}\"\n", model.display()),
@@ -181,11 +183,15 @@ fn run_on_tutor_serve(api: &str, student: &str) {
             "the engine never loaded version {v}:\n{serve_log}"
         );
     }
-    let logs = role_logs(&run, "worker");
+    let logs = common::role_logs(&run, "worker");
     assert!(logs.contains("student engine answers"), "{logs}");
     if student.contains("loaded_by = \"learner\"") {
+        assert!(
+            serve_log.contains("--load-format dummy: serving random weights"),
+            "{serve_log}"
+        );
         // The learner loaded every version; no worker loaded one.
-        let learner_log = role_logs(&run, "learner");
+        let learner_log = common::role_logs(&run, "learner");
         for v in &versions {
             assert!(
                 learner_log.lines().any(|l| {
@@ -219,16 +225,6 @@ fn run_on_tutor_serve(api: &str, student: &str) {
             "{serve_log}"
         );
     }
-}
-
-/// The logs of the run's processes whose file names start with `role`, one after another.
-fn role_logs(run: &std::path::Path, role: &str) -> String {
-    std::fs::read_dir(run.join("logs"))
-        .unwrap()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with(role))
-        .map(|e| std::fs::read_to_string(e.path()).unwrap())
-        .collect()
 }
 
 /// Runs DAPO on coin-flip toy tasks under `dir` and checks what every such run must show;

@@ -48,8 +48,9 @@ use k8s_openapi::ByteString;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use tutor_proto::episode_event::Event;
 
-const OVERLAYS: [&str; 2] = ["cpu", "gpu"];
+const OVERLAYS: [&str; 3] = ["cpu", "gpu", "engine"];
 const NAMESPACE: &str = "tutor";
 const PART_OF: (&str, &str) = ("app.kubernetes.io/part-of", "tutor");
 const ROLE: &str = "app.kubernetes.io/name";
@@ -1233,15 +1234,24 @@ fn check_containers(w: &Workload, p: &mut Problems) {
             ("livenessProbe", &c.liveness_probe),
         ];
         for (which, probe) in probes {
-            let port = probe
-                .as_ref()
-                .and_then(|pr| pr.grpc.as_ref())
-                .map(|g| g.port);
-            if let Some(port) = port.filter(|port| !own.contains(port)) {
-                fail(
-                    &format!("{which}.grpc.port"),
-                    format!("{port} is not a port of this container"),
-                );
+            let Some(probe) = probe else { continue };
+            let grpc = probe.grpc.as_ref().map(|g| IntOrString::Int(g.port));
+            let http = probe.http_get.as_ref().map(|h| h.port.clone());
+            for (kind, port) in [("grpc", grpc), ("httpGet", http)] {
+                let Some(port) = port else { continue };
+                let theirs = match &port {
+                    IntOrString::Int(n) => own.contains(n),
+                    IntOrString::String(name) => {
+                        let mut named = c.ports.iter().flatten();
+                        named.any(|cp| cp.name.as_deref() == Some(name.as_str()))
+                    }
+                };
+                if !theirs {
+                    fail(
+                        &format!("{which}.{kind}.port"),
+                        format!("{} is not a port of this container", show(&port)),
+                    );
+                }
             }
         }
     }
@@ -1444,6 +1454,246 @@ fn check_run_config(r: &Rendered, ws: &[Workload], p: &mut Problems) {
             },
         }
     }
+    check_student_engine(r, ws, &config, p);
+}
+
+/// `[worker.student] kind = "engine"`: the workers' `base_url` is a Service of the render;
+/// when `tutor serve` runs behind it, it takes what the config sends (`reload`), holds
+/// every worker's turns in one batch, and requires the key the workers (and a learner
+/// that loads it) send; the NetworkPolicies let the workers and that learner reach it,
+/// and with `loaded_by = "learner"` let it dial the learner's `engine_group_address`.
+fn check_student_engine(r: &Rendered, ws: &[Workload], config: &RunToml, p: &mut Problems) {
+    let what = format!("{}: ConfigMap/tutor-config", r.overlay);
+    let student = config.0.get("worker").and_then(|w| w.get("student"));
+    let field = |name: &str, default: &str| {
+        let v = student
+            .and_then(|s| s.get(name))
+            .and_then(toml::Value::as_str);
+        v.unwrap_or(default).to_string()
+    };
+    if field("kind", "local") != "engine" {
+        return;
+    }
+    let mut fail = |why: String| p.add(&what, "data.config.toml", why);
+    let base_url = field("base_url", "");
+    let addr = base_url.strip_prefix("http://").unwrap_or(&base_url);
+    let addr = addr.trim_end_matches('/');
+    if let Err(e) = resolve(r, ws, addr) {
+        return fail(format!("[worker.student] base_url {base_url:?}: {e}"));
+    }
+    let (host, port) = addr.rsplit_once(':').unwrap_or_default();
+    let port: i32 = port.parse().unwrap_or_default();
+    let svc = r.services.iter().find(|s| name_of(&s.metadata) == host);
+    let spec = svc.and_then(|s| s.spec.clone()).unwrap_or_default();
+    let sel = spec.selector.clone().unwrap_or_default();
+    let engines: Vec<&Workload> = ws.iter().filter(|w| selects(&sel, &w.labels())).collect();
+    let [engine] = engines[..] else {
+        return fail(format!(
+            "[worker.student] base_url {base_url:?}: Service {host} must select one workload's \
+             pods, found {}",
+            engines.len()
+        ));
+    };
+    let engine_name = format!("{}/{}", engine.kind, engine.name);
+    if engine.replicas != 1 {
+        // The learner loads the engine behind each url once: a second pod behind the same
+        // Service would get only some of the versions.
+        fail(format!(
+            "{} has {} replicas behind {base_url:?}: one engine per Service",
+            engine_name, engine.replicas
+        ));
+    }
+    let Some(engine_port) = service_target(&spec, engine, port) else {
+        return fail(format!(
+            "Service {host} port {port} leads to no container port"
+        ));
+    };
+    let learner_loads = field("loaded_by", "worker") == "learner";
+    let role = |name: &str| ws.iter().find(|w| w.role() == name);
+    let mut clients = vec![("worker", role("worker"))];
+    if learner_loads {
+        clients.push(("learner", role("learner")));
+    }
+    for (name, client) in &clients {
+        match client {
+            Some(c) if !admits(r, c, engine, engine_port) => fail(format!(
+                "no NetworkPolicy lets the {name}'s pods reach {} on port {engine_port}",
+                engine_name
+            )),
+            _ => {}
+        }
+    }
+    let serve = engine
+        .running()
+        .into_iter()
+        .find(|(_, c)| is_tutor(c) && c.args.iter().flatten().any(|a| a == "serve"));
+    // Another server (vLLM, SGLang) is configured by its own flags.
+    let Some((path, serve)) = serve else { return };
+    let args: Vec<&str> = serve.args.iter().flatten().map(String::as_str).collect();
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| *a == name)
+            .and_then(|i| args.get(i + 1))
+    };
+    let needed = match field("reload", "disk").as_str() {
+        "distributed" => "--distributed-updates",
+        _ => "--weights-root",
+    };
+    if !args.contains(&needed) {
+        fail(format!(
+            "[worker.student] reload = {:?}, but {} {path} has no {needed}",
+            field("reload", "disk"),
+            engine_name
+        ));
+    }
+    let batch: f64 = flag("--max-batch")
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(8.0);
+    let workers = role("worker").map_or(0, |w| w.replicas);
+    let capacity = config.number("worker", "capacity", 1.0);
+    if batch < f64::from(workers) * capacity {
+        fail(format!(
+            "{} {path}: --max-batch {batch} holds fewer turns than {workers} workers x \
+             [worker] capacity {capacity}",
+            engine_name
+        ));
+    }
+    // The key the engine requires is the one its clients send.
+    let key_env = field("api_key_env", "TUTOR_STUDENT_API_KEY");
+    let required = secret_env(serve, "TUTOR_SERVE_API_KEY");
+    if required.is_none() && !args.contains(&"--insecure") {
+        fail(format!(
+            "{} {path}: no TUTOR_SERVE_API_KEY from a Secret (tutor serve refuses a \
+             non-loopback --host without a key)",
+            engine_name
+        ));
+    }
+    for (name, client) in &clients {
+        let sent = client
+            .and_then(|w| w.container_named(name))
+            .and_then(|c| secret_env(c, &key_env));
+        if required.is_some() && sent != required {
+            fail(format!(
+                "the {name} sends {key_env} from {sent:?}, the engine requires {required:?}"
+            ));
+        }
+    }
+    if !learner_loads {
+        return;
+    }
+    // The learner listens for the engine to join each version's weight-update group.
+    let Some(learner) = role("learner") else {
+        return;
+    };
+    let learner_name = format!("{}/{}", learner.kind, learner.name);
+    let listen = config.text("learner", "engine_group_listen", "127.0.0.1:0");
+    let group_port: i32 = listen
+        .rsplit_once(':')
+        .and_then(|(_, port)| port.parse().ok())
+        .unwrap_or_default();
+    let group_host = config.text("learner", "engine_group_address", "");
+    if group_port == 0 {
+        return fail(format!(
+            "[learner] engine_group_listen {listen:?}: a fixed port, so that a NetworkPolicy \
+             can let the engine reach it"
+        ));
+    }
+    if let Err(e) = resolve(r, ws, &format!("{group_host}:{group_port}")) {
+        fail(format!(
+            "[learner] engine_group_address {group_host:?}: {e}"
+        ));
+    }
+    if !has_port(learner, &IntOrString::Int(group_port)) {
+        fail(format!(
+            "[learner] engine_group_listen port {group_port} is not a container port of {}",
+            learner_name
+        ));
+    }
+    if !admits(r, engine, learner, group_port) {
+        fail(format!(
+            "no NetworkPolicy lets the engine's pods reach {} on port {group_port} \
+             ([learner] engine_group_listen)",
+            learner_name
+        ));
+    }
+}
+
+/// The container port a Service's `port` leads to on `w`'s pods.
+fn service_target(
+    spec: &k8s_openapi::api::core::v1::ServiceSpec,
+    w: &Workload,
+    port: i32,
+) -> Option<i32> {
+    let sp = spec.ports.iter().flatten().find(|sp| sp.port == port)?;
+    match sp.target_port.clone().unwrap_or(IntOrString::Int(port)) {
+        IntOrString::Int(n) => Some(n),
+        IntOrString::String(name) => w.running().into_iter().find_map(|(_, c)| {
+            let mut ports = c.ports.iter().flatten();
+            let cp = ports.find(|cp| cp.name.as_deref() == Some(name.as_str()))?;
+            Some(cp.container_port)
+        }),
+    }
+}
+
+/// The Secret (name, key) the env variable `name` of `c` comes from.
+fn secret_env(c: &Container, name: &str) -> Option<(String, String)> {
+    let e = c.env.iter().flatten().find(|e| e.name == name)?;
+    let r = e.value_from.as_ref()?.secret_key_ref.as_ref()?;
+    Some((r.name.clone(), r.key.clone()))
+}
+
+/// Whether the NetworkPolicies of the render let `from`'s pods open a connection to
+/// `to`'s pods on the container port `port` (allowed when no policy selects `to`'s pods,
+/// as Kubernetes does).
+fn admits(r: &Rendered, from: &Workload, to: &Workload, port: i32) -> bool {
+    let policies: Vec<_> = r
+        .network_policies
+        .iter()
+        .filter_map(|n| n.spec.as_ref())
+        .filter(|spec| {
+            let sel = spec.pod_selector.clone().unwrap_or_default();
+            selects(&sel.match_labels.unwrap_or_default(), &to.labels())
+        })
+        .collect();
+    if policies.is_empty() {
+        return true;
+    }
+    let peer_ok = |peer: &k8s_openapi::api::networking::v1::NetworkPolicyPeer| match (
+        &peer.pod_selector,
+        &peer.namespace_selector,
+    ) {
+        (Some(ps), None) => {
+            let sel = ps.match_labels.clone().unwrap_or_default();
+            selects(&sel, &from.labels())
+        }
+        _ => false,
+    };
+    let port_ok = |np: &k8s_openapi::api::networking::v1::NetworkPolicyPort| match &np.port {
+        None => true,
+        Some(IntOrString::Int(n)) => *n == port,
+        Some(named) => {
+            let mut ports = to.running().into_iter().flat_map(|(_, c)| c.ports.clone());
+            ports.any(|ps| {
+                ps.iter().any(|cp| {
+                    cp.container_port == port
+                        && IntOrString::String(cp.name.clone().unwrap_or_default()) == *named
+                })
+            })
+        }
+    };
+    policies.iter().any(|spec| {
+        spec.ingress.iter().flatten().any(|rule| {
+            let from_ok = rule
+                .from
+                .as_ref()
+                .is_none_or(|f| f.is_empty() || f.iter().any(peer_ok));
+            let ports_ok = rule
+                .ports
+                .as_ref()
+                .is_none_or(|ps| ps.is_empty() || ps.iter().any(port_ok));
+            from_ok && ports_ok
+        })
+    })
 }
 
 fn check_learner(
@@ -1615,12 +1865,25 @@ fn overlays_render_to_api_objects_whose_references_resolve() {
             .container_named("learner")
             .and_then(|c| c.resources.clone()?.limits?.get("nvidia.com/gpu").cloned());
         match overlay {
-            "cpu" => {
-                assert_eq!((learner.replicas, worker.replicas), (1, 2), "{overlay}");
+            "cpu" | "engine" => {
+                let workers = if overlay == "cpu" { 2 } else { 4 };
+                assert_eq!(
+                    (learner.replicas, worker.replicas),
+                    (1, workers),
+                    "{overlay}"
+                );
                 assert_eq!(learner_gpus, None, "{overlay}: no GPUs");
                 assert_eq!(
                     tutor_images(&r),
                     BTreeSet::from(["registry.invalid/tutor:latest".to_string()])
+                );
+                // The student's engine: one tutor serve, required only by the engine
+                // overlay (check_student_engine checks how it is reached).
+                let engine = ws.iter().find(|w| w.role() == "engine");
+                assert_eq!(
+                    engine.map(|e| e.replicas),
+                    (overlay == "engine").then_some(1),
+                    "{overlay}"
                 );
             }
             _ => {
@@ -1660,7 +1923,7 @@ fn overlays_render_to_api_objects_whose_references_resolve() {
                 .collect();
             assert_eq!(mounted, keys, "{overlay}: the {name}'s Secret keys");
         }
-        // The secret came from the placeholder example: all four keys, no real token.
+        // The secret came from the placeholder example: all five keys, no real token.
         let secret = r
             .secrets
             .iter()
@@ -1671,6 +1934,7 @@ fn overlays_render_to_api_objects_whose_references_resolve() {
             keys,
             [
                 "auth-token",
+                "engine-api-key",
                 "learner-token",
                 "teacher-api-key",
                 "worker-token"
@@ -1721,6 +1985,169 @@ fn each_overlays_config_prepares_a_run_directory_twice() {
             assert!(run_dir.join(f).is_file(), "{overlay}: {f} not prepared");
         }
     }
+}
+
+/// The engine overlay's run, on this machine. Its engine is started as engine.yaml starts
+/// it: the container's own arguments, only the address, the port and the model directory
+/// made local, in a run directory `tutor prepare` made from the rendered config as the
+/// engine's init container does (config.json and tokenizer.json, no weights: `--load-format
+/// dummy`), with the key from the environment. Then `tutor run` on the rendered config.toml,
+/// overridden only where a machine differs from the cluster: the engine's and the
+/// learner's addresses, local sandboxes instead of the Docker sidecars, two workers, a
+/// shorter run. The learner loads every version into the engine, once each; the workers
+/// generate every student turn there, log-probs and all, and never load a version; the
+/// run finishes its DAgger iterations.
+#[test]
+fn the_engine_overlays_run_trains_with_the_learner_loading_its_engine() {
+    let tree = staged();
+    let (r, problems) = problems(tree.path(), "engine");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    let cm = r
+        .config_maps
+        .iter()
+        .find(|c| name_of(&c.metadata) == "tutor-config")
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.toml");
+    std::fs::write(&config, &cm.data.as_ref().unwrap()["config.toml"]).unwrap();
+
+    // The engine pod: its init container, then its container.
+    let engine_run = dir.path().join("engine-run");
+    let out = Command::new(common::tutor_bin())
+        .args(["prepare", "--config"])
+        .arg(&config)
+        .arg("--run-dir")
+        .arg(&engine_run)
+        .env("TUTOR_PYTHON", common::python())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ws = workloads(&r);
+    let engine = ws.iter().find(|w| w.role() == "engine").unwrap();
+    let mut args = engine
+        .container_named("engine")
+        .unwrap()
+        .args
+        .clone()
+        .unwrap();
+    for (flag, value) in [
+        ("--model", engine_run.join("model").display().to_string()),
+        ("--host", "127.0.0.1".into()),
+        ("--port", "0".into()),
+    ] {
+        let i = args.iter().position(|a| a == flag).expect(flag);
+        args[i + 1] = value;
+    }
+    let key = "engine-overlay-test-key";
+    let served = common::serve_with(&args, dir.path(), &[("TUTOR_SERVE_API_KEY", key)]);
+
+    let out_dir = dir.path().join("runs");
+    let engine_url = format!("http://{}", served.addr);
+    let overrides = [
+        ("TUTOR_RUN__OUT_DIR", out_dir.to_str().unwrap()),
+        ("TUTOR_RUN__WORKERS", "2"),
+        ("TUTOR_WORKER__SANDBOX", "local"),
+        ("TUTOR_WORKER__STUDENT__BASE_URL", engine_url.as_str()),
+        ("TUTOR_LEARNER__ENGINE_GROUP_LISTEN", "127.0.0.1:0"),
+        ("TUTOR_LEARNER__ENGINE_GROUP_ADDRESS", "127.0.0.1"),
+        ("TUTOR_STUDENT_API_KEY", key),
+        ("TUTOR_COORDINATOR__ITERATIONS", "2"),
+        ("TUTOR_COORDINATOR__EPISODES_PER_ITERATION", "4"),
+        ("TUTOR_COORDINATOR__HELDOUT_EPISODES", "2"),
+        ("TUTOR_COORDINATOR__FINAL_HELDOUT_EPISODES", "2"),
+        ("TUTOR_COORDINATOR__EPOCHS_PER_ITERATION", "1"),
+        ("TUTOR_COORDINATOR__MAX_STEPS_PER_ITERATION", "2"),
+    ];
+    let out = Command::new(common::tutor_bin())
+        .args(["run", "--config"])
+        .arg(&config)
+        .env("TUTOR_PYTHON", common::python())
+        .envs(overrides)
+        .output()
+        .unwrap();
+    let serve_log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap();
+    let runs: Vec<PathBuf> = std::fs::read_dir(&out_dir)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    let logs = |role: &str| {
+        runs.first()
+            .map(|run| common::role_logs(run, role))
+            .unwrap_or_default()
+    };
+    assert!(
+        out.status.success(),
+        "tutor run failed\nstderr:\n{}\nlearner:\n{}\nworkers:\n{}\nengine:\n{serve_log}",
+        String::from_utf8_lossy(&out.stderr),
+        logs("learner"),
+        logs("worker"),
+    );
+    let run = &runs[0];
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 2, "{metrics}");
+    assert!(
+        serve_log.contains("--load-format dummy: serving random weights"),
+        "{serve_log}"
+    );
+
+    // Every student turn came from the engine, under a version the learner loaded into it.
+    let (events, _) = tutor_coordinator::store::scan(&run.join("trajectories/events.log")).unwrap();
+    let mut versions = BTreeSet::new();
+    let mut student_turns = 0;
+    for ev in &events {
+        match ev.event.as_ref() {
+            Some(Event::Turn(t)) if !t.student_tokens.is_empty() => {
+                student_turns += 1;
+                assert_eq!(t.student_logprobs.len(), t.student_tokens.len());
+            }
+            Some(Event::Outcome(o)) => {
+                assert!(
+                    !o.error.contains("student"),
+                    "{}: {}",
+                    ev.episode_id,
+                    o.error
+                );
+                versions.insert(o.policy_version);
+            }
+            _ => {}
+        }
+    }
+    eprintln!(
+        "{student_turns} student turns over {} events, episodes of versions {versions:?}\n\
+         metrics.jsonl:\n{metrics}",
+        events.len()
+    );
+    assert!(student_turns > 0, "no turn of the student's was stored");
+    assert!(versions.len() >= 2, "episodes of versions {versions:?}");
+    let (learner_log, worker_log) = (logs("learner"), logs("worker"));
+    for v in &versions {
+        assert!(
+            learner_log.lines().any(|l| {
+                l.contains("loaded the policy version into the student engine")
+                    && l.contains(&format!("label=tutor-v{v}-"))
+            }),
+            "the learner never loaded version {v}:\n{learner_log}"
+        );
+        let received = serve_log
+            .lines()
+            .filter(|l| {
+                l.contains("received weights over the collective")
+                    && l.contains(&format!("tutor-v{v}-"))
+            })
+            .count();
+        assert_eq!(received, 1, "version {v}:\n{serve_log}");
+    }
+    assert!(
+        worker_log.contains("student engine answers"),
+        "{worker_log}"
+    );
+    assert!(
+        !worker_log.contains("loaded policy version"),
+        "{worker_log}"
+    );
 }
 
 /// Broken copies of the manifests fail, naming the object and the field.
@@ -1791,6 +2218,30 @@ fn a_broken_manifest_fails_naming_the_object_and_field() {
             "port: 7302",
             "cpu",
             "NetworkPolicy/tutor-learner: spec.ingress[0].ports[0].port",
+        ),
+        // The engine's pods kept from the learner's weight-update port.
+        (
+            "overlays/engine/kustomization.yaml",
+            "        - protocol: TCP\n          port: 7320",
+            "        - protocol: TCP\n          port: 7321",
+            "engine",
+            "ConfigMap/tutor-config: data.config.toml: no NetworkPolicy lets the engine's pods",
+        ),
+        // An engine that would refuse the weights the learner sends.
+        (
+            "overlays/engine/engine.yaml",
+            "        - --distributed-updates\n",
+            "",
+            "engine",
+            "ConfigMap/tutor-config: data.config.toml: [worker.student] reload = \"distributed\"",
+        ),
+        // An engine batch smaller than the workers' turns.
+        (
+            "overlays/engine/engine.yaml",
+            "        - \"8\"",
+            "        - \"2\"",
+            "engine",
+            "ConfigMap/tutor-config: data.config.toml: Deployment/tutor-engine",
         ),
     ];
     for (file, from, to, overlay, expected) in cases {

@@ -425,6 +425,62 @@ fn an_api_key_is_required_when_configured_and_never_logged() {
     );
 }
 
+/// A directory with a config.json and no weights (as `tutor prepare` makes it) is refused,
+/// pointing at `--load-format dummy`; with it the server starts from random weights (an
+/// engine the learner loads, as deploy/k8s/overlays/engine starts it). A directory without
+/// config.json is refused either way, naming it.
+#[test]
+fn a_directory_without_weights_starts_only_with_load_format_dummy() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::make_model(&dir.path().join("model"), &[]);
+    let weightless = dir.path().join("weightless");
+    std::fs::create_dir_all(&weightless).unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(model.join(f), weightless.join(f)).unwrap();
+    }
+    let out = Command::new(common::tutor_bin())
+        .args(["serve", "--device", "cpu", "--port", "0", "--model"])
+        .arg(&weightless)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("weightless") && err.contains("--load-format dummy"),
+        "the error should name the directory and the way out: {err}"
+    );
+    let served = common::serve(&weightless, MODEL, dir.path(), &["--load-format", "dummy"]);
+    let (status, answer) = post(&served.addr, &chat("hi", json!({"max_tokens": 4})));
+    assert_eq!(status, 200, "{answer}");
+    assert!(
+        answer["usage"]["completion_tokens"].as_u64().unwrap() <= 4,
+        "{answer}"
+    );
+    drop(served);
+    let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap();
+    assert!(log.contains("serving random weights"), "{log}");
+    let out = Command::new(common::tutor_bin())
+        .args([
+            "serve",
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--load-format",
+            "dummy",
+            "--model",
+        ])
+        .arg(dir.path().join("nowhere"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--load-format dummy") && err.contains("nowhere"),
+        "the error should name the directory: {err}"
+    );
+}
+
 #[test]
 fn official_openai_python_client() {
     let server = start(&["--max-batch", "2"]);

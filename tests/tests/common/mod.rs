@@ -262,23 +262,35 @@ impl Drop for Served {
 /// Starts `tutor serve --model MODEL --served-model-name NAME --port 0 --device cpu EXTRA`
 /// with its log and address file in `dir`, and waits until it listens.
 pub fn serve(model: &Path, name: &str, dir: &Path, extra: &[&str]) -> Served {
-    let addr_file = dir.join("serve-addr");
-    let log_path = dir.join("serve.log");
-    let log = std::fs::File::create(&log_path).unwrap();
-    let child = Command::new(tutor_bin())
-        .args(["serve", "--model"])
-        .arg(model)
-        .args([
+    let mut args: Vec<String> = ["serve", "--model"].map(String::from).to_vec();
+    args.push(model.display().to_string());
+    args.extend(
+        [
             "--served-model-name",
             name,
             "--port",
             "0",
             "--device",
             "cpu",
-        ])
+        ]
+        .map(String::from),
+    );
+    args.extend(extra.iter().map(|a| a.to_string()));
+    serve_with(&args, dir, &[])
+}
+
+/// Starts `tutor ARGS --addr-file DIR/serve-addr` (ARGS: global flags, `serve` and its
+/// flags, with `--port 0`) with `env` and its log at DIR/serve.log, and waits until it
+/// listens.
+pub fn serve_with(args: &[String], dir: &Path, env: &[(&str, &str)]) -> Served {
+    let addr_file = dir.join("serve-addr");
+    let log_path = dir.join("serve.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let child = Command::new(tutor_bin())
+        .args(args)
         .arg("--addr-file")
         .arg(&addr_file)
-        .args(extra)
+        .envs(env.iter().copied())
         // Weight reloads are logged at info.
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
@@ -303,6 +315,17 @@ pub fn serve(model: &Path, name: &str, dir: &Path, extra: &[&str]) -> Served {
         .trim()
         .to_string();
     served
+}
+
+/// The logs of a run's processes (RUN/logs) whose file names start with `role`, one after
+/// another.
+pub fn role_logs(run: &Path, role: &str) -> String {
+    std::fs::read_dir(run.join("logs"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(role))
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .collect()
 }
 
 /// The trajectory store of a finished run, checked for what every restart test relies

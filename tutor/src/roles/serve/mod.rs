@@ -12,7 +12,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Args;
 use tch::Device;
-use tutor_policy::{spawn_engine, ChatTokenizer, EngineConfig, Policy};
+use tutor_policy::{spawn_engine, ChatTokenizer, EngineConfig, ModelConfig, Policy};
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
@@ -53,6 +53,14 @@ pub struct ServeArgs {
     /// allowed (or --insecure). `/health` never needs the key. The key is never logged.
     #[arg(long, value_name = "PATH")]
     api_key_file: Option<PathBuf>,
+    /// `auto`: the weights are read from --model's safetensors files. `dummy`: only its
+    /// config.json is read and the weights are random (as vLLM's `--load-format dummy`),
+    /// for an engine whose every version comes from the learner (`[worker.student]
+    /// loaded_by = "learner"`, or workers that load each version before using it): it starts
+    /// from a run directory `tutor prepare` made, before any checkpoint exists. Until a
+    /// client loads a version its answers are noise, served under --weight-version.
+    #[arg(long, value_enum, default_value = "auto")]
+    load_format: LoadFormat,
     /// The weight version the starting weights are served as (`/generate` answers and
     /// `/get_weight_version` name it); each `/update_weights_from_disk` names its own.
     #[arg(long, default_value = "default")]
@@ -74,6 +82,13 @@ pub struct ServeArgs {
     /// refused: anyone who can reach the port could use the model.
     #[arg(long)]
     insecure: bool,
+}
+
+/// `tutor serve --load-format`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadFormat {
+    Auto,
+    Dummy,
 }
 
 /// Environment variable holding `tutor serve`'s API key (alternative to --api-key-file).
@@ -144,8 +159,30 @@ pub async fn serve(
         "auto" => Device::cuda_if_available(),
         other => anyhow::bail!("--device {other:?}: expected cpu, cuda or auto"),
     };
-    let mut policy = Policy::load_dir(&args.model, device)
-        .with_context(|| format!("loading the model from {}", args.model.display()))?;
+    let mut policy = match args.load_format {
+        LoadFormat::Auto => Policy::load_dir(&args.model, device).with_context(|| {
+            let weightless = args.model.join("config.json").is_file()
+                && !args.model.join("model.safetensors").exists()
+                && !args.model.join("model.safetensors.index.json").exists();
+            let hint = if weightless {
+                " (it has no weights: --load-format dummy starts from its config.json alone, \
+                 for an engine into which the learner or the workers load every version)"
+            } else {
+                ""
+            };
+            format!("loading the model from {}{hint}", args.model.display())
+        })?,
+        LoadFormat::Dummy => {
+            let config = ModelConfig::load(&args.model.join("config.json")).with_context(|| {
+                format!("--load-format dummy: reading {}", args.model.display())
+            })?;
+            tracing::warn!(
+                version = %args.weight_version,
+                "--load-format dummy: serving random weights until a client loads a version"
+            );
+            Policy::new(config, device, 0)
+        }
+    };
     if device.is_cuda() {
         policy.var_store_mut().bfloat16();
     }
