@@ -1026,8 +1026,9 @@ impl Policy {
     }
 
     /// The architecture with all matrices zero (norms 1): the starting point for loading a
-    /// checkpoint, where drawing random weights first would only cost time.
-    pub(crate) fn zeroed(config: ModelConfig, device: Device) -> Self {
+    /// checkpoint, where drawing random weights first would only cost time (every token is
+    /// equally likely until then).
+    pub fn zeroed(config: ModelConfig, device: Device) -> Self {
         if let Err((field, message)) = config.validate() {
             panic!("invalid ModelConfig: field `{field}` {message}");
         }

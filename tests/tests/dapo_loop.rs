@@ -124,7 +124,7 @@ fn dapo_run_with_tutor_serve_speaking_vllms_api() {
 /// vLLM's control plane (`[worker.student] loaded_by = "learner"`; `[learner] engines`
 /// defaults to the workers' base_url): the weights go once, straight from the learner;
 /// the workers never load a version, they wait for the engine to serve the leased one. The
-/// engine starts from random weights (`--load-format dummy`, as the Kubernetes overlay
+/// engine starts from placeholder weights (`--load-format dummy`, as the Kubernetes overlay
 /// `engine` starts it, from a prepared run directory with no checkpoint): the learner's
 /// first step still sees ratio 1 on every token, so every turn came from the learner's
 /// weights, none from the engine's own.
@@ -187,7 +187,7 @@ fn run_on_tutor_serve(api: &str, student: &str) {
     assert!(logs.contains("student engine answers"), "{logs}");
     if student.contains("loaded_by = \"learner\"") {
         assert!(
-            serve_log.contains("--load-format dummy: serving random weights"),
+            serve_log.contains("--load-format dummy: serving placeholder weights"),
             "{serve_log}"
         );
         // The learner loaded every version; no worker loaded one.

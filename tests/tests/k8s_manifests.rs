@@ -6,7 +6,7 @@
 //! The renderer implements the subset of kustomize that deploy/k8s uses, and refuses any
 //! other field of a kustomization.yaml, so that a manifest using more fails here until
 //! the renderer learns it. `kubectl apply -k` accepts the same files, and where kubectl is
-//! installed a test renders both overlays with it and compares, object by object. The
+//! installed a test renders every overlay with it and compares, object by object. The
 //! subset (where the renderer is stricter than kustomize, it says so):
 //! - `resources`: YAML files in the kustomization's folder (several documents each) and
 //!   folders holding a kustomization.yaml (rendered in full first);
@@ -1558,13 +1558,15 @@ fn check_student_engine(r: &Rendered, ws: &[Workload], config: &RunToml, p: &mut
             engine_name
         ));
     }
-    // The key the engine requires is the one its clients send.
+    // The key the engine requires is the one its clients send (compared when both come
+    // from Secret keys in env; a key file mounted from a Secret is taken as given).
     let key_env = field("api_key_env", "TUTOR_STUDENT_API_KEY");
     let required = secret_env(serve, "TUTOR_SERVE_API_KEY");
-    if required.is_none() && !args.contains(&"--insecure") {
+    let key_file = args.contains(&"--api-key-file");
+    if required.is_none() && !key_file && !args.contains(&"--insecure") {
         fail(format!(
-            "{} {path}: no TUTOR_SERVE_API_KEY from a Secret (tutor serve refuses a \
-             non-loopback --host without a key)",
+            "{} {path}: no TUTOR_SERVE_API_KEY from a Secret nor --api-key-file (tutor \
+             serve refuses a non-loopback --host without a key)",
             engine_name
         ));
     }
@@ -1592,29 +1594,68 @@ fn check_student_engine(r: &Rendered, ws: &[Workload], config: &RunToml, p: &mut
         .and_then(|(_, port)| port.parse().ok())
         .unwrap_or_default();
     let group_host = config.text("learner", "engine_group_address", "");
-    if group_port == 0 {
-        return fail(format!(
-            "[learner] engine_group_listen {listen:?}: a fixed port, so that a NetworkPolicy \
-             can let the engine reach it"
-        ));
-    }
-    if let Err(e) = resolve(r, ws, &format!("{group_host}:{group_port}")) {
+    // Port 0 (several engines: a port each, picked at run time): the address names a pod
+    // behind a Service, on whatever port that Service has.
+    let address_port = match group_port {
+        0 => r
+            .services
+            .iter()
+            .find(|s| Some(name_of(&s.metadata)) == group_host.split('.').nth(1))
+            .and_then(|s| s.spec.as_ref()?.ports.as_ref()?.first().map(|p| p.port))
+            .unwrap_or_default(),
+        port => port,
+    };
+    if let Err(e) = resolve(r, ws, &format!("{group_host}:{address_port}")) {
         fail(format!(
             "[learner] engine_group_address {group_host:?}: {e}"
         ));
     }
-    if !has_port(learner, &IntOrString::Int(group_port)) {
+    if group_port != 0 && !has_port(learner, &IntOrString::Int(group_port)) {
         fail(format!(
             "[learner] engine_group_listen port {group_port} is not a container port of {}",
             learner_name
         ));
     }
     if !admits(r, engine, learner, group_port) {
+        let port = match group_port {
+            0 => "any port (engine_group_listen port 0)".to_string(),
+            port => format!("port {port}"),
+        };
         fail(format!(
-            "no NetworkPolicy lets the engine's pods reach {} on port {group_port} \
-             ([learner] engine_group_listen)",
-            learner_name
+            "no NetworkPolicy lets the engine's pods reach {learner_name} on {port} \
+             ([learner] engine_group_listen)"
         ));
+    }
+    // Every engine the learner loads is one of this render's Services, which lets it in.
+    let engines = config
+        .get("learner", "engines")
+        .and_then(toml::Value::as_array);
+    for url in engines
+        .into_iter()
+        .flatten()
+        .filter_map(toml::Value::as_str)
+    {
+        let addr = url
+            .strip_prefix("http://")
+            .unwrap_or(url)
+            .trim_end_matches('/');
+        if let Err(e) = resolve(r, ws, addr) {
+            fail(format!("[learner] engines: {url:?}: {e}"));
+            continue;
+        }
+        let (host, port) = addr.rsplit_once(':').unwrap_or_default();
+        let svc = r.services.iter().find(|s| name_of(&s.metadata) == host);
+        let spec = svc.and_then(|s| s.spec.clone()).unwrap_or_default();
+        let sel = spec.selector.clone().unwrap_or_default();
+        for w in ws.iter().filter(|w| selects(&sel, &w.labels())) {
+            let target = service_target(&spec, w, port.parse().unwrap_or_default());
+            if !target.is_some_and(|t| admits(r, learner, w, t)) {
+                fail(format!(
+                    "[learner] engines: {url:?}: the learner's pods cannot reach {}/{}",
+                    w.kind, w.name
+                ));
+            }
+        }
     }
 }
 
@@ -1642,58 +1683,79 @@ fn secret_env(c: &Container, name: &str) -> Option<(String, String)> {
     Some((r.name.clone(), r.key.clone()))
 }
 
-/// Whether the NetworkPolicies of the render let `from`'s pods open a connection to
-/// `to`'s pods on the container port `port` (allowed when no policy selects `to`'s pods,
-/// as Kubernetes does).
+/// Whether the NetworkPolicies of the render let `from`'s pods open a TCP connection to
+/// `to`'s pods on the container port `port` (0: on every port), as Kubernetes decides it:
+/// the policies with `Ingress` among their types (the default) that select `to`'s pods must
+/// together have a rule admitting `from`'s pods on the port, or none may select them; and
+/// likewise for `Egress` policies selecting `from`'s pods, with their rules' `to` peers.
+/// Only `podSelector` peers of this namespace are evaluated (a peer with a
+/// `namespaceSelector` or an `ipBlock` admits nothing here).
 fn admits(r: &Rendered, from: &Workload, to: &Workload, port: i32) -> bool {
-    let policies: Vec<_> = r
+    use k8s_openapi::api::networking::v1::{NetworkPolicyPeer, NetworkPolicyPort};
+    let peer_ok = |peer: &NetworkPolicyPeer, w: &Workload| match peer {
+        NetworkPolicyPeer {
+            pod_selector: Some(ps),
+            namespace_selector: None,
+            ip_block: None,
+        } => selects(&ps.match_labels.clone().unwrap_or_default(), &w.labels()),
+        _ => false,
+    };
+    let port_ok = |np: &NetworkPolicyPort| {
+        let tcp = np.protocol.as_deref().unwrap_or("TCP") == "TCP";
+        let matches = match &np.port {
+            None => true,
+            Some(IntOrString::Int(n)) => {
+                *n == port || np.end_port.is_some_and(|end| port > *n && port <= end)
+            }
+            Some(IntOrString::String(name)) => to.running().iter().any(|(_, c)| {
+                let mut ports = c.ports.iter().flatten();
+                ports.any(|cp| cp.container_port == port && cp.name.as_deref() == Some(name))
+            }),
+        };
+        // Port 0 asks for every port: only a rule without a port admits it.
+        tcp && matches && (port != 0 || np.port.is_none())
+    };
+    let ports_ok = |ports: Option<&Vec<NetworkPolicyPort>>| {
+        ports.is_none_or(|ps| ps.is_empty() || ps.iter().any(port_ok))
+    };
+    let applies =
+        |spec: &k8s_openapi::api::networking::v1::NetworkPolicySpec, w: &Workload, kind: &str| {
+            let sel = spec.pod_selector.clone().unwrap_or_default();
+            let types = spec.policy_types.clone();
+            let typed = match &types {
+                Some(t) => t.iter().any(|t| t == kind),
+                // Unset: Ingress, and Egress too when the policy has egress rules.
+                None => kind == "Ingress" || spec.egress.is_some(),
+            };
+            typed && selects(&sel.match_labels.unwrap_or_default(), &w.labels())
+        };
+    let specs: Vec<_> = r
         .network_policies
         .iter()
         .filter_map(|n| n.spec.as_ref())
-        .filter(|spec| {
-            let sel = spec.pod_selector.clone().unwrap_or_default();
-            selects(&sel.match_labels.unwrap_or_default(), &to.labels())
-        })
         .collect();
-    if policies.is_empty() {
-        return true;
-    }
-    let peer_ok = |peer: &k8s_openapi::api::networking::v1::NetworkPolicyPeer| match (
-        &peer.pod_selector,
-        &peer.namespace_selector,
-    ) {
-        (Some(ps), None) => {
-            let sel = ps.match_labels.clone().unwrap_or_default();
-            selects(&sel, &from.labels())
-        }
-        _ => false,
-    };
-    let port_ok = |np: &k8s_openapi::api::networking::v1::NetworkPolicyPort| match &np.port {
-        None => true,
-        Some(IntOrString::Int(n)) => *n == port,
-        Some(named) => {
-            let mut ports = to.running().into_iter().flat_map(|(_, c)| c.ports.clone());
-            ports.any(|ps| {
-                ps.iter().any(|cp| {
-                    cp.container_port == port
-                        && IntOrString::String(cp.name.clone().unwrap_or_default()) == *named
-                })
+    let ingress: Vec<_> = specs.iter().filter(|s| applies(s, to, "Ingress")).collect();
+    let ingress_ok = ingress.is_empty()
+        || ingress.iter().any(|spec| {
+            spec.ingress.iter().flatten().any(|rule| {
+                let peers = rule.from.as_ref();
+                peers.is_none_or(|f| f.is_empty() || f.iter().any(|p| peer_ok(p, from)))
+                    && ports_ok(rule.ports.as_ref())
             })
-        }
-    };
-    policies.iter().any(|spec| {
-        spec.ingress.iter().flatten().any(|rule| {
-            let from_ok = rule
-                .from
-                .as_ref()
-                .is_none_or(|f| f.is_empty() || f.iter().any(peer_ok));
-            let ports_ok = rule
-                .ports
-                .as_ref()
-                .is_none_or(|ps| ps.is_empty() || ps.iter().any(port_ok));
-            from_ok && ports_ok
-        })
-    })
+        });
+    let egress: Vec<_> = specs
+        .iter()
+        .filter(|s| applies(s, from, "Egress"))
+        .collect();
+    let egress_ok = egress.is_empty()
+        || egress.iter().any(|spec| {
+            spec.egress.iter().flatten().any(|rule| {
+                let peers = rule.to.as_ref();
+                peers.is_none_or(|t| t.is_empty() || t.iter().any(|p| peer_ok(p, to)))
+                    && ports_ok(rule.ports.as_ref())
+            })
+        });
+    ingress_ok && egress_ok
 }
 
 fn check_learner(
@@ -2089,7 +2151,7 @@ fn the_engine_overlays_run_trains_with_the_learner_loading_its_engine() {
     let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 2, "{metrics}");
     assert!(
-        serve_log.contains("--load-format dummy: serving random weights"),
+        serve_log.contains("--load-format dummy: serving placeholder weights"),
         "{serve_log}"
     );
 
@@ -2104,8 +2166,10 @@ fn the_engine_overlays_run_trains_with_the_learner_loading_its_engine() {
                 assert_eq!(t.student_logprobs.len(), t.student_tokens.len());
             }
             Some(Event::Outcome(o)) => {
-                assert!(
-                    !o.error.contains("student"),
+                // No turn failed on the engine (down, refused, another version's answer).
+                assert_ne!(
+                    o.status,
+                    tutor_proto::OutcomeStatus::SandboxError as i32,
                     "{}: {}",
                     ev.episode_id,
                     o.error
@@ -2227,6 +2291,15 @@ fn a_broken_manifest_fails_naming_the_object_and_field() {
             "engine",
             "ConfigMap/tutor-config: data.config.toml: no NetworkPolicy lets the engine's pods",
         ),
+        // Several engines' port 0 without a rule letting the engines reach any port.
+        (
+            "overlays/engine/config.toml",
+            "engine_group_listen = \"0.0.0.0:7320\"",
+            "engine_group_listen = \"0.0.0.0:0\"",
+            "engine",
+            "ConfigMap/tutor-config: data.config.toml: no NetworkPolicy lets the engine's pods \
+             reach StatefulSet/tutor-learner on any port",
+        ),
         // An engine that would refuse the weights the learner sends.
         (
             "overlays/engine/engine.yaml",
@@ -2310,8 +2383,8 @@ fn json_patches_and_generators_render_as_kustomize_does() {
     assert_eq!(references("$(POD_NAME).svc:$(PORT)"), ["POD_NAME", "PORT"]);
 }
 
-/// Where kubectl is installed, its kustomize (which `kubectl apply -k` runs) renders both
-/// overlays to exactly the objects the renderer above does.
+/// Where kubectl is installed, its kustomize (which `kubectl apply -k` runs) renders every
+/// overlay to exactly the objects the renderer above does.
 #[test]
 fn the_renderer_agrees_with_kubectl_kustomize() {
     let tree = staged();

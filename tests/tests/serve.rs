@@ -426,7 +426,7 @@ fn an_api_key_is_required_when_configured_and_never_logged() {
 }
 
 /// A directory with a config.json and no weights (as `tutor prepare` makes it) is refused,
-/// pointing at `--load-format dummy`; with it the server starts from random weights (an
+/// pointing at `--load-format dummy`; with it the server starts from placeholder weights (an
 /// engine the learner loads, as deploy/k8s/overlays/engine starts it). A directory without
 /// config.json is refused either way, naming it.
 #[test]
@@ -458,7 +458,7 @@ fn a_directory_without_weights_starts_only_with_load_format_dummy() {
     );
     drop(served);
     let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap();
-    assert!(log.contains("serving random weights"), "{log}");
+    assert!(log.contains("serving placeholder weights"), "{log}");
     let out = Command::new(common::tutor_bin())
         .args([
             "serve",

@@ -255,6 +255,8 @@ pub struct RemoteEngine {
     /// False after a request could not reach the engine; the worker then probes it before
     /// leasing again.
     up: AtomicBool,
+    /// The setting `config.group_listen` came from, as errors name it.
+    group_listen_field: &'static str,
 }
 
 impl std::fmt::Debug for RemoteEngine {
@@ -268,6 +270,13 @@ impl std::fmt::Debug for RemoteEngine {
 }
 
 impl RemoteEngine {
+    /// This client's `group_listen` came from `field` (e.g. `learner.engine_group_listen`
+    /// for the learner's clients): errors binding it name that setting.
+    pub fn with_group_listen_field(mut self, field: &'static str) -> Self {
+        self.group_listen_field = field;
+        self
+    }
+
     /// Checks `[worker.student]` (errors name the field) and reads the API key.
     pub fn new(config: &StudentConfig, vocab: usize) -> anyhow::Result<Self> {
         let base = checked_base_url(&config.base_url, "worker.student.base_url")?;
@@ -311,6 +320,7 @@ impl RemoteEngine {
             config: config.clone(),
             vocab,
             up: AtomicBool::new(true),
+            group_listen_field: "worker.student.group_listen",
         })
     }
 
@@ -678,8 +688,8 @@ impl RemoteEngine {
         let rdv = CpuRendezvous::bind(self.config.group_listen.as_str())
             .map_err(|e| {
                 self.refused(format!(
-                    "policy version {version}: worker.student.group_listen = {:?}: {e}",
-                    self.config.group_listen
+                    "policy version {version}: {} = {:?}: {e}",
+                    self.group_listen_field, self.config.group_listen
                 ))
             })?
             .with_secret(secret);
@@ -1146,6 +1156,43 @@ mod tests {
             }
         })
         .to_string()
+    }
+
+    /// A weight-update group that cannot listen names the setting its address came from:
+    /// the worker's `[worker.student] group_listen`, or the learner's
+    /// `[learner] engine_group_listen` for the learner's clients.
+    #[tokio::test]
+    async fn a_group_that_cannot_listen_names_the_setting_it_came_from() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let config = StudentConfig {
+            kind: StudentKind::Engine,
+            base_url: "http://127.0.0.1:9".into(),
+            reload: ReloadKind::Distributed,
+            group_listen: taken.local_addr().unwrap().to_string(),
+            ..Default::default()
+        };
+        for (client, field) in [
+            (
+                RemoteEngine::new(&config, 100).unwrap(),
+                "worker.student.group_listen",
+            ),
+            (
+                RemoteEngine::new(&config, 100)
+                    .unwrap()
+                    .with_group_listen_field("learner.engine_group_listen"),
+                "learner.engine_group_listen",
+            ),
+        ] {
+            let err = match client.update_group(3, "tutor-v3-abc") {
+                Err(e) => e.to_string(),
+                Ok(_) => panic!("listened on a taken port"),
+            };
+            assert!(
+                err.contains(&format!("{field} = {:?}", config.group_listen))
+                    && err.contains("policy version 3"),
+                "{err}"
+            );
+        }
     }
 
     /// A wedged engine (it accepts the connection, reads the request and never answers)

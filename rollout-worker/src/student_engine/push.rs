@@ -12,8 +12,12 @@
 //!
 //! [`EnginePush::run`] follows each engine on a task of its own (a slow or hanging engine
 //! holds back no other): the newest published version is loaded into it when it does not
-//! serve it. An engine that fails (down, refused) is tried again after a backoff that
-//! doubles up to [`MAX_BACKOFF`]; the failure is logged with the engine and the version.
+//! serve it. An engine that refuses a load is tried again after a backoff that doubles up
+//! to [`MAX_BACKOFF`]; one that is down is asked again every `check_every` (a request that
+//! finds nothing listening costs nothing, and its workers wait for it: a restarted engine
+//! gets the newest version within `check_every`, not after the backoff the outage grew).
+//! Each failure is logged with the engine and the version (an outage at its first, second,
+//! fourth, ... failure).
 //! While nothing new is published, an engine not backing off is asked what it serves every
 //! `check_every`, so one that restarted (serving its own weights again) gets the newest
 //! version back without waiting for the next publish. A version's bytes are read once
@@ -161,7 +165,7 @@ async fn follow(
         let newest = versions.borrow_and_update().clone();
         if let Some(pv) = newest {
             if state.retry_at.is_none_or(|t| t <= Instant::now()) {
-                load_newest(&engine, &shared, &pv, &mut state).await;
+                load_newest(&engine, &shared, &pv, &mut state, check_every).await;
             }
         }
         let wake = state.retry_at.map_or(check_every, |t| {
@@ -178,12 +182,14 @@ async fn follow(
     }
 }
 
-/// Loads `pv` into `engine` unless it serves it; counts and logs a failure.
+/// Loads `pv` into `engine` unless it serves it; counts and logs a failure (an engine that
+/// is down is asked again after `check_every`).
 async fn load_newest(
     engine: &RemoteEngine,
     shared: &Shared,
     pv: &VersionFile,
     state: &mut EngineState,
+    check_every: Duration,
 ) {
     let label = version_label(pv.version, &pv.sha256);
     match engine.served_version().await {
@@ -208,7 +214,7 @@ async fn load_newest(
         }
         // Nothing to load into: no file is read for it.
         Err(e @ EngineError::Down { .. }) => {
-            failed(engine, pv, state, &e.to_string());
+            failed(engine, pv, state, &e.to_string(), check_every);
             return;
         }
         // It answers, if not as asked: the load says what is wrong.
@@ -245,15 +251,27 @@ async fn load_newest(
                 ..Default::default()
             };
         }
-        Err(e) => failed(engine, pv, state, &e),
+        Err(e) => failed(engine, pv, state, &e, MAX_BACKOFF),
     }
 }
 
-/// Counts a failure to load `pv` into `engine`, logs it and sets when to try again.
-fn failed(engine: &RemoteEngine, pv: &VersionFile, state: &mut EngineState, error: &str) {
+/// Counts a failure to load `pv` into `engine`, logs it and sets when to try again: after
+/// a backoff that doubles with each failure in a row, up to `longest` (`MAX_BACKOFF` for a
+/// refused load; `check_every` for an engine that is down, whose outage is then logged at
+/// its 1st, 2nd, 4th, 8th, ... failure only).
+fn failed(
+    engine: &RemoteEngine,
+    pv: &VersionFile,
+    state: &mut EngineState,
+    error: &str,
+    longest: Duration,
+) {
     state.failures += 1;
-    let backoff = Duration::from_secs(1 << state.failures.min(6)).min(MAX_BACKOFF);
+    let backoff = Duration::from_secs(1 << state.failures.min(6)).min(longest);
     state.retry_at = Some(Instant::now() + backoff);
+    if longest < MAX_BACKOFF && !state.failures.is_power_of_two() {
+        return;
+    }
     tracing::warn!(
         engine = %engine.url(),
         version = pv.version,
@@ -335,5 +353,49 @@ impl Shared {
         };
         p.staged = Some(name.clone());
         Ok(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::student_engine::{StudentConfig, StudentKind};
+
+    /// An engine that is down is asked again every `check_every` however long the outage,
+    /// so a restarted engine gets the newest version within `check_every`; a refused load
+    /// backs off up to `MAX_BACKOFF`. Before, an outage grew the wait to 60 s, and the
+    /// workers waited as long after the engine was back.
+    #[test]
+    fn a_down_engine_is_asked_again_every_check_and_a_refusal_backs_off() {
+        let config = StudentConfig {
+            kind: StudentKind::Engine,
+            base_url: "http://127.0.0.1:9".into(),
+            ..Default::default()
+        };
+        let engine = RemoteEngine::new(&config, 100).unwrap();
+        let pv = VersionFile {
+            version: 2,
+            sha256: "ab".into(),
+            bytes: 0,
+            path: "v2.safetensors".into(),
+        };
+        let wait = |state: &EngineState| {
+            state
+                .retry_at
+                .unwrap()
+                .saturating_duration_since(Instant::now())
+        };
+        let mut down = EngineState::default();
+        for _ in 0..10 {
+            failed(&engine, &pv, &mut down, "down", CHECK_EVERY);
+            assert!(wait(&down) <= CHECK_EVERY, "{:?}", wait(&down));
+        }
+        assert_eq!(down.failures, 10);
+        let mut refused = EngineState::default();
+        for _ in 0..10 {
+            failed(&engine, &pv, &mut refused, "refused", MAX_BACKOFF);
+        }
+        assert!(wait(&refused) > CHECK_EVERY * 10, "{:?}", wait(&refused));
+        assert!(wait(&refused) <= MAX_BACKOFF);
     }
 }

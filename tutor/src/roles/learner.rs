@@ -253,7 +253,10 @@ fn engine_push(
         .vocab_size;
     let clients = engines
         .iter()
-        .map(|c| RemoteEngine::new(c, vocab))
+        .map(|c| {
+            let client = RemoteEngine::new(c, vocab)?;
+            Ok(client.with_group_listen_field("learner.engine_group_listen"))
+        })
         .collect::<Result<Vec<_>>>()?;
     let student = &cfg.worker.student;
     let weights_dir = student

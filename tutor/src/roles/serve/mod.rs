@@ -44,6 +44,10 @@ pub struct ServeArgs {
     /// Requests waiting for the engine before new ones are held back.
     #[arg(long, default_value_t = 64)]
     queue: usize,
+    /// libtorch threads of the engine's decoding (0: libtorch's default, one per core of
+    /// the machine; in a container, set it to the CPU limit).
+    #[arg(long, default_value_t = 0)]
+    torch_threads: u32,
     /// `cpu`, `cuda`, or `auto` (CUDA when available). Weights are bf16 on CUDA.
     #[arg(long, default_value = "auto")]
     device: String,
@@ -54,11 +58,13 @@ pub struct ServeArgs {
     #[arg(long, value_name = "PATH")]
     api_key_file: Option<PathBuf>,
     /// `auto`: the weights are read from --model's safetensors files. `dummy`: only its
-    /// config.json is read and the weights are random (as vLLM's `--load-format dummy`),
-    /// for an engine whose every version comes from the learner (`[worker.student]
-    /// loaded_by = "learner"`, or workers that load each version before using it): it starts
-    /// from a run directory `tutor prepare` made, before any checkpoint exists. Until a
-    /// client loads a version its answers are noise, served under --weight-version.
+    /// config.json is read and the weights are placeholders (zero matrices: every token
+    /// equally likely; vLLM's `--load-format dummy` draws random ones), made at once
+    /// whatever the model's size, for an engine whose every version comes from the learner
+    /// (`[worker.student] loaded_by = "learner"`, or workers that load each version before
+    /// using it): it starts from a run directory `tutor prepare` made, before any
+    /// checkpoint exists. Until a client loads a version its answers are noise, served
+    /// under --weight-version.
     #[arg(long, value_enum, default_value = "auto")]
     load_format: LoadFormat,
     /// The weight version the starting weights are served as (`/generate` answers and
@@ -178,9 +184,10 @@ pub async fn serve(
             })?;
             tracing::warn!(
                 version = %args.weight_version,
-                "--load-format dummy: serving random weights until a client loads a version"
+                "--load-format dummy: serving placeholder weights until a client loads a \
+                 version"
             );
-            Policy::new(config, device, 0)
+            Policy::zeroed(config, device)
         }
     };
     if device.is_cuda() {
@@ -235,9 +242,9 @@ pub async fn serve(
         EngineConfig {
             max_batch: args.max_batch,
             max_cached_tokens: args.max_cached_tokens,
+            torch_threads: args.torch_threads,
             queue: args.queue,
             prefix_cache_tokens: args.prefix_cache_tokens,
-            ..Default::default()
         },
     );
     let start = Weights {
