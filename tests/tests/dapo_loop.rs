@@ -190,29 +190,8 @@ fn run_on_tutor_serve(api: &str, student: &str) {
             serve_log.contains("--load-format dummy: serving placeholder weights"),
             "{serve_log}"
         );
-        // The learner loaded every version; no worker loaded one.
-        let learner_log = common::role_logs(&run, "learner");
-        for v in &versions {
-            assert!(
-                learner_log.lines().any(|l| {
-                    l.contains("loaded the policy version into the student engine")
-                        && l.contains(&format!("label=tutor-v{v}-"))
-                }),
-                "the learner never loaded version {v}:\n{learner_log}"
-            );
-        }
-        assert!(!logs.contains("loaded policy version"), "{logs}");
-        // Once per version: the weights went to the engine once each, not once per worker.
-        for v in &versions {
-            let received = serve_log
-                .lines()
-                .filter(|l| {
-                    l.contains("received weights over the collective")
-                        && l.contains(&format!("group=\"tutor-v{v}-"))
-                })
-                .count();
-            assert_eq!(received, 1, "version {v}:\n{serve_log}");
-        }
+        // The learner loaded every version, once each; no worker loaded one.
+        common::assert_the_learner_loaded_each_version_once(&versions, &run, &serve_log);
     }
     assert!(
         serve_log.contains("received weights over the collective"),

@@ -2186,30 +2186,10 @@ fn the_engine_overlays_run_trains_with_the_learner_loading_its_engine() {
     );
     assert!(student_turns > 0, "no turn of the student's was stored");
     assert!(versions.len() >= 2, "episodes of versions {versions:?}");
-    let (learner_log, worker_log) = (logs("learner"), logs("worker"));
-    for v in &versions {
-        assert!(
-            learner_log.lines().any(|l| {
-                l.contains("loaded the policy version into the student engine")
-                    && l.contains(&format!("label=tutor-v{v}-"))
-            }),
-            "the learner never loaded version {v}:\n{learner_log}"
-        );
-        let received = serve_log
-            .lines()
-            .filter(|l| {
-                l.contains("received weights over the collective")
-                    && l.contains(&format!("tutor-v{v}-"))
-            })
-            .count();
-        assert_eq!(received, 1, "version {v}:\n{serve_log}");
-    }
+    common::assert_the_learner_loaded_each_version_once(&versions, run, &serve_log);
+    let worker_log = logs("worker");
     assert!(
         worker_log.contains("student engine answers"),
-        "{worker_log}"
-    );
-    assert!(
-        !worker_log.contains("loaded policy version"),
         "{worker_log}"
     );
 }

@@ -328,6 +328,40 @@ pub fn role_logs(run: &Path, role: &str) -> String {
         .collect()
 }
 
+/// What a run whose learner loads every version into `tutor serve` (`[worker.student]
+/// loaded_by = "learner"`) must show, for each of the `versions` its episodes ran on: the
+/// learner loaded it, the engine received it over the collective exactly once (not once
+/// per worker), and no worker loaded one. `serve_log` is the engine's log (text or JSON).
+pub fn assert_the_learner_loaded_each_version_once(
+    versions: &std::collections::BTreeSet<u64>,
+    run: &Path,
+    serve_log: &str,
+) {
+    let learner_log = role_logs(run, "learner");
+    for v in versions {
+        assert!(
+            learner_log.lines().any(|l| {
+                l.contains("loaded the policy version into the student engine")
+                    && l.contains(&format!("label=tutor-v{v}-"))
+            }),
+            "the learner never loaded version {v}:\n{learner_log}"
+        );
+        let received = serve_log
+            .lines()
+            .filter(|l| {
+                l.contains("received weights over the collective")
+                    && l.contains(&format!("tutor-v{v}-"))
+            })
+            .count();
+        assert_eq!(received, 1, "version {v}:\n{serve_log}");
+    }
+    let worker_log = role_logs(run, "worker");
+    assert!(
+        !worker_log.contains("loaded policy version"),
+        "{worker_log}"
+    );
+}
+
 /// The trajectory store of a finished run, checked for what every restart test relies
 /// on: each (episode, turn) stored once; each outcome stored once and with all its turns;
 /// each planned slot (`it000-train0003` of `it000-train0003-g0a1`) completed by exactly
