@@ -29,6 +29,7 @@ help:
 	@echo "make image-gpu    the same with CUDA libtorch and NCCL: $(IMAGE_GPU) (about 4 GB)"
 	@echo "make compose-test images, then the docker-compose stack's DAgger run with a killed and an added worker"
 	@echo "make compose-up   start the docker-compose stack (deploy/compose), 3 workers; make compose-down stops it (the run's volume stays; compose-clean removes it)"
+	@echo "                  ENGINE=1: the workers' student on one tutor serve the learner loads (deploy/compose/engine.yml)"
 	@echo "make check-layout no unused dependencies, no files of a crate importing each other"
 	@echo "make bench-ingest coordinator ingest throughput (release; BENCH_ARGS=... to change)"
 	@echo "make bench-policy generation and training step against transformers/PyTorch (CPU)"
@@ -116,16 +117,21 @@ image-gpu: setup images
 # .tutor/compose-worker-token.
 COMPOSE := $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 COMPOSE_FILE := deploy/compose/docker-compose.yml
+# ENGINE=1: the student on one `tutor serve` that the learner loads (deploy/compose/engine.yml;
+# its API key is made once and kept in .tutor/compose-engine-key).
+ENGINE ?=
+COMPOSE_FILES := -f $(COMPOSE_FILE) $(if $(ENGINE),-f deploy/compose/engine.yml)
 COMPOSE_PROJECT ?= tutor
 WORKERS ?= 3
 DOCKER_SOCKET ?= /var/run/docker.sock
 compose-env = TUTOR_AUTH_TOKEN="$$(cat .tutor/compose-token)" TUTOR_LEARNER_TOKEN="$$(cat .tutor/compose-learner-token)" \
 	TUTOR_WORKER_TOKEN="$$(cat .tutor/compose-worker-token)" \
 	DOCKER_GID="$$(stat -c %g $(DOCKER_SOCKET))" \
-	DOCKER_SOCKET=$(DOCKER_SOCKET) TUTOR_RUN=$(COMPOSE_PROJECT) TUTOR_IMAGE=$(IMAGE)
-compose = $(compose-env) $(COMPOSE) -f $(COMPOSE_FILE) -p $(COMPOSE_PROJECT)
+	DOCKER_SOCKET=$(DOCKER_SOCKET) TUTOR_RUN=$(COMPOSE_PROJECT) TUTOR_IMAGE=$(IMAGE) \
+	TUTOR_ENGINE_API_KEY="$$(cat .tutor/compose-engine-key)"
+compose = $(compose-env) $(COMPOSE) $(COMPOSE_FILES) -p $(COMPOSE_PROJECT)
 
-.tutor/compose-token:
+.tutor/compose-token .tutor/compose-engine-key:
 	@mkdir -p .tutor && umask 077 && head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > $@
 
 # The workers' token, derived from the run's (they get only this one).
@@ -136,26 +142,26 @@ compose = $(compose-env) $(COMPOSE) -f $(COMPOSE_FILE) -p $(COMPOSE_PROJECT)
 .tutor/compose-learner-token: .tutor/compose-token
 	@umask 077 && docker run --rm -e TUTOR_AUTH_TOKEN="$$(cat $<)" $(IMAGE) learner-token > $@
 
-compose-up: image .tutor/compose-learner-token .tutor/compose-worker-token
+compose-up: image .tutor/compose-learner-token .tutor/compose-worker-token .tutor/compose-engine-key
 	$(compose) up -d --scale worker=$(WORKERS)
 	@echo "metrics: http://$$($(compose) port coordinator 9300)/metrics"
 	@echo "logs:    make compose-logs   (status: make compose-ps)"
 
-compose-logs: .tutor/compose-learner-token .tutor/compose-worker-token
+compose-logs: .tutor/compose-learner-token .tutor/compose-worker-token .tutor/compose-engine-key
 	$(compose) logs -f --tail 50
 
-compose-ps: .tutor/compose-learner-token .tutor/compose-worker-token
+compose-ps: .tutor/compose-learner-token .tutor/compose-worker-token .tutor/compose-engine-key
 	$(compose) ps
 
 # Down keeps the run's volume (the store, checkpoints, published versions); compose-clean
 # removes it too. Both remove the run's sandbox containers that are left: a worker removes
 # its own when it stops, but a killed worker's are only removed by a successor of the same
 # name, and a recreated container has a new name.
-compose-down: .tutor/compose-learner-token .tutor/compose-worker-token
+compose-down: .tutor/compose-learner-token .tutor/compose-worker-token .tutor/compose-engine-key
 	$(compose) down --remove-orphans
 	@docker ps -aq --filter label=tutor.run=$(COMPOSE_PROJECT) | xargs -r docker rm -f >/dev/null
 
-compose-clean: .tutor/compose-learner-token .tutor/compose-worker-token
+compose-clean: .tutor/compose-learner-token .tutor/compose-worker-token .tutor/compose-engine-key
 	$(compose) down -v --remove-orphans
 	@docker ps -aq --filter label=tutor.run=$(COMPOSE_PROJECT) | xargs -r docker rm -f >/dev/null
 

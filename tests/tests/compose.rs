@@ -8,6 +8,9 @@
 //! iteration and the workers rolled out with them; and after `down -v` no container
 //! (sandboxes included), network or volume of the run is left.
 //!
+//! A second test runs the same stack with deploy/compose/engine.yml on top: the workers'
+//! student on one `tutor serve` container that the learner loads each version into.
+//!
 //! Needs the images: `make image` (the tutor image, from the release binary) and
 //! `make images` (the sandbox image); `make compose-test` and `make test` build both first.
 //! Where no Docker engine answers, it says SKIPPED, like the other Docker tests.
@@ -91,6 +94,8 @@ fn compose_tool() -> Vec<String> {
 /// leaves nothing behind either).
 struct Stack {
     tool: Vec<String>,
+    /// The compose files, in deploy/compose, in order (later ones override).
+    files: Vec<&'static str>,
     project: String,
     env: Vec<(String, String)>,
     down: bool,
@@ -100,12 +105,11 @@ impl Stack {
     fn compose(&self, args: &[&str]) -> Output {
         let dir = compose_dir();
         let mut cmd = Command::new(&self.tool[0]);
-        cmd.args(&self.tool[1..])
-            .arg("-f")
-            .arg(dir.join("docker-compose.yml"))
-            .args(["-p", &self.project])
-            .args(args)
-            .current_dir(&dir);
+        cmd.args(&self.tool[1..]);
+        for file in &self.files {
+            cmd.arg("-f").arg(dir.join(file));
+        }
+        cmd.args(["-p", &self.project]).args(args).current_dir(&dir);
         for (k, v) in &self.env {
             cmd.env(k, v);
         }
@@ -204,12 +208,33 @@ fn metric(addr: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-#[test]
-fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
-    let started = Instant::now();
+/// 24 random bytes in hex: a token or an API key.
+fn random_hex() -> String {
+    let mut b = [0u8; 24];
+    std::fs::File::open("/dev/urandom")
+        .unwrap()
+        .read_exact(&mut b)
+        .unwrap();
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// A container's log, stdout and stderr.
+fn container_log(id: &str) -> String {
+    let out = docker(&["logs", id]);
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// A stack of `files` (in deploy/compose) under a compose project of its own, with the
+/// run's token and the learner's and the workers' made for it, and `extra` environment;
+/// `None` (after saying SKIPPED) where no Docker engine answers.
+fn new_stack(files: &[&'static str], extra: &[(&str, &str)]) -> Option<Stack> {
     if !docker(&["info"]).status.success() {
         eprintln!("SKIPPED: no Docker engine reachable (`docker info` failed)");
-        return;
+        return None;
     }
     for image in [IMAGE, SANDBOX_IMAGE] {
         assert!(
@@ -229,14 +254,7 @@ fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
         .unwrap()
         .subsec_nanos();
     let project = format!("tutorct{}x{nanos}", std::process::id());
-    let token: String = {
-        let mut b = [0u8; 24];
-        std::fs::File::open("/dev/urandom")
-            .unwrap()
-            .read_exact(&mut b)
-            .unwrap();
-        b.iter().map(|x| format!("{x:02x}")).collect()
-    };
+    let token = random_hex();
     // The learner and the workers get their own tokens, derived from the run's by the
     // image's binary (`tutor learner-token`, `tutor worker-token`).
     let role_token = |command: &str| {
@@ -252,26 +270,38 @@ fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
     let learner_token = role_token("learner-token");
     let worker_token = role_token("worker-token");
     assert!(learner_token.starts_with("learner.") && worker_token.starts_with("worker."));
-    let mut stack = Stack {
+    let mut env: Vec<(String, String)> = vec![
+        ("TUTOR_AUTH_TOKEN".into(), token),
+        ("TUTOR_LEARNER_TOKEN".into(), learner_token),
+        ("TUTOR_WORKER_TOKEN".into(), worker_token),
+        ("DOCKER_GID".into(), gid.to_string()),
+        ("TUTOR_RUN".into(), project.clone()),
+        ("TUTOR_IMAGE".into(), IMAGE.into()),
+        // The checks read the workers' info lines; the stack's own config and socket.
+        ("RUST_LOG".into(), "info".into()),
+        (
+            "TUTOR_COMPOSE_CONFIG".into(),
+            compose_dir().join("config.toml").display().to_string(),
+        ),
+        ("DOCKER_SOCKET".into(), socket.into()),
+    ];
+    env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    Some(Stack {
         tool: compose_tool(),
-        env: vec![
-            ("TUTOR_AUTH_TOKEN".into(), token),
-            ("TUTOR_LEARNER_TOKEN".into(), learner_token),
-            ("TUTOR_WORKER_TOKEN".into(), worker_token),
-            ("DOCKER_GID".into(), gid.to_string()),
-            ("TUTOR_RUN".into(), project.clone()),
-            ("TUTOR_IMAGE".into(), IMAGE.into()),
-            // The checks read the workers' info lines; the stack's own config and socket.
-            ("RUST_LOG".into(), "info".into()),
-            (
-                "TUTOR_COMPOSE_CONFIG".into(),
-                compose_dir().join("config.toml").display().to_string(),
-            ),
-            ("DOCKER_SOCKET".into(), socket.into()),
-        ],
-        project: project.clone(),
+        files: files.to_vec(),
+        env,
+        project,
         down: false,
+    })
+}
+
+#[test]
+fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
+    let started = Instant::now();
+    let Some(mut stack) = new_stack(&["docker-compose.yml"], &[]) else {
+        return;
     };
+    let project = stack.project.clone();
     let log = |what: &str| println!("[{:>6.1}s] {what}", started.elapsed().as_secs_f64());
 
     ok(
@@ -375,14 +405,6 @@ fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
     }
     // Every worker loaded a published version (its last words say which), and the one
     // added mid-run registered and ran episodes.
-    let container_log = |id: &str| {
-        let out = docker(&["logs", id]);
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-    };
     for w in &workers {
         let text = container_log(w);
         let stopped = text
@@ -468,6 +490,95 @@ fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
         Vec::<String>::new()
     );
     log("down: no container, sandbox, network or volume left");
+}
+
+/// The stack with deploy/compose/engine.yml on top: every worker's student on one `tutor
+/// serve` container, started from the prepared run directory with placeholder weights,
+/// into which the learner loads each version it publishes, over the stack's network
+/// (`[worker.student] loaded_by = "learner"`, tensors over Tutor's collective, the
+/// engine's API key required). The run finishes; every version an episode ran on was
+/// loaded into the engine by the learner, once; the workers' turns came from the engine
+/// and no worker loaded a version; the store holds every planned episode once.
+#[test]
+fn compose_stack_with_the_student_on_an_engine_the_learner_loads() {
+    let started = Instant::now();
+    let key = random_hex();
+    let files = ["docker-compose.yml", "engine.yml"];
+    let Some(mut stack) = new_stack(&files, &[("TUTOR_ENGINE_API_KEY", &key)]) else {
+        return;
+    };
+    let log = |what: &str| println!("[{:>6.1}s] {what}", started.elapsed().as_secs_f64());
+    ok(
+        &stack.compose(&["up", "-d", "--scale", "worker=2"]),
+        "compose up",
+    );
+    log("stack up: coordinator, learner, engine, 2 workers");
+    let port = ok(
+        &stack.compose(&["port", "coordinator", "9300"]),
+        "compose port",
+    );
+    let addr = port.trim().to_string();
+    let took = wait_for("the run to finish", started, &stack, || {
+        metric(&addr, "tutor_coordinator_run_finished") >= 1.0
+    });
+    log(&format!("run finished after {:.0}s", took.as_secs_f64()));
+
+    let coordinator = stack.containers("coordinator");
+    let copy = tempfile::tempdir().unwrap();
+    ok(
+        &docker(&[
+            "cp",
+            &format!("{}:/var/lib/tutor/run", coordinator[0]),
+            &copy.path().display().to_string(),
+        ]),
+        "docker cp of the run directory",
+    );
+    // Every planned episode once, complete, iteration i's on version i (sync mode).
+    check_store(&copy.path().join("run"));
+    let versions: Vec<u64> = (0..config_number("iterations")).collect();
+
+    let engine_log = container_log(&stack.containers("engine")[0]);
+    assert!(
+        engine_log.contains("--load-format dummy: serving placeholder weights"),
+        "{engine_log}"
+    );
+    let learner_log = container_log(&stack.containers("learner")[0]);
+    for v in &versions {
+        assert!(
+            learner_log.lines().any(|l| {
+                l.contains("loaded the policy version into the student engine")
+                    && l.contains(&format!("label=tutor-v{v}-"))
+            }),
+            "the learner never loaded version {v}:\n{learner_log}"
+        );
+        let received = engine_log
+            .lines()
+            .filter(|l| {
+                l.contains("received weights over the collective")
+                    && l.contains(&format!("tutor-v{v}-"))
+            })
+            .count();
+        assert_eq!(received, 1, "version {v}:\n{engine_log}");
+    }
+    for w in stack.containers("worker") {
+        let text = container_log(&w);
+        assert!(
+            text.contains("student engine answers"),
+            "worker {w}:\n{text}"
+        );
+        assert!(
+            !text.contains("loaded policy version"),
+            "worker {w}:\n{text}"
+        );
+    }
+    log(&format!(
+        "the learner loaded versions {versions:?} into the engine, once each; no worker loaded one"
+    ));
+    ok(
+        &stack.compose(&["down", "-v", "--remove-orphans", "-t", "30"]),
+        "compose down",
+    );
+    stack.down = true;
 }
 
 /// The container of the worker added by the scale-up: the one that is neither of the
