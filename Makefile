@@ -118,9 +118,11 @@ image-gpu: setup images
 COMPOSE := $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 COMPOSE_FILE := deploy/compose/docker-compose.yml
 # ENGINE=1: the student on one `tutor serve` that the learner loads (deploy/compose/engine.yml;
-# its API key is made once and kept in .tutor/compose-engine-key).
+# its API key is made once and kept in .tutor/compose-engine-key). Give it to every
+# compose target of such a stack (compose-logs, compose-down, ...), or they leave the
+# engine out.
 ENGINE ?=
-COMPOSE_FILES := -f $(COMPOSE_FILE) $(if $(ENGINE),-f deploy/compose/engine.yml)
+COMPOSE_FILES := -f $(COMPOSE_FILE) $(if $(filter 1 yes true,$(ENGINE)),-f deploy/compose/engine.yml)
 COMPOSE_PROJECT ?= tutor
 WORKERS ?= 3
 DOCKER_SOCKET ?= /var/run/docker.sock

@@ -191,7 +191,13 @@ fn run_on_tutor_serve(api: &str, student: &str) {
             "{serve_log}"
         );
         // The learner loaded every version, once each; no worker loaded one.
-        common::assert_the_learner_loaded_each_version_once(&versions, &run, &serve_log);
+        let learner_log = common::role_logs(&run, "learner");
+        common::assert_the_learner_loaded_each_version_once(
+            &versions,
+            &learner_log,
+            &logs,
+            &serve_log,
+        );
     }
     assert!(
         serve_log.contains("received weights over the collective"),

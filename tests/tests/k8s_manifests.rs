@@ -2186,8 +2186,13 @@ fn the_engine_overlays_run_trains_with_the_learner_loading_its_engine() {
     );
     assert!(student_turns > 0, "no turn of the student's was stored");
     assert!(versions.len() >= 2, "episodes of versions {versions:?}");
-    common::assert_the_learner_loaded_each_version_once(&versions, run, &serve_log);
     let worker_log = logs("worker");
+    common::assert_the_learner_loaded_each_version_once(
+        &versions,
+        &logs("learner"),
+        &worker_log,
+        &serve_log,
+    );
     assert!(
         worker_log.contains("student engine answers"),
         "{worker_log}"
@@ -2279,6 +2284,15 @@ fn a_broken_manifest_fails_naming_the_object_and_field() {
             "engine",
             "ConfigMap/tutor-config: data.config.toml: no NetworkPolicy lets the engine's pods \
              reach StatefulSet/tutor-learner on any port",
+        ),
+        // The engine's port opened for UDP only: the workers' turns cannot reach it.
+        (
+            "overlays/engine/engine.yaml",
+            "    - protocol: TCP\n      port: 8000",
+            "    - protocol: UDP\n      port: 8000",
+            "engine",
+            "ConfigMap/tutor-config: data.config.toml: no NetworkPolicy lets the worker's pods \
+             reach Deployment/tutor-engine on port 8000",
         ),
         // An engine that would refuse the weights the learner sends.
         (

@@ -77,6 +77,10 @@ struct EngineState {
     retry_at: Option<Instant>,
     /// The label it was last seen serving (to log a version it lost).
     serving: Option<String>,
+    /// Whether the failures in a row are of an engine that is down (else refused loads):
+    /// each kind counts its own, so an outage does not lengthen the backoff of the refusal
+    /// after it, nor refusals the outage's.
+    down: bool,
 }
 
 impl EnginePush {
@@ -266,10 +270,18 @@ fn failed(
     error: &str,
     longest: Duration,
 ) {
+    let down = longest < MAX_BACKOFF;
+    if state.down != down {
+        state.failures = 0;
+        state.down = down;
+    }
     state.failures += 1;
-    let backoff = Duration::from_secs(1 << state.failures.min(6)).min(longest);
+    // At least 100 ms: a `check_every` of zero must not spin on a down engine.
+    let backoff = Duration::from_secs(1 << state.failures.min(6))
+        .min(longest)
+        .max(Duration::from_millis(100));
     state.retry_at = Some(Instant::now() + backoff);
-    if longest < MAX_BACKOFF && !state.failures.is_power_of_two() {
+    if down && !state.failures.is_power_of_two() {
         return;
     }
     tracing::warn!(
@@ -397,5 +409,25 @@ mod tests {
         }
         assert!(wait(&refused) > CHECK_EVERY * 10, "{:?}", wait(&refused));
         assert!(wait(&refused) <= MAX_BACKOFF);
+        // A long outage, then a refusal: the refusal's backoff starts again (2 s), not at
+        // the outage's count (60 s); and the other way round.
+        failed(&engine, &pv, &mut down, "refused", MAX_BACKOFF);
+        assert_eq!(down.failures, 1);
+        assert!(wait(&down) <= Duration::from_secs(2), "{:?}", wait(&down));
+        failed(&engine, &pv, &mut refused, "down", CHECK_EVERY);
+        assert_eq!(refused.failures, 1);
+        assert!(
+            wait(&refused) <= Duration::from_secs(2),
+            "{:?}",
+            wait(&refused)
+        );
+        // A zero check_every does not spin.
+        let mut spin = EngineState::default();
+        failed(&engine, &pv, &mut spin, "down", Duration::ZERO);
+        assert!(
+            wait(&spin) >= Duration::from_millis(90),
+            "{:?}",
+            wait(&spin)
+        );
     }
 }

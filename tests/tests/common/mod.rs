@@ -331,13 +331,14 @@ pub fn role_logs(run: &Path, role: &str) -> String {
 /// What a run whose learner loads every version into `tutor serve` (`[worker.student]
 /// loaded_by = "learner"`) must show, for each of the `versions` its episodes ran on: the
 /// learner loaded it, the engine received it over the collective exactly once (not once
-/// per worker), and no worker loaded one. `serve_log` is the engine's log (text or JSON).
+/// per worker), and no worker loaded one. The logs are the learner's, the workers' and the
+/// engine's (text or JSON).
 pub fn assert_the_learner_loaded_each_version_once(
     versions: &std::collections::BTreeSet<u64>,
-    run: &Path,
+    learner_log: &str,
+    worker_log: &str,
     serve_log: &str,
 ) {
-    let learner_log = role_logs(run, "learner");
     for v in versions {
         assert!(
             learner_log.lines().any(|l| {
@@ -355,7 +356,6 @@ pub fn assert_the_learner_loaded_each_version_once(
             .count();
         assert_eq!(received, 1, "version {v}:\n{serve_log}");
     }
-    let worker_log = role_logs(run, "worker");
     assert!(
         !worker_log.contains("loaded policy version"),
         "{worker_log}"
