@@ -99,6 +99,8 @@ struct Stack {
     project: String,
     env: Vec<(String, String)>,
     down: bool,
+    /// One stack at a time (held until after `down`: fields drop after `Drop::drop`).
+    _one: std::sync::MutexGuard<'static, ()>,
 }
 
 impl Stack {
@@ -114,6 +116,25 @@ impl Stack {
             cmd.env(k, v);
         }
         run(&mut cmd)
+    }
+
+    /// `up -d` with `workers` workers; the coordinator's metrics address on the host.
+    fn up(&self, workers: usize) -> String {
+        let scale = format!("worker={workers}");
+        ok(
+            &self.compose(&["up", "-d", "--scale", &scale]),
+            "compose up",
+        );
+        let port = ok(
+            &self.compose(&["port", "coordinator", "9300"]),
+            "compose port",
+        );
+        let addr = port.trim().to_string();
+        assert!(
+            addr.starts_with("127.0.0.1:"),
+            "metrics published at {addr}"
+        );
+        addr
     }
 
     fn containers(&self, service: &str) -> Vec<String> {
@@ -208,7 +229,7 @@ fn metric(addr: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Held by each test for its stack's life: two stacks at once (as `cargo test` would run
+/// Held by each stack for its life: two stacks at once (as `cargo test` would run
 /// this file's tests) would share two cores and the first test's 10 s lease timeouts.
 static ONE_STACK_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -236,6 +257,9 @@ fn container_log(id: &str) -> String {
 /// run's token and the learner's and the workers' made for it, and `extra` environment;
 /// `None` (after saying SKIPPED) where no Docker engine answers.
 fn new_stack(files: &[&'static str], extra: &[(&str, &str)]) -> Option<Stack> {
+    let one = ONE_STACK_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     if !docker(&["info"]).status.success() {
         eprintln!("SKIPPED: no Docker engine reachable (`docker info` failed)");
         return None;
@@ -296,35 +320,21 @@ fn new_stack(files: &[&'static str], extra: &[(&str, &str)]) -> Option<Stack> {
         env,
         project,
         down: false,
+        _one: one,
     })
 }
 
 #[test]
 fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
     let started = Instant::now();
-    let _one = ONE_STACK_AT_A_TIME
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let Some(mut stack) = new_stack(&["docker-compose.yml"], &[]) else {
         return;
     };
     let project = stack.project.clone();
     let log = |what: &str| println!("[{:>6.1}s] {what}", started.elapsed().as_secs_f64());
 
-    ok(
-        &stack.compose(&["up", "-d", "--scale", "worker=3"]),
-        "compose up",
-    );
+    let addr = stack.up(3);
     log("stack up: coordinator, learner, 3 workers");
-    let port = ok(
-        &stack.compose(&["port", "coordinator", "9300"]),
-        "compose port",
-    );
-    let addr = port.trim().to_string();
-    assert!(
-        addr.starts_with("127.0.0.1:"),
-        "metrics published at {addr}"
-    );
 
     // One worker dies while the first iteration's episodes stream in, and comes back.
     wait_for("the first stored episodes", started, &stack, || {
@@ -509,25 +519,14 @@ fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
 #[test]
 fn compose_stack_with_the_student_on_an_engine_the_learner_loads() {
     let started = Instant::now();
-    let _one = ONE_STACK_AT_A_TIME
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let key = random_hex();
     let files = ["docker-compose.yml", "engine.yml"];
     let Some(mut stack) = new_stack(&files, &[("TUTOR_ENGINE_API_KEY", &key)]) else {
         return;
     };
     let log = |what: &str| println!("[{:>6.1}s] {what}", started.elapsed().as_secs_f64());
-    ok(
-        &stack.compose(&["up", "-d", "--scale", "worker=2"]),
-        "compose up",
-    );
+    let addr = stack.up(2);
     log("stack up: coordinator, learner, engine, 2 workers");
-    let port = ok(
-        &stack.compose(&["port", "coordinator", "9300"]),
-        "compose port",
-    );
-    let addr = port.trim().to_string();
     let took = wait_for("the run to finish", started, &stack, || {
         metric(&addr, "tutor_coordinator_run_finished") >= 1.0
     });

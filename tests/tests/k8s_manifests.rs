@@ -1476,22 +1476,15 @@ fn check_student_engine(r: &Rendered, ws: &[Workload], config: &RunToml, p: &mut
     }
     let mut fail = |why: String| p.add(&what, "data.config.toml", why);
     let base_url = field("base_url", "");
-    let addr = base_url.strip_prefix("http://").unwrap_or(&base_url);
-    let addr = addr.trim_end_matches('/');
-    if let Err(e) = resolve(r, ws, addr) {
-        return fail(format!("[worker.student] base_url {base_url:?}: {e}"));
-    }
-    let (host, port) = addr.rsplit_once(':').unwrap_or_default();
-    let port: i32 = port.parse().unwrap_or_default();
-    let svc = r.services.iter().find(|s| name_of(&s.metadata) == host);
-    let spec = svc.and_then(|s| s.spec.clone()).unwrap_or_default();
-    let sel = spec.selector.clone().unwrap_or_default();
-    let engines: Vec<&Workload> = ws.iter().filter(|w| selects(&sel, &w.labels())).collect();
-    let [engine] = engines[..] else {
+    let behind = match behind_url(r, ws, &base_url) {
+        Ok(behind) => behind,
+        Err(e) => return fail(format!("[worker.student] base_url {base_url:?}: {e}")),
+    };
+    let [(engine, engine_port)] = behind[..] else {
         return fail(format!(
-            "[worker.student] base_url {base_url:?}: Service {host} must select one workload's \
+            "[worker.student] base_url {base_url:?}: its Service must select one workload's \
              pods, found {}",
-            engines.len()
+            behind.len()
         ));
     };
     let engine_name = format!("{}/{}", engine.kind, engine.name);
@@ -1503,11 +1496,6 @@ fn check_student_engine(r: &Rendered, ws: &[Workload], config: &RunToml, p: &mut
             engine_name, engine.replicas
         ));
     }
-    let Some(engine_port) = service_target(&spec, engine, port) else {
-        return fail(format!(
-            "Service {host} port {port} leads to no container port"
-        ));
-    };
     let learner_loads = field("loaded_by", "worker") == "learner";
     let role = |name: &str| ws.iter().find(|w| w.role() == name);
     let mut clients = vec![("worker", role("worker"))];
@@ -1635,28 +1623,48 @@ fn check_student_engine(r: &Rendered, ws: &[Workload], config: &RunToml, p: &mut
         .flatten()
         .filter_map(toml::Value::as_str)
     {
-        let addr = url
-            .strip_prefix("http://")
-            .unwrap_or(url)
-            .trim_end_matches('/');
-        if let Err(e) = resolve(r, ws, addr) {
-            fail(format!("[learner] engines: {url:?}: {e}"));
-            continue;
-        }
-        let (host, port) = addr.rsplit_once(':').unwrap_or_default();
-        let svc = r.services.iter().find(|s| name_of(&s.metadata) == host);
-        let spec = svc.and_then(|s| s.spec.clone()).unwrap_or_default();
-        let sel = spec.selector.clone().unwrap_or_default();
-        for w in ws.iter().filter(|w| selects(&sel, &w.labels())) {
-            let target = service_target(&spec, w, port.parse().unwrap_or_default());
-            if !target.is_some_and(|t| admits(r, learner, w, t)) {
-                fail(format!(
-                    "[learner] engines: {url:?}: the learner's pods cannot reach {}/{}",
-                    w.kind, w.name
-                ));
+        match behind_url(r, ws, url) {
+            Err(e) => fail(format!("[learner] engines: {url:?}: {e}")),
+            Ok(behind) => {
+                for (w, port) in behind {
+                    if !admits(r, learner, w, port) {
+                        fail(format!(
+                            "[learner] engines: {url:?}: the learner's pods cannot reach {}/{}",
+                            w.kind, w.name
+                        ));
+                    }
+                }
             }
         }
     }
+}
+
+/// The workloads behind `url` (`http://SERVICE:PORT`, a Service of the render), each with
+/// the container port the Service's port leads to on its pods.
+fn behind_url<'a>(
+    r: &Rendered,
+    ws: &'a [Workload<'a>],
+    url: &str,
+) -> Result<Vec<(&'a Workload<'a>, i32)>, String> {
+    let addr = url
+        .strip_prefix("http://")
+        .unwrap_or(url)
+        .trim_end_matches('/');
+    resolve(r, ws, addr)?;
+    let (host, port) = addr.rsplit_once(':').unwrap_or_default();
+    let port: i32 = port.parse().unwrap_or_default();
+    let svc = r.services.iter().find(|s| name_of(&s.metadata) == host);
+    let spec = svc.and_then(|s| s.spec.clone()).unwrap_or_default();
+    let sel = spec.selector.clone().unwrap_or_default();
+    let selected = ws.iter().filter(|w| selects(&sel, &w.labels()));
+    selected
+        .map(|w| match service_target(&spec, w, port) {
+            Some(target) => Ok((w, target)),
+            None => Err(format!(
+                "Service {host} port {port} leads to no container port"
+            )),
+        })
+        .collect()
 }
 
 /// The container port a Service's `port` leads to on `w`'s pods.

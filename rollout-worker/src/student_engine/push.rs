@@ -218,7 +218,7 @@ async fn load_newest(
         }
         // Nothing to load into: no file is read for it.
         Err(e @ EngineError::Down { .. }) => {
-            failed(engine, pv, state, &e.to_string(), check_every);
+            failed(engine, pv, state, &e.to_string(), Retry::Every(check_every));
             return;
         }
         // It answers, if not as asked: the load says what is wrong.
@@ -255,22 +255,33 @@ async fn load_newest(
                 ..Default::default()
             };
         }
-        Err(e) => failed(engine, pv, state, &e, MAX_BACKOFF),
+        Err(e) => failed(engine, pv, state, &e, Retry::Backoff),
     }
 }
 
+/// When to try an engine again after a failure.
+#[derive(Clone, Copy)]
+enum Retry {
+    /// It is down: ask again after the given interval (`check_every`) at the latest.
+    Every(Duration),
+    /// It refused the load: back off up to [`MAX_BACKOFF`].
+    Backoff,
+}
+
 /// Counts a failure to load `pv` into `engine`, logs it and sets when to try again: after
-/// a backoff that doubles with each failure in a row, up to `longest` (`MAX_BACKOFF` for a
-/// refused load; `check_every` for an engine that is down, whose outage is then logged at
-/// its 1st, 2nd, 4th, 8th, ... failure only).
+/// a backoff that doubles with each failure of the same kind in a row, up to what `retry`
+/// allows (an outage is then logged at its 1st, 2nd, 4th, 8th, ... failure only).
 fn failed(
     engine: &RemoteEngine,
     pv: &VersionFile,
     state: &mut EngineState,
     error: &str,
-    longest: Duration,
+    retry: Retry,
 ) {
-    let down = longest < MAX_BACKOFF;
+    let (down, longest) = match retry {
+        Retry::Every(every) => (true, every),
+        Retry::Backoff => (false, MAX_BACKOFF),
+    };
     if state.down != down {
         state.failures = 0;
         state.down = down;
@@ -399,22 +410,28 @@ mod tests {
         };
         let mut down = EngineState::default();
         for _ in 0..10 {
-            failed(&engine, &pv, &mut down, "down", CHECK_EVERY);
+            failed(&engine, &pv, &mut down, "down", Retry::Every(CHECK_EVERY));
             assert!(wait(&down) <= CHECK_EVERY, "{:?}", wait(&down));
         }
         assert_eq!(down.failures, 10);
         let mut refused = EngineState::default();
         for _ in 0..10 {
-            failed(&engine, &pv, &mut refused, "refused", MAX_BACKOFF);
+            failed(&engine, &pv, &mut refused, "refused", Retry::Backoff);
         }
         assert!(wait(&refused) > CHECK_EVERY * 10, "{:?}", wait(&refused));
         assert!(wait(&refused) <= MAX_BACKOFF);
         // A long outage, then a refusal: the refusal's backoff starts again (2 s), not at
         // the outage's count (60 s); and the other way round.
-        failed(&engine, &pv, &mut down, "refused", MAX_BACKOFF);
+        failed(&engine, &pv, &mut down, "refused", Retry::Backoff);
         assert_eq!(down.failures, 1);
         assert!(wait(&down) <= Duration::from_secs(2), "{:?}", wait(&down));
-        failed(&engine, &pv, &mut refused, "down", CHECK_EVERY);
+        failed(
+            &engine,
+            &pv,
+            &mut refused,
+            "down",
+            Retry::Every(CHECK_EVERY),
+        );
         assert_eq!(refused.failures, 1);
         assert!(
             wait(&refused) <= Duration::from_secs(2),
@@ -423,7 +440,13 @@ mod tests {
         );
         // A zero check_every does not spin.
         let mut spin = EngineState::default();
-        failed(&engine, &pv, &mut spin, "down", Duration::ZERO);
+        failed(
+            &engine,
+            &pv,
+            &mut spin,
+            "down",
+            Retry::Every(Duration::ZERO),
+        );
         assert!(
             wait(&spin) >= Duration::from_millis(90),
             "{:?}",
