@@ -949,24 +949,40 @@ impl WireLayout {
         let mut off = 0;
         tch::no_grad(|| {
             for (t, &(n, wide)) in tensors.iter_mut().zip(&self.items) {
-                let src = if wide {
-                    let v: Vec<f64> = data[off..off + 8 * n]
-                        .chunks_exact(8)
-                        .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-                        .collect();
-                    off += 8 * n;
-                    Tensor::from_slice(&v)
-                } else {
-                    let v: Vec<f32> = data[off..off + 4 * n]
-                        .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                        .collect();
-                    off += 4 * n;
-                    Tensor::from_slice(&v)
-                };
+                let size = if wide { 8 } else { 4 };
+                let src = tensor_of_le(&data[off..off + size * n], wide);
+                off += size * n;
                 t.copy_(&src.reshape(t.size()));
             }
         });
+    }
+}
+
+/// A 1-d f64 (`wide`) or f32 tensor of the wire's little-endian `bytes`: on a
+/// little-endian machine one copy of them (a tensor is received with no more than its
+/// own size on top of the wire's bytes), else element by element.
+fn tensor_of_le(bytes: &[u8], wide: bool) -> Tensor {
+    let (kind, size) = if wide {
+        (Kind::Double, 8)
+    } else {
+        (Kind::Float, 4)
+    };
+    let n = (bytes.len() / size) as i64;
+    if cfg!(target_endian = "little") {
+        return Tensor::from_data_size(bytes, &[n], kind);
+    }
+    if wide {
+        let v: Vec<f64> = bytes
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        Tensor::from_slice(&v)
+    } else {
+        let v: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        Tensor::from_slice(&v)
     }
 }
 

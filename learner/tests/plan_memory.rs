@@ -8,12 +8,16 @@
 //! figure for the same pieces must be within a factor of 1.5 of it, with and without
 //! activation checkpointing and the logits budget.
 
+mod common;
+
 use std::process::Command;
 
 use tutor_learner::config::LearnerConfig;
 use tutor_learner::plan::{plan, PlanInput, Shard};
 use tutor_learner::Trainer;
 use tutor_policy::{ModelConfig, Policy};
+
+use common::status_kib;
 
 const CHILD: &str = "PLAN_MEMORY_CHILD";
 
@@ -27,15 +31,6 @@ fn model() -> ModelConfig {
     model.head_dim = 32;
     model.max_position_embeddings = 4096;
     model
-}
-
-fn status_kib(field: &str) -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {field} in /proc/self/status"))
 }
 
 /// In the child: one first step of the case, printing the bytes its peak added.

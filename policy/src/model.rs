@@ -647,17 +647,20 @@ impl Recompute {
 }
 
 impl Decoder {
-    fn new(root: &Path, c: &ModelConfig) -> Self {
+    /// The decoder's parameters under `root`; `made` is called after each part is made
+    /// (the embedding, each decoder layer, the final norm and head).
+    fn new(root: &Path, c: &ModelConfig, made: &mut dyn FnMut()) -> Self {
         let model = root / "model";
         let embed_tokens = (&model / "embed_tokens").var(
             "weight",
             &[c.vocab_size as i64, c.hidden_size as i64],
             Init::Const(0.0),
         );
+        made();
         let layers = (0..c.num_hidden_layers)
             .map(|i| {
                 let p = &model / "layers" / i;
-                DecoderLayer {
+                let layer = DecoderLayer {
                     input_layernorm: RmsNorm::new(
                         &p / "input_layernorm",
                         c.hidden_size,
@@ -670,12 +673,15 @@ impl Decoder {
                         c.rms_norm_eps,
                     ),
                     mlp: Mlp::new(&p / "mlp", c),
-                }
+                };
+                made();
+                layer
             })
             .collect();
         let norm = RmsNorm::new(&model / "norm", c.hidden_size, c.rms_norm_eps);
         let lm_head = (!c.tie_word_embeddings)
             .then(|| Linear::new(root, "lm_head", c.vocab_size, c.hidden_size, false).weight);
+        made();
         let (inv, rope_scale) = rope_inv_freq(c);
         let inv: Vec<f32> = inv.into_iter().map(|f| f as f32).collect();
         let inv_freq = Tensor::from_slice(&inv).to_device(root.device());
@@ -1001,6 +1007,13 @@ struct Gated {
 /// interleave their draws; this lock makes initialization depend only on the seed.
 static INIT_LOCK: Mutex<()> = Mutex::new(());
 
+/// Panics on an inconsistent config (`ModelConfig::load` checks it with an error).
+fn assert_valid(config: &ModelConfig) {
+    if let Err((field, message)) = config.validate() {
+        panic!("invalid ModelConfig: field `{field}` {message}");
+    }
+}
+
 impl Policy {
     /// A randomly initialized model: matrices ~ N(0, 0.02²), norm weights 1, biases 0. The same seed
     /// gives the same weights on any device (they are drawn on the CPU).
@@ -1029,11 +1042,40 @@ impl Policy {
     /// checkpoint, where drawing random weights first would only cost time (every token is
     /// equally likely until then).
     pub fn zeroed(config: ModelConfig, device: Device) -> Self {
-        if let Err((field, message)) = config.validate() {
-            panic!("invalid ModelConfig: field `{field}` {message}");
-        }
+        assert_valid(&config);
         let vs = VarStore::new(device);
-        let model = Decoder::new(&vs.root(), &config);
+        let model = Decoder::new(&vs.root(), &config, &mut || {});
+        Self::of(config, vs, model)
+    }
+
+    /// The architecture without its weights: every parameter is there under its name, in
+    /// float32 with no elements (shape `[0]`), and the whole model was never in memory
+    /// (each part's parameters are released as soon as it is made, so at most the
+    /// embedding or one decoder layer was). Returns each parameter's real shape by name.
+    ///
+    /// For a rank joining a sharded learner group, which receives the weights bucket by
+    /// bucket and keeps its slice (`"full"`: it gathers each layer's parameters when it
+    /// runs it; the other modes: it sets each parameter as it arrives).
+    pub fn placeholder(
+        config: ModelConfig,
+        device: Device,
+    ) -> (Self, std::collections::BTreeMap<String, Vec<i64>>) {
+        assert_valid(&config);
+        let vs = VarStore::new(device);
+        let mut shapes = std::collections::BTreeMap::new();
+        let empty = Tensor::zeros([0], (Kind::Float, device));
+        let model = Decoder::new(&vs.root(), &config, &mut || {
+            for (name, mut var) in vs.variables() {
+                if let std::collections::btree_map::Entry::Vacant(e) = shapes.entry(name) {
+                    e.insert(var.size());
+                    var.set_data(&empty);
+                }
+            }
+        });
+        (Self::of(config, vs, model), shapes)
+    }
+
+    fn of(config: ModelConfig, vs: VarStore, model: Decoder) -> Self {
         Policy {
             config,
             vs,
@@ -1445,6 +1487,31 @@ pub(crate) mod tests {
         c.head_dim = 16;
         c.max_position_embeddings = 256;
         Policy::new(c, Device::Cpu, seed)
+    }
+
+    /// A placeholder has every parameter of the model, under its name, with no elements,
+    /// and knows each one's shape (an untied head and biases included).
+    #[test]
+    fn a_placeholder_has_every_parameter_by_name_and_shape_but_no_elements() {
+        for tied in [true, false] {
+            let mut c = ModelConfig::tiny(64);
+            c.tie_word_embeddings = tied;
+            let whole = Policy::zeroed(c.clone(), Device::Cpu);
+            let want: std::collections::BTreeMap<String, Vec<i64>> = whole
+                .var_store()
+                .variables()
+                .into_iter()
+                .map(|(n, t)| (n, t.size()))
+                .collect();
+            let (p, shapes) = Policy::placeholder(c, Device::Cpu);
+            assert_eq!(shapes, want);
+            assert_eq!(shapes.contains_key("lm_head.weight"), !tied);
+            let vars = p.var_store().variables();
+            assert_eq!(vars.len(), want.len());
+            for (name, t) in vars {
+                assert_eq!((t.numel(), t.kind()), (0, Kind::Float), "{name}");
+            }
+        }
     }
 
     /// Gradients of every parameter after `loss(policy).backward()` (and the

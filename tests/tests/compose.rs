@@ -137,6 +137,22 @@ impl Stack {
         addr
     }
 
+    /// The coordinator's run directory (its volume), copied out: `run/` in the
+    /// directory returned.
+    fn copy_run_dir(&self) -> tempfile::TempDir {
+        let coordinator = self.containers("coordinator");
+        let copy = tempfile::tempdir().unwrap();
+        ok(
+            &docker(&[
+                "cp",
+                &format!("{}:/var/lib/tutor/run", coordinator[0]),
+                &copy.path().display().to_string(),
+            ]),
+            "docker cp of the run directory",
+        );
+        copy
+    }
+
     fn containers(&self, service: &str) -> Vec<String> {
         let out = docker(&[
             "ps",
@@ -453,16 +469,7 @@ fn compose_stack_survives_a_killed_worker_and_scales_up_mid_run() {
     );
 
     // The store, read from the coordinator's volume.
-    let coordinator = stack.containers("coordinator");
-    let copy = tempfile::tempdir().unwrap();
-    ok(
-        &docker(&[
-            "cp",
-            &format!("{}:/var/lib/tutor/run", coordinator[0]),
-            &copy.path().display().to_string(),
-        ]),
-        "docker cp of the run directory",
-    );
+    let copy = stack.copy_run_dir();
     let run_dir = copy.path().join("run");
     let abandoned = check_store(&run_dir).abandoned.len();
     // The killed worker held a lease (its sandbox was up); it expired and the episode
@@ -532,16 +539,7 @@ fn compose_stack_with_the_student_on_an_engine_the_learner_loads() {
     });
     log(&format!("run finished after {:.0}s", took.as_secs_f64()));
 
-    let coordinator = stack.containers("coordinator");
-    let copy = tempfile::tempdir().unwrap();
-    ok(
-        &docker(&[
-            "cp",
-            &format!("{}:/var/lib/tutor/run", coordinator[0]),
-            &copy.path().display().to_string(),
-        ]),
-        "docker cp of the run directory",
-    );
+    let copy = stack.copy_run_dir();
     // Every planned episode once, complete, iteration i's on version i (sync mode); the
     // versions every episode ran on, the final evaluation's included.
     let stored = check_store(&copy.path().join("run"));

@@ -22,7 +22,7 @@ use tutor_policy::{ModelConfig, Policy};
 
 use crate::config::{LearnerConfig, Shard};
 use crate::optim::{AdamW, AdamWConfig};
-use shard::{tensor_bytes, Sharded};
+use shard::{tensor_bytes, FlatLayout, Sharded};
 
 /// What one optimizer step did (over all ranks).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -155,7 +155,18 @@ impl Trainer {
     /// at the end of `join_group` (a joining rank) or at a step taken before any group
     /// (`unstage`).
     pub(crate) fn build(
+        policy: Policy,
+        config: LearnerConfig,
+        collective: Box<dyn Collective>,
+        stage: bool,
+    ) -> Result<Self> {
+        Self::build_from(policy, Weights::InPolicy, config, collective, stage)
+    }
+
+    /// `build`, the weights coming from `weights`.
+    pub(crate) fn build_from(
         mut policy: Policy,
+        weights: Weights,
         config: LearnerConfig,
         mut collective: Box<dyn Collective>,
         stage: bool,
@@ -184,23 +195,72 @@ impl Trainer {
         let mut named: Vec<(String, Tensor)> = policy.var_store().variables().into_iter().collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
         let (param_names, mut params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
-        if collective.world_size() > 1 {
-            broadcast_in_buckets(&mut *collective, &mut params, config.bucket_elements())
-                .context("broadcasting rank 0's initial weights")?;
-        }
         let mixed = config.mixed_precision(target);
-        let sharded = (config.shard != Shard::None).then(|| {
-            Sharded::new(
-                config.shard,
-                config.bucket_elements(),
-                &param_names,
-                &params,
-                collective.world_size(),
-                collective.rank(),
-                mixed,
-                device,
-            )
-        });
+        let (world, rank, bucket) = (
+            collective.world_size(),
+            collective.rank(),
+            config.bucket_elements(),
+        );
+        let sharded = match weights {
+            Weights::InPolicy => {
+                if world > 1 {
+                    broadcast_in_buckets(&mut *collective, &mut params, bucket)
+                        .context("broadcasting rank 0's initial weights")?;
+                }
+                (config.shard != Shard::None).then(|| {
+                    Sharded::new(
+                        config.shard,
+                        bucket,
+                        &param_names,
+                        &params,
+                        world,
+                        rank,
+                        mixed,
+                        device,
+                    )
+                })
+            }
+            Weights::Received { shapes } => {
+                if config.shard == Shard::None {
+                    bail!("only a sharded rank receives its weights into a placeholder");
+                }
+                let shapes = param_names
+                    .iter()
+                    .map(|n| {
+                        shapes
+                            .get(n)
+                            .cloned()
+                            .with_context(|| format!("rank {rank}: no shape for parameter {n:?}"))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let layout = FlatLayout::for_shapes(
+                    config.shard,
+                    bucket,
+                    &param_names,
+                    &shapes,
+                    world,
+                    rank,
+                );
+                // The modes that keep the whole model set each parameter as it arrives,
+                // already in the kind it trains in; `"full"` keeps none.
+                let kind = if mixed { Kind::BFloat16 } else { Kind::Float };
+                let mut set = |j: usize, t: Tensor| {
+                    params[j].set_data(&t.to_kind(kind).to_device(device));
+                };
+                let keep = (config.shard != Shard::Full)
+                    .then_some(&mut set as &mut dyn FnMut(usize, Tensor));
+                let slice =
+                    shard::receive_slice_in_buckets(&mut *collective, &layout, bucket, keep)
+                        .context("receiving rank 0's initial weights")?;
+                Some(Sharded::from_slice(
+                    config.shard,
+                    layout,
+                    slice.to_device(device),
+                    mixed,
+                    device,
+                ))
+            }
+        };
         if let Some(s) = &sharded {
             if collective.world_size() > 1 {
                 tracing::info!(
@@ -423,6 +483,18 @@ fn adamw_config(c: &LearnerConfig) -> AdamWConfig {
         eps: c.eps,
         weight_decay: c.weight_decay,
     }
+}
+
+/// Where a trainer's weights come from when it is built.
+pub(crate) enum Weights {
+    /// The policy's own; in a group rank 0's are broadcast over the others'.
+    InPolicy,
+    /// Rank 0's, received bucket by bucket into a placeholder policy
+    /// (`Policy::placeholder`, with each parameter's shape by name): a rank joining a
+    /// sharded group, which keeps its slice and (except `"full"`) each parameter.
+    Received {
+        shapes: std::collections::BTreeMap<String, Vec<i64>>,
+    },
 }
 
 /// Rank 0's `tensors` broadcast to every rank (in place), in calls of consecutive tensors

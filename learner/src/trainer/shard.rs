@@ -27,10 +27,14 @@ const GATHER_CHUNK: i64 = 1 << 24;
 /// larger tensor alone), as index ranges: the units of the bucketed layouts and the
 /// calls of `broadcast_in_buckets`.
 pub(crate) fn buckets(tensors: &[Tensor], bucket: i64) -> Vec<std::ops::Range<usize>> {
+    bucket_ranges(tensors.iter().map(|t| t.numel() as i64), bucket)
+}
+
+/// [`buckets`] of tensors with these numbers of elements.
+fn bucket_ranges(numels: impl Iterator<Item = i64>, bucket: i64) -> Vec<std::ops::Range<usize>> {
     let mut out: Vec<std::ops::Range<usize>> = Vec::new();
     let mut filled = 0i64;
-    for (i, t) in tensors.iter().enumerate() {
-        let n = t.numel() as i64;
+    for (i, n) in numels.enumerate() {
         match out.last_mut() {
             Some(last) if filled + n <= bucket => last.end = i + 1,
             _ => {
@@ -41,6 +45,20 @@ pub(crate) fn buckets(tensors: &[Tensor], bucket: i64) -> Vec<std::ops::Range<us
         filled += n;
     }
     out
+}
+
+/// Elements of a tensor of this shape.
+fn numel(shape: &[i64]) -> i64 {
+    shape.iter().product()
+}
+
+/// `0..len` cut into runs of at most `bucket` elements: (start, length) of each. How a
+/// slice of the moments goes to a joining rank (`lead_group`, `join_group`).
+pub(crate) fn chunks(len: i64, bucket: i64) -> impl Iterator<Item = (i64, i64)> {
+    let bucket = bucket.max(1);
+    (0..len)
+        .step_by(bucket as usize)
+        .map(move |at| (at, bucket.min(len - at)))
 }
 
 /// Where each parameter sits in the flat vector and which slice is this rank's.
@@ -99,12 +117,25 @@ impl FlatLayout {
         world: usize,
         rank: usize,
     ) -> Self {
+        let shapes: Vec<Vec<i64>> = params.iter().map(Tensor::size).collect();
+        Self::for_shapes(mode, bucket, names, &shapes, world, rank)
+    }
+
+    /// `for_mode` for parameters of these shapes (not at hand: a joining rank's).
+    pub(crate) fn for_shapes(
+        mode: Shard,
+        bucket: i64,
+        names: &[String],
+        shapes: &[Vec<i64>],
+        world: usize,
+        rank: usize,
+    ) -> Self {
         if mode != Shard::Full {
-            let units: Vec<Vec<usize>> = buckets(params, bucket)
+            let units: Vec<Vec<usize>> = bucket_ranges(shapes.iter().map(|s| numel(s)), bucket)
                 .into_iter()
                 .map(|r| r.collect())
                 .collect();
-            return Self::with_units(params, &units, world, rank);
+            return Self::with_unit_shapes(shapes, &units, world, rank);
         }
         let mut units: Vec<Vec<usize>> = Vec::new();
         for (i, name) in names.iter().enumerate() {
@@ -114,19 +145,30 @@ impl FlatLayout {
             }
             units[u].push(i);
         }
-        Self::with_units(params, &units, world, rank)
+        Self::with_unit_shapes(shapes, &units, world, rank)
     }
 
     /// `units` (indices into `params`, each parameter in exactly one), in that order.
+    #[cfg(test)]
     pub(crate) fn with_units(
         params: &[Tensor],
         units: &[Vec<usize>],
         world: usize,
         rank: usize,
     ) -> Self {
-        let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
+        let shapes: Vec<Vec<i64>> = params.iter().map(Tensor::size).collect();
+        Self::with_unit_shapes(&shapes, units, world, rank)
+    }
+
+    fn with_unit_shapes(
+        shapes: &[Vec<i64>],
+        units: &[Vec<usize>],
+        world: usize,
+        rank: usize,
+    ) -> Self {
+        let numels: Vec<i64> = shapes.iter().map(|s| numel(s)).collect();
         let world = world.max(1);
-        let mut offsets = vec![0i64; params.len()];
+        let mut offsets = vec![0i64; shapes.len()];
         let (mut at, mut share) = (0i64, 0i64);
         let units = units
             .iter()
@@ -151,7 +193,7 @@ impl FlatLayout {
             .collect();
         Self {
             numels,
-            shapes: params.iter().map(Tensor::size).collect(),
+            shapes: shapes.to_vec(),
             offsets,
             units,
             share,
@@ -334,6 +376,51 @@ impl FlatLayout {
     }
 }
 
+/// A rank joining a sharded group (`Trainer::join_group`): receives rank 0's fp32
+/// weights as `broadcast_in_buckets` sends them (consecutive parameters of at most
+/// `bucket` elements per call, in host memory) and keeps this rank's slice of each
+/// bucket, the padding zero: the same slice as `layout.slice_of` the whole weights,
+/// without ever holding more than one bucket of them. `keep` is given each parameter as
+/// it arrives (its index and values), for the modes that keep the whole model.
+pub(crate) fn receive_slice_in_buckets(
+    collective: &mut dyn Collective,
+    layout: &FlatLayout,
+    bucket: i64,
+    mut keep: Option<&mut dyn FnMut(usize, Tensor)>,
+) -> Result<Tensor, CollectiveError> {
+    let slice = Tensor::zeros([layout.share], (Kind::Float, Device::Cpu));
+    let mut unit_of = vec![0; layout.numels.len()];
+    for (u, unit) in layout.units.iter().enumerate() {
+        for &j in &unit.params {
+            unit_of[j] = u;
+        }
+    }
+    for range in bucket_ranges(layout.numels.iter().copied(), bucket) {
+        let mut received: Vec<Tensor> = range
+            .clone()
+            .map(|j| Tensor::zeros(layout.shapes[j].as_slice(), (Kind::Float, Device::Cpu)))
+            .collect();
+        collective.broadcast(&mut received)?;
+        for (j, t) in range.zip(received) {
+            let unit = &layout.units[unit_of[j]];
+            let lo = unit.start + layout.rank as i64 * unit.part;
+            let (offset, n) = (layout.offsets[j], layout.numels[j]);
+            let (a, b) = (offset.max(lo), (offset + n).min(lo + unit.part));
+            if a < b {
+                tch::no_grad(|| {
+                    slice
+                        .narrow(0, unit.in_slice + a - lo, b - a)
+                        .copy_(&t.reshape([-1]).narrow(0, a - offset, b - a))
+                });
+            }
+            if let Some(keep) = keep.as_mut() {
+                keep(j, t);
+            }
+        }
+    }
+    Ok(slice)
+}
+
 /// A rank's sharded training state (`Trainer::sharded`).
 pub(crate) struct Sharded {
     pub(crate) mode: Shard,
@@ -366,6 +453,17 @@ impl Sharded {
     ) -> Self {
         let layout = FlatLayout::for_mode(mode, bucket, names, weights, world, rank);
         let slice = tch::no_grad(|| layout.slice_of(weights)).to_device(device);
+        Self::from_slice(mode, layout, slice, mixed_precision, device)
+    }
+
+    /// The state of a rank whose slice of the fp32 weights is `slice` (on `device`).
+    pub(crate) fn from_slice(
+        mode: Shard,
+        layout: FlatLayout,
+        slice: Tensor,
+        mixed_precision: bool,
+        device: Device,
+    ) -> Self {
         let grad_sums = match mode {
             Shard::Gradients | Shard::Full => {
                 Some(Tensor::zeros([layout.share()], (Kind::Float, device)))
@@ -1275,6 +1373,87 @@ mod tests {
                     .map(|s| s.narrow(0, unit.in_slice, unit.part))
                     .collect();
                 assert!(Tensor::cat(&parts, 0).equal(&whole), "world {world}");
+            }
+        }
+    }
+
+    /// A joining rank's slice, received bucket by bucket as rank 0 broadcasts the whole
+    /// weights (`broadcast_in_buckets`), is the slice `slice_of` cuts from the whole, in
+    /// every mode (`"full"`'s units are not in parameter order), for buckets smaller and
+    /// larger than a parameter; `keep` gets every parameter once, with rank 0's values.
+    #[test]
+    fn a_slice_received_bucket_by_bucket_is_the_slice_of_the_whole() {
+        use tutor_collective::{CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
+        let sizes = [3i64, 4, 2, 9, 1, 1, 5];
+        let names: Vec<String> = [
+            "lm_head.weight",
+            "model.embed_tokens.weight",
+            "model.layers.0.a",
+            "model.layers.0.b",
+            "model.layers.1.a",
+            "model.layers.1.b",
+            "model.norm.weight",
+        ]
+        .map(String::from)
+        .to_vec();
+        // Tensors are not shared between threads: each makes its own.
+        let make = || -> Vec<Tensor> {
+            sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    Tensor::arange(n, (Kind::Float, Device::Cpu)) + 100.0 * i as f64 + 1.0
+                })
+                .collect()
+        };
+        let ps = make();
+        let world = 3;
+        let timeouts = CpuCollectiveTimeouts {
+            connect: std::time::Duration::from_secs(20),
+            io: std::time::Duration::from_secs(20),
+        };
+        for mode in [Shard::Optimizer, Shard::Gradients, Shard::Full] {
+            for bucket in [1, 5, 7, 1 << 20] {
+                let case = format!("{} bucket {bucket}", mode.name());
+                let rdv = CpuRendezvous::bind("127.0.0.1:0").unwrap();
+                let addr = rdv.local_addr();
+                std::thread::scope(|s| {
+                    let joiners: Vec<_> = (1..world)
+                        .map(|r| {
+                            let (names, make) = (&names, &make);
+                            s.spawn(move || {
+                                let ps = make();
+                                let mut c =
+                                    CpuCollective::connect(addr, r, world, timeouts).unwrap();
+                                let shapes: Vec<Vec<i64>> = ps.iter().map(Tensor::size).collect();
+                                let layout =
+                                    FlatLayout::for_shapes(mode, bucket, names, &shapes, world, r);
+                                let mut kept = Vec::new();
+                                let mut keep = |j: usize, t: Tensor| kept.push((j, t));
+                                let slice = receive_slice_in_buckets(
+                                    &mut c,
+                                    &layout,
+                                    bucket,
+                                    Some(&mut keep),
+                                )
+                                .unwrap();
+                                (layout.slice_of(&ps), slice, kept)
+                            })
+                        })
+                        .collect();
+                    let mut c = rdv.accept(world, timeouts).unwrap();
+                    let mut sent: Vec<Tensor> = ps.iter().map(Tensor::copy).collect();
+                    crate::trainer::broadcast_in_buckets(&mut c, &mut sent, bucket).unwrap();
+                    for h in joiners {
+                        let (want, slice, kept) = h.join().unwrap();
+                        assert!(slice.equal(&want), "{case}: {slice:?} != {want:?}");
+                        assert_eq!(kept.len(), ps.len(), "{case}");
+                        for (i, (j, t)) in kept.iter().enumerate() {
+                            assert_eq!(*j, i, "{case}");
+                            assert!(t.equal(&ps[i]), "{case}: parameter {i}");
+                        }
+                    }
+                });
             }
         }
     }

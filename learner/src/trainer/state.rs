@@ -11,10 +11,10 @@ use tch::{Device, Tensor};
 use tutor_collective::{Collective, CollectiveError, CpuCollective};
 use tutor_policy::{ModelConfig, Policy};
 
-use super::shard::{FlatLayout, Sharded};
-use super::{adamw_config, Trainer};
+use super::shard::{self, FlatLayout, Sharded};
+use super::{adamw_config, Trainer, Weights};
 use crate::checkpoint::{self, RngState, TrainerState};
-use crate::config::LearnerConfig;
+use crate::config::{LearnerConfig, Shard};
 use crate::optim::AdamW;
 
 /// The whole optimizer state (`Trainer::full_optimizer_state`).
@@ -266,24 +266,29 @@ impl Trainer {
             self.unstage();
             return Ok(());
         }
-        // Sharded: each rank gets its slice of the moments (one broadcast per rank, each
-        // a slice long, so no rank ever holds the whole state on its device).
+        // Sharded: each rank gets its slice of the moments, one rank after another, a
+        // bucket per broadcast (`shard::chunks`, as `join_group` receives them): no rank
+        // ever holds the whole state on its device, nor more than a bucket of another
+        // rank's slice.
         let world = collective.world_size();
+        let bucket = self.config.bucket_elements();
         for r in 1..world {
             let layout = FlatLayout::for_mode(
                 self.config.shard,
-                self.config.bucket_elements(),
+                bucket,
                 &self.param_names,
                 &weights,
                 world,
                 r,
             );
-            // One moment at a time: a slice on the device at once.
             for moment in [&full.exp_avg, &full.exp_avg_sq] {
-                let mut one = [layout.slice_of(moment).to_device(device)];
-                collective.broadcast(&mut one).with_context(|| {
-                    format!("sending rank {r} its slice of the optimizer state")
-                })?;
+                let slice = layout.slice_of(moment);
+                for (at, n) in shard::chunks(slice.numel() as i64, bucket) {
+                    let mut one = [slice.narrow(0, at, n).to_device(device)];
+                    collective.broadcast(&mut one).with_context(|| {
+                        format!("sending rank {r} its slice of the optimizer state")
+                    })?;
+                }
             }
         }
         self.collective = collective;
@@ -321,57 +326,73 @@ impl Trainer {
             .context("receiving the training state from rank 0")?;
         let state: GroupState = serde_json::from_slice(&header)
             .context("rank 0 sent a training state this learner cannot read (same tutor version on every rank?)")?;
-        // Rank 0 built its model from this config: it is valid.
-        let policy = Policy::new(state.model.clone(), Device::Cpu, 0);
         let mut config = state.config;
         // Rank 0's GPU is rank 0's: on a GPU, each rank trains on its collective's.
         if let (Ok(Device::Cuda(_)), Device::Cuda(own)) = (config.device(0), collective.device()) {
             config.device = format!("cuda:{own}");
         }
-        // Sharded, built in host memory (the weights arrive there bucket by bucket) and
-        // moved to the device once it keeps its slices only: the joining rank never holds
-        // the whole fp32 model on its device.
-        let mut trainer = Self::build(policy, config, collective, true)
+        // Rank 0 built its model from this config: it is valid. Sharded, the model is a
+        // placeholder that keeps this rank's slice of each bucket of weights as it arrives
+        // in host memory (and, but with "full", each parameter in the kind it trains in),
+        // then moves to the device: the joining rank never holds the whole fp32 model,
+        // in host memory or on its device. Unsharded, every rank holds it anyway; the
+        // broadcast overwrites its zeros.
+        let (policy, weights) = if config.shard == Shard::None {
+            let policy = Policy::zeroed(state.model.clone(), Device::Cpu);
+            (policy, Weights::InPolicy)
+        } else {
+            let (policy, shapes) = Policy::placeholder(state.model.clone(), Device::Cpu);
+            (policy, Weights::Received { shapes })
+        };
+        let mut trainer = Self::build_from(policy, weights, config, collective, true)
             .with_context(|| format!("rank {rank}: receiving rank 0's weights"))?;
         if trainer.param_names != state.parameters {
             bail!("rank {rank}: the model's parameters differ from rank 0's list");
         }
         let rng = state.rng.restore().context("rank 0's rng state")?;
         let receiving = || format!("rank {rank}: receiving rank 0's optimizer state");
+        // The moments arrive into the zeros the trainer's AdamW made (a second set would
+        // hold the moments twice while they arrive).
+        let owned = |ts: &[Tensor]| ts.iter().map(Tensor::shallow_clone).collect::<Vec<_>>();
+        let (mut exp_avg, mut exp_avg_sq) = (
+            owned(trainer.optimizer.exp_avg()),
+            owned(trainer.optimizer.exp_avg_sq()),
+        );
         if let Some(s) = &trainer.sharded {
-            // Rank 0 sends each rank its slice, one rank after another.
+            // Rank 0 sends each rank its slice, one rank after another, a bucket per
+            // broadcast (`lead_group`): this rank's go into place, the others' through
+            // one bucket of scratch.
             let (share, device) = (s.layout.share(), s.weights.device());
-            let mut mine = None;
+            let bucket = trainer.config.bucket_elements();
+            let scratch = Tensor::zeros([bucket.min(share)], (tch::Kind::Float, device));
             for r in 1..trainer.collective.world_size() {
-                let mut pair = [(); 2].map(|_| Tensor::zeros([share], (tch::Kind::Float, device)));
-                for one in pair.iter_mut() {
-                    trainer
-                        .collective
-                        .broadcast(std::slice::from_mut(one))
-                        .with_context(receiving)?;
-                }
-                if r == rank {
-                    mine = Some(pair);
+                for moment in [&exp_avg[0], &exp_avg_sq[0]] {
+                    for (at, n) in shard::chunks(share, bucket) {
+                        let mut into = if r == rank {
+                            moment.narrow(0, at, n)
+                        } else {
+                            scratch.narrow(0, 0, n)
+                        };
+                        trainer
+                            .collective
+                            .broadcast(std::slice::from_mut(&mut into))
+                            .with_context(receiving)?;
+                    }
                 }
             }
-            let [exp_avg, exp_avg_sq] = mine.context("rank 0 sent no slice for this rank")?;
+            drop(scratch);
             trainer.optimizer = AdamW::from_state(
                 adamw_config(&trainer.config),
                 state.optimizer_steps,
-                vec![exp_avg],
-                vec![exp_avg_sq],
+                exp_avg,
+                exp_avg_sq,
             );
             trainer.steps = state.steps;
             trainer.rng = rng;
             trainer.unstage();
             return Ok(trainer);
         }
-        let mut moments: Vec<Tensor> = trainer
-            .params
-            .iter()
-            .chain(trainer.params.iter())
-            .map(|p| Tensor::zeros(p.size(), (tch::Kind::Float, p.device())))
-            .collect();
+        let mut moments: Vec<Tensor> = exp_avg.drain(..).chain(exp_avg_sq.drain(..)).collect();
         trainer
             .collective
             .broadcast(&mut moments)

@@ -47,3 +47,13 @@ pub fn max_rel_diff(a: &Snapshot, b: &Snapshot) -> f64 {
     }
     worst
 }
+
+/// A field of /proc/self/status in KiB (`VmRSS:`, `VmHWM:`).
+pub fn status_kib(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/self/status"))
+}
