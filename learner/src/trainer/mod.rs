@@ -244,11 +244,20 @@ impl Trainer {
                 // The modes that keep the whole model set each parameter as it arrives,
                 // already in the kind it trains in; `"full"` keeps none.
                 let kind = if mixed { Kind::BFloat16 } else { Kind::Float };
-                let mut set = |j: usize, t: Tensor| {
-                    params[j].set_data(&t.to_kind(kind).to_device(device));
+                let mut set = |j: usize, start: i64, piece: &Tensor| {
+                    tch::no_grad(|| {
+                        if start == 0 {
+                            params[j]
+                                .set_data(&Tensor::zeros(shapes[j].as_slice(), (kind, device)));
+                        }
+                        params[j]
+                            .view([-1])
+                            .narrow(0, start, piece.numel() as i64)
+                            .copy_(piece);
+                    })
                 };
-                let keep = (config.shard != Shard::Full)
-                    .then_some(&mut set as &mut dyn FnMut(usize, Tensor));
+                let keep =
+                    (config.shard != Shard::Full).then_some(&mut set as &mut shard::KeepPiece);
                 let slice =
                     shard::receive_slice_in_buckets(&mut *collective, &layout, bucket, keep)
                         .context("receiving rank 0's initial weights")?;
@@ -497,17 +506,31 @@ pub(crate) enum Weights {
     },
 }
 
-/// Rank 0's `tensors` broadcast to every rank (in place), in calls of consecutive tensors
-/// of at most `bucket` elements each (a larger tensor alone): a collective that stages
-/// host tensors through its GPU (NCCL) then holds one bucket there, not the whole model.
-/// Every rank must pass tensors of the same shapes and the same `bucket`.
+/// Rank 0's `tensors` broadcast to every rank (in place), in calls of at most `bucket`
+/// elements each (`shard::broadcast_calls`: consecutive whole tensors, a larger tensor in
+/// runs of a bucket): a collective that stages host tensors through its GPU (NCCL) then
+/// holds one bucket there, not the whole model nor its largest tensor. Every rank must
+/// pass tensors of the same shapes and the same `bucket`.
 pub(crate) fn broadcast_in_buckets(
     collective: &mut dyn Collective,
     tensors: &mut [Tensor],
     bucket: i64,
 ) -> Result<(), tutor_collective::CollectiveError> {
-    for range in shard::buckets(tensors, bucket) {
-        collective.broadcast(&mut tensors[range])?;
+    let numels: Vec<i64> = tensors.iter().map(|t| t.numel() as i64).collect();
+    for call in shard::broadcast_calls(&numels, bucket) {
+        // Whole tensors as they are; a larger one's runs as views of its elements (the
+        // parameters and their copies are contiguous), written in place.
+        let mut pieces: Vec<Tensor> = call
+            .iter()
+            .map(|p| {
+                if p.len == numels[p.tensor] {
+                    tensors[p.tensor].shallow_clone()
+                } else {
+                    tensors[p.tensor].view([-1]).narrow(0, p.start, p.len)
+                }
+            })
+            .collect();
+        collective.broadcast(&mut pieces)?;
     }
     Ok(())
 }

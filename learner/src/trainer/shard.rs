@@ -23,14 +23,50 @@ use crate::config::Shard;
 /// bounds the device memory of the gather to world × this many f32 values.
 const GATHER_CHUNK: i64 = 1 << 24;
 
-/// `tensors` cut into runs of consecutive tensors of at most `bucket` elements each (a
-/// larger tensor alone), as index ranges: the units of the bucketed layouts and the
-/// calls of `broadcast_in_buckets`.
-pub(crate) fn buckets(tensors: &[Tensor], bucket: i64) -> Vec<std::ops::Range<usize>> {
-    bucket_ranges(tensors.iter().map(|t| t.numel() as i64), bucket)
+/// Elements `start .. start + len` of tensor `tensor` (flattened): a part of one call of
+/// a bucketed broadcast.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Piece {
+    pub(crate) tensor: usize,
+    pub(crate) start: i64,
+    pub(crate) len: i64,
 }
 
-/// [`buckets`] of tensors with these numbers of elements.
+/// The calls of `broadcast_in_buckets` for tensors of these numbers of elements:
+/// consecutive whole tensors of at most `bucket` elements per call (`bucket_ranges`), and
+/// a larger tensor in runs of `bucket` elements, a call each; so no call moves more than
+/// a bucket, whatever the largest tensor (a vocabulary's embedding).
+pub(crate) fn broadcast_calls(numels: &[i64], bucket: i64) -> Vec<Vec<Piece>> {
+    let mut calls = Vec::new();
+    for range in bucket_ranges(numels.iter().copied(), bucket) {
+        let (first, n) = (range.start, numels[range.start]);
+        if range.len() == 1 && n > bucket {
+            calls.extend(chunks(n, bucket).map(|(start, len)| {
+                vec![Piece {
+                    tensor: first,
+                    start,
+                    len,
+                }]
+            }));
+        } else {
+            calls.push(
+                range
+                    .map(|tensor| Piece {
+                        tensor,
+                        start: 0,
+                        len: numels[tensor],
+                    })
+                    .collect(),
+            );
+        }
+    }
+    calls
+}
+
+/// Tensors with these numbers of elements cut into runs of consecutive tensors of at
+/// most `bucket` elements each (a larger tensor alone), as index ranges: the units of the
+/// bucketed layouts and the calls of `broadcast_calls` (which cut a larger tensor
+/// further).
 fn bucket_ranges(numels: impl Iterator<Item = i64>, bucket: i64) -> Vec<std::ops::Range<usize>> {
     let mut out: Vec<std::ops::Range<usize>> = Vec::new();
     let mut filled = 0i64;
@@ -376,17 +412,22 @@ impl FlatLayout {
     }
 }
 
+/// What `receive_slice_in_buckets` hands each piece to: the parameter's index, where the
+/// piece starts in the flattened parameter, its values.
+pub(crate) type KeepPiece<'a> = dyn FnMut(usize, i64, &Tensor) + 'a;
+
 /// A rank joining a sharded group (`Trainer::join_group`): receives rank 0's fp32
-/// weights as `broadcast_in_buckets` sends them (consecutive parameters of at most
-/// `bucket` elements per call, in host memory) and keeps this rank's slice of each
-/// bucket, the padding zero: the same slice as `layout.slice_of` the whole weights,
-/// without ever holding more than one bucket of them. `keep` is given each parameter as
-/// it arrives (its index and values), for the modes that keep the whole model.
+/// weights as `broadcast_in_buckets` sends them (`broadcast_calls`: at most `bucket`
+/// elements per call, in host memory) and keeps this rank's slice of each call's pieces,
+/// the padding zero: the same slice as `layout.slice_of` the whole weights, without ever
+/// holding more than one bucket of them. `keep` is given each piece as it arrives (the
+/// parameter's index, where the piece starts in the flattened parameter, its values),
+/// for the modes that keep the whole model.
 pub(crate) fn receive_slice_in_buckets(
     collective: &mut dyn Collective,
     layout: &FlatLayout,
     bucket: i64,
-    mut keep: Option<&mut dyn FnMut(usize, Tensor)>,
+    mut keep: Option<&mut KeepPiece>,
 ) -> Result<Tensor, CollectiveError> {
     let slice = Tensor::zeros([layout.share], (Kind::Float, Device::Cpu));
     let mut unit_of = vec![0; layout.numels.len()];
@@ -395,26 +436,27 @@ pub(crate) fn receive_slice_in_buckets(
             unit_of[j] = u;
         }
     }
-    for range in bucket_ranges(layout.numels.iter().copied(), bucket) {
-        let mut received: Vec<Tensor> = range
-            .clone()
-            .map(|j| Tensor::zeros(layout.shapes[j].as_slice(), (Kind::Float, Device::Cpu)))
+    for call in broadcast_calls(&layout.numels, bucket) {
+        let mut received: Vec<Tensor> = call
+            .iter()
+            .map(|p| Tensor::zeros([p.len], (Kind::Float, Device::Cpu)))
             .collect();
         collective.broadcast(&mut received)?;
-        for (j, t) in range.zip(received) {
-            let unit = &layout.units[unit_of[j]];
+        for (p, t) in call.iter().zip(&received) {
+            let unit = &layout.units[unit_of[p.tensor]];
             let lo = unit.start + layout.rank as i64 * unit.part;
-            let (offset, n) = (layout.offsets[j], layout.numels[j]);
-            let (a, b) = (offset.max(lo), (offset + n).min(lo + unit.part));
+            // The piece's place in the flat vector.
+            let offset = layout.offsets[p.tensor] + p.start;
+            let (a, b) = (offset.max(lo), (offset + p.len).min(lo + unit.part));
             if a < b {
                 tch::no_grad(|| {
                     slice
                         .narrow(0, unit.in_slice + a - lo, b - a)
-                        .copy_(&t.reshape([-1]).narrow(0, a - offset, b - a))
+                        .copy_(&t.narrow(0, a - offset, b - a))
                 });
             }
             if let Some(keep) = keep.as_mut() {
-                keep(j, t);
+                keep(p.tensor, p.start, t);
             }
         }
     }
@@ -1380,7 +1422,9 @@ mod tests {
     /// A joining rank's slice, received bucket by bucket as rank 0 broadcasts the whole
     /// weights (`broadcast_in_buckets`), is the slice `slice_of` cuts from the whole, in
     /// every mode (`"full"`'s units are not in parameter order), for buckets smaller and
-    /// larger than a parameter; `keep` gets every parameter once, with rank 0's values.
+    /// larger than a parameter (a larger one comes in runs of a bucket); `keep` gets every
+    /// parameter's pieces once, in order, with rank 0's values; no call moves more than a
+    /// bucket.
     #[test]
     fn a_slice_received_bucket_by_bucket_is_the_slice_of_the_whole() {
         use tutor_collective::{CpuCollective, CpuCollectiveTimeouts, CpuRendezvous};
@@ -1407,6 +1451,17 @@ mod tests {
                 .collect()
         };
         let ps = make();
+        let piece = |tensor, start, len| Piece { tensor, start, len };
+        assert_eq!(
+            broadcast_calls(&sizes, 7),
+            vec![
+                vec![piece(0, 0, 3), piece(1, 0, 4)],
+                vec![piece(2, 0, 2)],
+                vec![piece(3, 0, 7)],
+                vec![piece(3, 7, 2)],
+                vec![piece(4, 0, 1), piece(5, 0, 1), piece(6, 0, 5)],
+            ]
+        );
         let world = 3;
         let timeouts = CpuCollectiveTimeouts {
             connect: std::time::Duration::from_secs(20),
@@ -1415,6 +1470,9 @@ mod tests {
         for mode in [Shard::Optimizer, Shard::Gradients, Shard::Full] {
             for bucket in [1, 5, 7, 1 << 20] {
                 let case = format!("{} bucket {bucket}", mode.name());
+                for call in broadcast_calls(&sizes, bucket) {
+                    assert!(call.iter().map(|p| p.len).sum::<i64>() <= bucket, "{case}");
+                }
                 let rdv = CpuRendezvous::bind("127.0.0.1:0").unwrap();
                 let addr = rdv.local_addr();
                 std::thread::scope(|s| {
@@ -1428,8 +1486,16 @@ mod tests {
                                 let shapes: Vec<Vec<i64>> = ps.iter().map(Tensor::size).collect();
                                 let layout =
                                     FlatLayout::for_shapes(mode, bucket, names, &shapes, world, r);
-                                let mut kept = Vec::new();
-                                let mut keep = |j: usize, t: Tensor| kept.push((j, t));
+                                // Each parameter put together from its pieces, in order.
+                                let mut kept: Vec<(usize, Vec<f32>)> = Vec::new();
+                                let mut keep = |j: usize, start: i64, t: &Tensor| {
+                                    if start == 0 {
+                                        kept.push((j, Vec::new()));
+                                    }
+                                    let (k, values) = kept.last_mut().unwrap();
+                                    assert_eq!((*k, values.len() as i64), (j, start));
+                                    values.extend(Vec::<f32>::try_from(t).unwrap());
+                                };
                                 let slice = receive_slice_in_buckets(
                                     &mut c,
                                     &layout,
@@ -1448,9 +1514,10 @@ mod tests {
                         let (want, slice, kept) = h.join().unwrap();
                         assert!(slice.equal(&want), "{case}: {slice:?} != {want:?}");
                         assert_eq!(kept.len(), ps.len(), "{case}");
-                        for (i, (j, t)) in kept.iter().enumerate() {
+                        for (i, (j, values)) in kept.iter().enumerate() {
                             assert_eq!(*j, i, "{case}");
-                            assert!(t.equal(&ps[i]), "{case}: parameter {i}");
+                            let want = Vec::<f32>::try_from(ps[i].reshape([-1])).unwrap();
+                            assert_eq!(values, &want, "{case}: parameter {i}");
                         }
                     }
                 });

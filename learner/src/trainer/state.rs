@@ -334,8 +334,8 @@ impl Trainer {
         // Rank 0 built its model from this config: it is valid. Sharded, the model is a
         // placeholder that keeps this rank's slice of each bucket of weights as it arrives
         // in host memory (and, but with "full", each parameter in the kind it trains in),
-        // then moves to the device: the joining rank never holds the whole fp32 model,
-        // in host memory or on its device. Unsharded, every rank holds it anyway; the
+        // then moves to the device: the joining rank holds no copy of the model beyond
+        // what its mode keeps ("full": none). Unsharded, every rank holds it anyway; the
         // broadcast overwrites its zeros.
         let (policy, weights) = if config.shard == Shard::None {
             let policy = Policy::zeroed(state.model.clone(), Device::Cpu);
