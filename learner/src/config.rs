@@ -288,7 +288,9 @@ impl LearnerConfig {
     /// `bucket_mb` as f32 elements (at least one): the most one exchange of a sharded
     /// step moves in one collective call (`shard = "optimizer"` and `"gradients"`).
     pub fn bucket_elements(&self) -> i64 {
-        ((self.bucket_mb * (1u64 << 20) as f64 / 4.0) as i64).max(1)
+        // Rounded, not truncated: a joining rank reads rank 0's bucket_mb back from JSON,
+        // which may parse a last bit low, and both must cut the same buckets.
+        ((self.bucket_mb * (1u64 << 20) as f64 / 4.0).round() as i64).max(1)
     }
 
     /// Checks `[learner]`: the device, the schedule (a cosine needs `total_steps >

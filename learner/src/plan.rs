@@ -237,6 +237,9 @@ pub fn plan(input: &PlanInput) -> Plan {
     let bucket = (input.bucket_mb * (1u64 << 20) as f64)
         .max(4.0 * largest_param)
         .min(4.0 * n);
+    // What the group's start stages at once: the weights and moment slices go a bucket
+    // per broadcast, a larger parameter in runs of it.
+    let start_bucket = (input.bucket_mb * (1u64 << 20) as f64).min(4.0 * n);
     let usable = input.gpu_memory.map(|b| b as f64 * USABLE_FRACTION);
     let memory: Vec<Memory> = Shard::ALL
         .iter()
@@ -356,7 +359,7 @@ pub fn plan(input: &PlanInput) -> Plan {
     // No `.grad` yet; the fp32 weights go out to the other ranks one bucket at a time
     // (staged on the device from host memory).
     let m = plan.configured();
-    plan.group_start = m.state - m.grads - m.gathered + bucket;
+    plan.group_start = m.state - m.grads - m.gathered + start_bucket;
     plan
 }
 

@@ -461,6 +461,19 @@ fn exchanges_move_one_bucket_at_a_time_and_train_the_same_weights() {
             assert!(d <= limit, "{mode:?} {precision:?}: {d}");
         }
     }
+    // Buckets half the largest parameter: the initial broadcast sends it in runs, into
+    // views of the other ranks' parameters (which start from other weights); the group
+    // still trains one rank's weights.
+    let runs = run(
+        Shard::Optimizer,
+        Precision::F32,
+        (largest_param / 2) as f64 * 4.0 / (1u64 << 20) as f64,
+    );
+    for (rank, (got, _, _)) in runs.iter().enumerate() {
+        assert_eq!(got, &runs[0].0, "rank {rank} differs from rank 0");
+    }
+    let d = max_rel_diff(&runs[0].0, &want);
+    assert!(d <= 1e-5, "buckets of half the largest parameter: {d}");
 }
 
 fn single_start() -> Trainer {
@@ -543,11 +556,27 @@ fn a_sharded_checkpoint_resumes_exactly_and_in_the_plain_layout() {
 #[test]
 fn a_late_rank_gets_its_slice_and_the_group_goes_on_exactly() {
     let batches = batches(4);
-    let cfg = config(Shard::Gradients, Precision::F32);
     let mut single = Trainer::new(tiny_policy(3), config(Shard::None, Precision::F32)).unwrap();
     for b in &batches {
         single.step(b).unwrap();
     }
+    let largest_param = single
+        .named_parameters()
+        .map(|(_, p)| p.numel() as i64)
+        .max()
+        .unwrap();
+    // The default bucket (the whole model), then half the largest parameter: the late
+    // rank receives it in runs, written into place as they arrive.
+    for bucket_mb in [64.0, (largest_param / 2) as f64 * 4.0 / (1u64 << 20) as f64] {
+        late_rank_goes_on_exactly(&single, &batches, bucket_mb);
+    }
+}
+
+fn late_rank_goes_on_exactly(single: &Trainer, batches: &[Vec<Example>], bucket_mb: f64) {
+    let cfg = LearnerConfig {
+        bucket_mb,
+        ..config(Shard::Gradients, Precision::F32)
+    };
     let mut lead = Trainer::new(tiny_policy(3), cfg).unwrap();
     for b in &batches[..2] {
         lead.step(b).unwrap();
@@ -575,7 +604,7 @@ fn a_late_rank_gets_its_slice_and_the_group_goes_on_exactly() {
     let (theirs, bytes) = follower.join().unwrap();
     assert_eq!(params(&lead), theirs);
     assert!(bytes.moments * 2 <= alone_bytes.moments + 16, "{bytes:?}");
-    let d = max_rel_diff(&theirs, &params(&single));
+    let d = max_rel_diff(&theirs, &params(single));
     assert!(d <= 1e-4, "max relative diff to one rank: {d}");
 }
 

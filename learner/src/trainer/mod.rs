@@ -520,16 +520,25 @@ pub(crate) fn broadcast_in_buckets(
     for call in shard::broadcast_calls(&numels, bucket) {
         // Whole tensors as they are; a larger one's runs as views of its elements (the
         // parameters and their copies are contiguous), written in place.
-        let mut pieces: Vec<Tensor> = call
-            .iter()
-            .map(|p| {
-                if p.len == numels[p.tensor] {
-                    tensors[p.tensor].shallow_clone()
-                } else {
-                    tensors[p.tensor].view([-1]).narrow(0, p.start, p.len)
-                }
-            })
-            .collect();
+        let mut pieces = tch::no_grad(|| {
+            call.iter()
+                .map(|p| {
+                    let t = &tensors[p.tensor];
+                    if p.len == numels[p.tensor] {
+                        return Ok(t.shallow_clone());
+                    }
+                    let flat = t.f_view([-1]).map_err(|e| {
+                        tutor_collective::CollectiveError::Setup(format!(
+                            "tensor {} ({:?}) is larger than a bucket of {bucket} elements and \
+                             not contiguous, so it cannot go in runs: {e}",
+                            p.tensor,
+                            t.size()
+                        ))
+                    })?;
+                    Ok(flat.narrow(0, p.start, p.len))
+                })
+                .collect::<Result<Vec<Tensor>, tutor_collective::CollectiveError>>()
+        })?;
         collective.broadcast(&mut pieces)?;
     }
     Ok(())
