@@ -300,21 +300,17 @@ impl FlatLayout {
         let device = tensors.first().map_or(Device::Cpu, Tensor::device);
         let mut parts = Vec::new();
         for unit in &self.units {
-            let lo = unit.start + self.rank as i64 * unit.part;
-            let hi = lo + unit.part;
             let mut have = 0;
             for &j in &unit.params {
-                let (offset, n) = (self.offsets[j], self.numels[j]);
-                let (a, b) = (offset.max(lo), (offset + n).min(hi));
-                if a < b {
+                if let Some((_, from, len)) = self.mine(unit, self.offsets[j], self.numels[j]) {
                     parts.push(
                         tensors[j]
                             .detach()
                             .reshape([-1])
-                            .narrow(0, a - offset, b - a)
+                            .narrow(0, from, len)
                             .to_kind(Kind::Float),
                     );
-                    have += b - a;
+                    have += len;
                 }
             }
             if have < unit.part {
@@ -325,6 +321,15 @@ impl FlatLayout {
             return Tensor::zeros([0], (Kind::Float, device));
         }
         Tensor::cat(&parts, 0).copy()
+    }
+
+    /// The part of flat elements `offset .. offset + n` (within `unit`) that is this
+    /// rank's: where it goes in the rank's slice, where it starts among the `n`, and how
+    /// many elements; `None` when none is.
+    fn mine(&self, unit: &Unit, offset: i64, n: i64) -> Option<(i64, i64, i64)> {
+        let lo = unit.start + self.rank as i64 * unit.part;
+        let (a, b) = (offset.max(lo), (offset + n).min(lo + unit.part));
+        (a < b).then(|| (unit.in_slice + a - lo, a - offset, b - a))
     }
 
     /// The flat vector cut back into tensors shaped like the parameters (views of it).
@@ -444,16 +449,10 @@ pub(crate) fn receive_slice_in_buckets(
         collective.broadcast(&mut received)?;
         for (p, t) in call.iter().zip(&received) {
             let unit = &layout.units[unit_of[p.tensor]];
-            let lo = unit.start + layout.rank as i64 * unit.part;
             // The piece's place in the flat vector.
             let offset = layout.offsets[p.tensor] + p.start;
-            let (a, b) = (offset.max(lo), (offset + p.len).min(lo + unit.part));
-            if a < b {
-                tch::no_grad(|| {
-                    slice
-                        .narrow(0, unit.in_slice + a - lo, b - a)
-                        .copy_(&t.narrow(0, a - offset, b - a))
-                });
+            if let Some((at, from, len)) = layout.mine(unit, offset, p.len) {
+                tch::no_grad(|| slice.narrow(0, at, len).copy_(&t.narrow(0, from, len)));
             }
             if let Some(keep) = keep.as_mut() {
                 keep(p.tensor, p.start, t);
