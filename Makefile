@@ -19,11 +19,12 @@ export TUTOR_PYTHON := $(VENV)/bin/python
 export TUTOR_SANDBOX_PYTHON := $(SANDBOX_VENV)/bin/python
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: setup sandbox-tools build release images image image-gpu compose-test compose-up compose-down compose-clean compose-logs compose-ps quickstart test check-layout bench-ingest bench-policy gpu-check clean-runs help
+.PHONY: setup sandbox-tools build release images image image-gpu test-build test-image lint compose-test compose-up compose-down compose-clean compose-logs compose-ps quickstart test check-layout bench-ingest bench-policy gpu-check clean-runs help
 
 help:
 	@echo "make quickstart   set up, build (release) and run configs/quickstart.toml"
 	@echo "make test         set up, build and run the whole test suite (check-layout first)"
+	@echo "make lint         clippy on every crate and target, nccl feature, warnings as errors (not part of make test)"
 	@echo "make sandbox-tools install bubblewrap (confines local sandboxes) and the plots' font (part of setup)"
 	@echo "make image        the tutor image (every role, CPU libtorch) from the release binary: $(IMAGE)"
 	@echo "make image-gpu    the same with CUDA libtorch and NCCL: $(IMAGE_GPU) (about 4 GB)"
@@ -183,13 +184,37 @@ check-layout:
 	@$(PYTHON) build/check-module-cycles.py
 	@$(PYTHON) build/check-architecture-doc.py
 
-test: check-layout build image
-	cargo clippy -p tutor-collective --features nccl --all-targets -- -D warnings
-	@if cargo nextest --version >/dev/null 2>&1; then \
-		cargo nextest run --workspace --features tutor/nccl --no-fail-fast; \
+# `make test` builds once: the test build (every crate, the nccl feature) also makes
+# target/debug/tutor, the binary the cross-process tests start, and the compose tests'
+# image is made from that same binary (stripped; tagged $(TEST_IMAGE), so the release
+# image of `make image` is left as it is). A separate `cargo build --bin tutor` resolves
+# dependency features without the tests' dev-dependencies (serde_json, getrandom) and so
+# rebuilds most of the graph, and a release build for the image took 12 min of a CI run
+# that must finish in 90 (2 cores, 2026-11-29: debug binary 973 s, release 718 s, clippy
+# 381 s before the test build; the run that timed out spent 53 min before its first test).
+TEST_IMAGE ?= tutor/tutor:test
+NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
+TEST_ARGS := --workspace --features tutor/nccl --no-fail-fast
+
+test-build: setup
+	$(if $(NEXTEST),cargo nextest run $(TEST_ARGS) --no-run,cargo test $(TEST_ARGS) --no-run)
+	@test -x target/debug/tutor || { echo "the test build made no target/debug/tutor"; exit 1; }
+
+test-image: test-build images
+	@if docker info >/dev/null 2>&1; then \
+		build/need-package.sh patchelf "command -v patchelf" "points the image's binary at its libraries" && \
+		PYTHON=$(VENV)/bin/python deploy/docker/build-image.sh cpu $(TEST_IMAGE) target/debug/tutor; \
 	else \
-		cargo test --workspace --features tutor/nccl --no-fail-fast; \
+		echo "no Docker engine reachable: $(TEST_IMAGE) not built"; \
 	fi
+
+test: check-layout test-image
+	TUTOR_TEST_IMAGE=$(TEST_IMAGE) $(if $(NEXTEST),cargo nextest run $(TEST_ARGS),cargo test $(TEST_ARGS))
+
+# Clippy on everything `make test` builds. Not part of it: a check build of the whole graph
+# (6 min for one crate on 2 cores) that CI's time does not hold; run it before committing.
+lint: setup
+	cargo clippy --workspace --features tutor/nccl --all-targets -- -D warnings
 
 # Coordinator ingest throughput over loopback, fsync on (bench/README.md). Not part of
 # `make test`. The bench crate links libtorch (other benchmarks use the policy), hence setup.

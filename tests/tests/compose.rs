@@ -11,7 +11,8 @@
 //! A second test runs the same stack with deploy/compose/engine.yml on top: the workers'
 //! student on one `tutor serve` container that the learner loads each version into.
 //!
-//! Needs the images: `make image` (the tutor image, from the release binary) and
+//! Needs the images: the tutor image (`make image`, from the release binary, or
+//! `TUTOR_TEST_IMAGE`: `make test` builds `tutor/tutor:test` from its debug binary) and
 //! `make images` (the sandbox image); `make compose-test` and `make test` build both first.
 //! Where no Docker engine answers, it says SKIPPED, like the other Docker tests.
 
@@ -23,7 +24,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-const IMAGE: &str = "tutor/tutor:latest";
+/// The tutor image the stacks run: `TUTOR_TEST_IMAGE` where set (`make test` sets
+/// `tutor/tutor:test`, made from the debug binary its other tests start), else the release
+/// image of `make image`.
+fn image() -> String {
+    std::env::var("TUTOR_TEST_IMAGE").unwrap_or_else(|_| "tutor/tutor:latest".into())
+}
 const SANDBOX_IMAGE: &str = "tutor/python-task:latest";
 
 fn compose_dir() -> PathBuf {
@@ -280,10 +286,10 @@ fn new_stack(files: &[&'static str], extra: &[(&str, &str)]) -> Option<Stack> {
         eprintln!("SKIPPED: no Docker engine reachable (`docker info` failed)");
         return None;
     }
-    for image in [IMAGE, SANDBOX_IMAGE] {
+    for image in [image().as_str(), SANDBOX_IMAGE] {
         assert!(
             docker(&["image", "inspect", image]).status.success(),
-            "the image {image} is missing: `make image images` builds it"
+            "the image {image} is missing: `make image images` builds tutor/tutor:latest and the sandbox image, `make test-image` tutor/tutor:test"
         );
     }
     let socket = "/var/run/docker.sock";
@@ -304,7 +310,7 @@ fn new_stack(files: &[&'static str], extra: &[(&str, &str)]) -> Option<Stack> {
     let role_token = |command: &str| {
         ok(
             &run(Command::new("docker")
-                .args(["run", "--rm", "-e", "TUTOR_AUTH_TOKEN", IMAGE, command])
+                .args(["run", "--rm", "-e", "TUTOR_AUTH_TOKEN", &image(), command])
                 .env("TUTOR_AUTH_TOKEN", &token)),
             &format!("tutor {command}"),
         )
@@ -320,7 +326,7 @@ fn new_stack(files: &[&'static str], extra: &[(&str, &str)]) -> Option<Stack> {
         ("TUTOR_WORKER_TOKEN".into(), worker_token),
         ("DOCKER_GID".into(), gid.to_string()),
         ("TUTOR_RUN".into(), project.clone()),
-        ("TUTOR_IMAGE".into(), IMAGE.into()),
+        ("TUTOR_IMAGE".into(), image()),
         // The checks read the workers' info lines; the stack's own config and socket.
         ("RUST_LOG".into(), "info".into()),
         (
