@@ -168,8 +168,9 @@ compose-clean: .tutor/compose-learner-token .tutor/compose-worker-token .tutor/c
 	$(compose) down -v --remove-orphans
 	@docker ps -aq --filter label=tutor.run=$(COMPOSE_PROJECT) | xargs -r docker rm -f >/dev/null
 
-# The stack end to end (tests/tests/compose.rs): built from scratch where no image exists.
-compose-test: check-layout build image
+# The stack end to end (tests/tests/compose.rs) on the release image: built from scratch
+# where no image exists. (The test starts no host binary, so no debug build of tutor.)
+compose-test: check-layout image
 	@if cargo nextest --version >/dev/null 2>&1; then \
 		cargo nextest run -p tutor-tests --test compose --no-fail-fast; \
 	else \
@@ -194,7 +195,7 @@ check-layout:
 # 381 s before the test build; the run that timed out spent 53 min before its first test).
 TEST_IMAGE ?= tutor/tutor:test
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
-TEST_ARGS := --workspace --features tutor/nccl --no-fail-fast
+TEST_ARGS := --workspace --features tutor/nccl
 
 test-build: setup
 	$(if $(NEXTEST),cargo nextest run $(TEST_ARGS) --no-run,cargo test $(TEST_ARGS) --no-run)
@@ -209,7 +210,7 @@ test-image: test-build images
 	fi
 
 test: check-layout test-image
-	TUTOR_TEST_IMAGE=$(TEST_IMAGE) $(if $(NEXTEST),cargo nextest run $(TEST_ARGS),cargo test $(TEST_ARGS))
+	TUTOR_TEST_IMAGE=$(TEST_IMAGE) $(if $(NEXTEST),cargo nextest run $(TEST_ARGS) --no-fail-fast,cargo test $(TEST_ARGS) --no-fail-fast)
 
 # Clippy on everything `make test` builds. Not part of it: a check build of the whole graph
 # (6 min for one crate on 2 cores) that CI's time does not hold; run it before committing.
