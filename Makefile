@@ -67,9 +67,9 @@ $(SANDBOX_VENV)/.ready: requirements-sandbox.txt
 	@$(SANDBOX_VENV)/bin/python -c "import pytest; print('sandbox venv ready: pytest', pytest.__version__)"
 	@touch $@
 
-# The test build has the `nccl` feature (libnccl is loaded at run time, so it builds with
-# no CUDA present): the NCCL paths compile, lint and run their device-free tests on every
-# `make test`, and the binary the cross-process tests start is the same build.
+# The debug binary with the `nccl` feature (libnccl is loaded at run time, so it builds
+# with no CUDA present). `make test` does not use this target: its test build (test-build
+# below) makes target/debug/tutor itself, with the tests' dependency features.
 build: setup
 	cargo build --bin tutor --features nccl
 
@@ -196,15 +196,16 @@ check-layout:
 TEST_IMAGE ?= tutor/tutor:test
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 TEST_ARGS := --workspace --features tutor/nccl
+TEST_BIN := $(or $(CARGO_TARGET_DIR),target)/debug/tutor
 
 test-build: setup
 	$(if $(NEXTEST),cargo nextest run $(TEST_ARGS) --no-run,cargo test $(TEST_ARGS) --no-run)
-	@test -x target/debug/tutor || { echo "the test build made no target/debug/tutor"; exit 1; }
+	@test -x $(TEST_BIN) || { echo "the test build made no $(TEST_BIN)"; exit 1; }
 
 test-image: test-build images
 	@if docker info >/dev/null 2>&1; then \
 		build/need-package.sh patchelf "command -v patchelf" "points the image's binary at its libraries" && \
-		PYTHON=$(VENV)/bin/python deploy/docker/build-image.sh cpu $(TEST_IMAGE) target/debug/tutor; \
+		PYTHON=$(VENV)/bin/python deploy/docker/build-image.sh cpu $(TEST_IMAGE) $(TEST_BIN); \
 	else \
 		echo "no Docker engine reachable: $(TEST_IMAGE) not built"; \
 	fi

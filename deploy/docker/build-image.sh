@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the `tutor` image from a release binary already built on this host.
+# Builds the `tutor` image from a binary already built on this host: the release one
+# (`make image`), or the debug one of `make test`'s test build (`make test-image`).
 #
 # Usage: deploy/docker/build-image.sh cpu|gpu TAG BINARY
 #   cpu  the binary with its CUDA libraries unlinked, and only the libraries it then
@@ -16,7 +17,7 @@ base="${TUTOR_BASE_IMAGE:-tutor/base:bookworm}"
 python="${PYTHON:-python3}"
 here="$(cd "$(dirname "$0")" && pwd)"
 
-[ -x "$binary" ] || { echo "no binary at $binary: build it first (make release)" >&2; exit 1; }
+[ -x "$binary" ] || { echo "no binary at $binary: build it first (make release, or make test-build for the debug one)" >&2; exit 1; }
 command -v patchelf >/dev/null || {
   echo "patchelf is missing (it points the binary at the image's libraries): apt-get install patchelf" >&2
   exit 1

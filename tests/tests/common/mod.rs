@@ -19,7 +19,7 @@ pub fn tutor_bin() -> PathBuf {
     let bin = target.join("debug").join("tutor");
     assert!(
         bin.exists(),
-        "{} is missing: build it first with `cargo build --bin tutor` (make test does)",
+        "{} is missing: build it first with `make test-build` (the test build with the tests' features; make test does)",
         bin.display()
     );
     bin
