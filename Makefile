@@ -194,7 +194,7 @@ check-layout:
 # that must finish in 90 (2 cores, 2026-11-29: debug binary 973 s, release 718 s, clippy
 # 381 s before the test build; the run that timed out spent 53 min before its first test).
 TEST_IMAGE ?= tutor/tutor:test
-NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
+NEXTEST = $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 TEST_ARGS := --workspace --features tutor/nccl
 TEST_BIN := $(or $(CARGO_TARGET_DIR),target)/debug/tutor
 
